@@ -1,0 +1,1 @@
+"""pdgpu: the real PyTorch engine, checked live against pdref."""

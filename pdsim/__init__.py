@@ -1,0 +1,1 @@
+"""pdsim: discrete-event simulator of chunked prefill and KV handoff, driven by pdref."""
