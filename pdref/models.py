@@ -91,7 +91,9 @@ def resolve_profile(name_or_path: str, folder: Path, what: str) -> Path:
     if shipped.is_file():
         return shipped
     known = ", ".join(sorted(p.stem for p in folder.glob("*.toml")))
-    raise ProfileError(f"{what}: unknown profile {name_or_path!r} (known: {known}; or a .toml path)")
+    raise ProfileError(
+        f"{what}: unknown profile {name_or_path!r} (known: {known}; or a .toml path)"
+    )
 
 
 def read_toml(path: Path) -> dict:

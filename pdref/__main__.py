@@ -1,0 +1,5 @@
+import sys
+
+from pdref.cli import main
+
+sys.exit(main())

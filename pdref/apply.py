@@ -1,0 +1,218 @@
+"""The transitions: `apply(state, event) -> state`, pure, raising a Violation naming its code.
+
+Checks run in a fixed order per event (specs/protocol.md lists it), so an event that breaks
+two rules always reports the same code.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pdref import events as ev
+from pdref.intervals import contains, fmt
+from pdref.pool import PoolError
+from pdref.progress import Coverage, LayerProgress
+from pdref.state import Phase, RequestLife, Span, SystemState
+from pdref.violations import Violation
+
+
+def initial_state(header: ev.Header) -> SystemState:
+    """The state before any event; CFG-1 refuses layer streaming of a recurrent model."""
+    if header.mode is ev.Mode.LAYER and header.geometry.recurrent:
+        raise Violation("CFG-1", "mode layer is refused for a recurrent geometry", header)
+    return SystemState.initial(header)
+
+
+def _live(state: SystemState, event) -> RequestLife:
+    life = state.requests.get(event.req)
+    if life is None:
+        raise Violation("REQ-1", f"request {event.req!r} is not live", event)
+    return life
+
+
+def _put(state: SystemState, life: RequestLife, **changes) -> SystemState:
+    return attrs.evolve(state, requests=state.requests.set(life.req, life), **changes)
+
+
+def _adjust_pending(state: SystemState, producer: str, delta: int):
+    return state.pending.set(producer, state.pending.get(producer, 0) + delta)
+
+
+def apply_reserve(state: SystemState, event: ev.Reserve) -> SystemState:
+    if event.req in state.requests:
+        raise Violation("REQ-1", f"request {event.req!r} is already live", event)
+    page_tokens = state.geometry.page_tokens
+    if event.prompt < 1 or not 0 <= event.prefix <= event.prompt:
+        raise Violation("SLAB-2", f"needs prompt >= 1 and 0 <= prefix <= prompt, got "
+                        f"prompt {event.prompt}, prefix {event.prefix}", event)
+    if event.prefix % page_tokens:
+        raise Violation("SLAB-2", f"prefix {event.prefix} is not a multiple of "
+                        f"page_tokens {page_tokens}", event)
+    need = state.pages_needed(event.prompt, event.prefix)
+    if len(event.pages) != need:
+        raise Violation("SLAB-1", f"got {len(event.pages)} pages, needs exactly {need}", event)
+    try:
+        pool = state.pool.take(event.pages)
+    except PoolError as e:
+        raise Violation("SLAB-1", str(e), event) from None
+    layers = state.geometry.layers
+    life = RequestLife(
+        req=event.req, producer=event.producer, prompt=event.prompt, prefix=event.prefix,
+        pages=event.pages, progress=LayerProgress(layers, event.prefix, event.prompt),
+        computed=Coverage(layers), held=Coverage(layers),
+    )
+    return _put(state, life, pool=pool)
+
+
+def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
+    life = _live(state, event)
+    if not (contains((0, state.geometry.layers), event.layers)
+            and contains((0, life.prompt), event.tokens)):
+        raise Violation("PROD-1", f"computed {fmt(event.layers)} x {fmt(event.tokens)} is outside "
+                        f"[0, {state.geometry.layers}) x [0, {life.prompt})", event)
+    return _put(state, attrs.evolve(
+        life,
+        computed=life.computed.union(event.layers, event.tokens),
+        held=life.held.union(event.layers, event.tokens),
+    ))
+
+
+def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
+    life = _live(state, event)
+    if event.span in state.spans_used:
+        raise Violation("REQ-1", f"span id {event.span!r} was used before", event)
+    region = f"{fmt(event.layers)} x {fmt(event.tokens)}"
+    if not (contains((0, state.geometry.layers), event.layers)
+            and contains(life.suffix, event.tokens)):
+        raise Violation("COV-1", f"span {region} is outside "
+                        f"[0, {state.geometry.layers}) x {fmt(life.suffix)}", event)
+    want = state.geometry.region_bytes(event.layers, event.tokens)
+    if event.bytes != want:
+        raise Violation("COPY-4", f"span {region} claims {event.bytes} bytes, its KV is {want}",
+                        event)
+    gap = life.held.first_gap(event.layers, event.tokens)
+    if gap is not None:
+        raise Violation("COPY-1", f"layer {gap[0]} tokens {fmt(gap[1])} are not computed "
+                        "or were reused", event)
+    span = Span(event.span, event.layers, event.tokens, event.bytes)
+    for other in life.in_flight:
+        if span.meets(other):
+            raise Violation("COV-2", f"span {region} overlaps span {other.span!r} in flight",
+                            event)
+    if not state.can_issue(life.producer):
+        raise Violation("COPY-2", f"producer {life.producer!r} already has "
+                        f"{state.max_pending} spans in flight (max_pending)", event)
+    return _put(
+        state, attrs.evolve(life, in_flight=life.in_flight + (span,)),
+        pending=_adjust_pending(state, life.producer, 1),
+        spans_used=state.spans_used.set(event.span, event.req),
+    )
+
+
+def _retire(state: SystemState, event) -> tuple[RequestLife, Span]:
+    """The live request and its in-flight span named by a land/fail event."""
+    life = _live(state, event)
+    span = life.find_span(event.span)
+    if span is None:
+        raise Violation("REQ-1", f"span {event.span!r} is not in flight for {event.req!r}", event)
+    rest = tuple(s for s in life.in_flight if s is not span)
+    return attrs.evolve(life, in_flight=rest), span
+
+
+def apply_land(state: SystemState, event: ev.Land) -> SystemState:
+    life, span = _retire(state, event)
+    hit = life.progress.landed.first_overlap(span.layers, span.tokens)
+    if hit is not None:
+        raise Violation("COV-2", f"span {event.span!r} lands on tokens {fmt(hit[1])} of layer "
+                        f"{hit[0]} that already landed", event)
+    progress = life.progress.add(span.layers, span.tokens)
+    return _put(state, attrs.evolve(life, progress=progress),
+                pending=_adjust_pending(state, life.producer, -1))
+
+
+def apply_fail(state: SystemState, event: ev.Fail) -> SystemState:
+    life, _ = _retire(state, event)
+    return _put(state, attrs.evolve(life, failed=True),
+                pending=_adjust_pending(state, life.producer, -1))
+
+
+def apply_reuse(state: SystemState, event: ev.Reuse) -> SystemState:
+    life = _live(state, event)
+    for span in life.in_flight:
+        if span.reads(event.tokens):
+            raise Violation("COPY-3", f"reuse of tokens {fmt(event.tokens)} while span "
+                            f"{span.span!r} in flight reads {fmt(span.tokens)}", event)
+    return _put(state, attrs.evolve(life, held=life.held.remove_tokens(event.tokens)))
+
+
+def apply_produced(state: SystemState, event: ev.Produced) -> SystemState:
+    life = _live(state, event)
+    if life.phase is not Phase.RESERVED:
+        raise Violation("PROD-1", f"request {event.req!r} was already produced", event)
+    gap = life.computed.first_gap((0, state.geometry.layers), life.suffix)
+    if gap is not None:
+        raise Violation("PROD-1", f"produced before layer {gap[0]} computed tokens "
+                        f"{fmt(gap[1])}", event)
+    return _put(state, attrs.evolve(life, phase=Phase.PRODUCED))
+
+
+def apply_admit(state: SystemState, event: ev.Admit) -> SystemState:
+    life = _live(state, event)
+    if life.phase is Phase.ADMITTED:
+        raise Violation("ADM-1", f"request {event.req!r} was already admitted", event)
+    if life.failed:
+        raise Violation("ADM-1", f"request {event.req!r} has a failed span", event)
+    if life.in_flight:
+        raise Violation("ADM-1", f"span {life.in_flight[0].span!r} is still in flight", event)
+    gap = life.progress.missing()
+    if gap is not None:
+        raise Violation("COV-3", f"layer {gap[0]} has not landed tokens {fmt(gap[1])}", event)
+    if life.phase is not Phase.PRODUCED:
+        raise Violation("ADM-1", f"admit before produced for {event.req!r}", event)
+    done = attrs.evolve(life, phase=Phase.ADMITTED, progress=life.progress.finish())
+    return _put(state, done)
+
+
+def _end_life(state: SystemState, life: RequestLife) -> SystemState:
+    pending = state.pending
+    if life.in_flight:  # abort cancels them
+        pending = _adjust_pending(state, life.producer, -len(life.in_flight))
+    return attrs.evolve(state, requests=state.requests.delete(life.req),
+                        pool=state.pool.give_back(life.pages), pending=pending)
+
+
+def apply_release(state: SystemState, event: ev.Release) -> SystemState:
+    life = _live(state, event)
+    if life.phase is not Phase.ADMITTED:
+        raise Violation("LIFE-1", f"release of {event.req!r} before admit", event)
+    return _end_life(state, life)
+
+
+def apply_abort(state: SystemState, event: ev.Abort) -> SystemState:
+    return _end_life(state, _live(state, event))
+
+
+def apply_stage(state: SystemState, event: ev.Stage) -> SystemState:
+    return state
+
+
+_APPLY = {
+    ev.Reserve: apply_reserve, ev.Computed: apply_computed, ev.Issue: apply_issue,
+    ev.Land: apply_land, ev.Fail: apply_fail, ev.Reuse: apply_reuse,
+    ev.Produced: apply_produced, ev.Admit: apply_admit, ev.Release: apply_release,
+    ev.Abort: apply_abort, ev.Stage: apply_stage,
+}
+
+
+def apply(state: SystemState, event) -> SystemState:
+    """The state after `event`, or a Violation naming the rule it breaks."""
+    return _APPLY[type(event)](state, event)
+
+
+def check_end(state: SystemState) -> None:
+    """LIFE-1 at the end of a complete trace: nothing holds pages or spans in flight."""
+    open_lives = state.open_requests()
+    if open_lives:
+        life = open_lives[0]
+        what = "spans in flight" if life.in_flight else f"{len(life.pages)} pages"
+        raise Violation("LIFE-1", f"trace ends with request {life.req!r} holding {what}")

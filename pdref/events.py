@@ -1,0 +1,173 @@
+"""The events of trace contract v1 as immutable values (shared/DESIGN.md, 'Events')."""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+import attrs
+
+from pdref.geometry import Geometry
+from pdref.intervals import Range
+
+VERSION = 1
+
+
+class Mode(enum.StrEnum):
+    WHOLE = "whole"
+    CHUNK = "chunk"
+    LAYER = "layer"
+
+
+SpanId = int | str
+
+
+@attrs.frozen
+class Header:
+    """Line 1 of a trace: who wrote it, the mode, the KV geometry and the pool."""
+
+    kind: ClassVar[str] = "header"
+    source: str
+    mode: Mode = attrs.field(converter=Mode)
+    geometry: Geometry
+    pool_pages: int
+    max_pending: int
+    version: int = VERSION
+    # Extra header fields (e.g. chunk, link_gbps, hw) as sorted (key, value) pairs.
+    extra: tuple[tuple[str, object], ...] = ()
+
+    def get(self, key: str, default=None):
+        return dict(self.extra).get(key, default)
+
+
+@attrs.frozen
+class Reserve:
+    kind: ClassVar[str] = "reserve"
+    t: float
+    req: str
+    prompt: int
+    prefix: int
+    pages: tuple[int, ...] = attrs.field(converter=tuple)
+    producer: str = "p0"
+
+
+@attrs.frozen
+class Computed:
+    kind: ClassVar[str] = "computed"
+    t: float
+    req: str
+    layers: Range
+    tokens: Range
+
+
+@attrs.frozen
+class Issue:
+    kind: ClassVar[str] = "issue"
+    t: float
+    req: str
+    span: SpanId
+    layers: Range
+    tokens: Range
+    bytes: int
+
+
+@attrs.frozen
+class Land:
+    kind: ClassVar[str] = "land"
+    t: float
+    req: str
+    span: SpanId
+
+
+@attrs.frozen
+class Fail:
+    kind: ClassVar[str] = "fail"
+    t: float
+    req: str
+    span: SpanId
+    error: str
+
+
+@attrs.frozen
+class Reuse:
+    kind: ClassVar[str] = "reuse"
+    t: float
+    req: str
+    tokens: Range
+
+
+@attrs.frozen
+class Produced:
+    kind: ClassVar[str] = "produced"
+    t: float
+    req: str
+    token: int
+
+
+@attrs.frozen
+class Admit:
+    kind: ClassVar[str] = "admit"
+    t: float
+    req: str
+
+
+@attrs.frozen
+class Release:
+    kind: ClassVar[str] = "release"
+    t: float
+    req: str
+
+
+@attrs.frozen
+class Abort:
+    kind: ClassVar[str] = "abort"
+    t: float
+    req: str
+    reason: str
+
+
+@attrs.frozen
+class Stage:
+    """Informational timing of one piece of work from t to end; checked for form only."""
+
+    kind: ClassVar[str] = "stage"
+    t: float
+    req: str
+    name: str
+    end: float
+    span: SpanId | None = None
+    resource: str | None = None
+
+
+Event = (
+    Reserve | Computed | Issue | Land | Fail | Reuse | Produced | Admit | Release | Abort | Stage
+)
+EVENT_TYPES: dict[str, type] = {
+    cls.kind: cls
+    for cls in (Reserve, Computed, Issue, Land, Fail, Reuse, Produced, Admit, Release, Abort, Stage)
+}
+
+
+def event_to_json(event) -> dict:
+    """The JSON object of one event line (ranges as two-element lists, None fields left out)."""
+    out = {"kind": event.kind}
+    for field in attrs.fields(type(event)):
+        value = getattr(event, field.name)
+        if value is None:
+            continue
+        out[field.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def header_to_json(header: Header) -> dict:
+    out = {
+        "kind": "header",
+        "version": header.version,
+        "source": header.source,
+        "mode": str(header.mode),
+        "geometry": header.geometry.to_json(),
+        "pool_pages": header.pool_pages,
+        "max_pending": header.max_pending,
+    }
+    out.update(header.extra)
+    return out

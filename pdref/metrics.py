@@ -1,0 +1,136 @@
+"""Metrics computed from a trace, one function for both shells (DESIGN.md, 'Metrics').
+
+Simulated and measured runs are measured the same way by construction: both shells hand
+their events to `run_metrics` / `life_metrics` instead of timing things themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+from pdref import events as ev
+
+
+@attrs.define
+class LifeMetrics:
+    """Timings of one life of a request (reserve .. release/abort), in trace seconds."""
+
+    req: str
+    start: float  # first event naming the request in this life (a stage may precede reserve)
+    reserve_t: float
+    prompt: int
+    prefix: int
+    produced_t: float | None = None
+    last_land_t: float | None = None
+    admit_t: float | None = None
+    end_t: float | None = None
+    outcome: str = "open"  # open | released | aborted
+    bytes: int = 0
+    spans: int = 0
+    failed_spans: int = 0
+    first_token: int | None = None
+
+    @property
+    def ready_t(self) -> float | None:
+        """When the request could be admitted: last land, or produced if later."""
+        if self.produced_t is None:
+            return None
+        return max(self.produced_t, self.last_land_t or self.produced_t)
+
+
+class _Tracker:
+    """Folds events into LifeMetrics and the trace-wide staging peak."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, LifeMetrics] = {}
+        self.first_seen: dict[str, float] = {}
+        self.done: list[LifeMetrics] = []
+        self.in_flight: dict[object, int] = {}
+        self.staging = 0
+        self.peak_staging = 0
+
+    def feed(self, e) -> None:
+        if e.kind == "reserve":
+            start = min(self.first_seen.pop(e.req, e.t), e.t)
+            self.live[e.req] = LifeMetrics(e.req, start, e.t, e.prompt, e.prefix)
+            return
+        life = self.live.get(e.req)
+        if life is None:
+            self.first_seen.setdefault(e.req, e.t)
+            return
+        getattr(self, f"on_{e.kind}", lambda *_: None)(life, e)
+
+    def _retire(self, span) -> int:
+        size = self.in_flight.pop(span, 0)
+        self.staging -= size
+        return size
+
+    def on_issue(self, life: LifeMetrics, e) -> None:
+        life.spans += 1
+        self.in_flight[e.span] = e.bytes
+        self.staging += e.bytes
+        self.peak_staging = max(self.peak_staging, self.staging)
+
+    def on_land(self, life: LifeMetrics, e) -> None:
+        life.bytes += self._retire(e.span)
+        life.last_land_t = e.t
+
+    def on_fail(self, life: LifeMetrics, e) -> None:
+        self._retire(e.span)
+        life.failed_spans += 1
+
+    def on_produced(self, life: LifeMetrics, e) -> None:
+        life.produced_t = e.t
+        life.first_token = e.token
+
+    def on_admit(self, life: LifeMetrics, e) -> None:
+        life.admit_t = e.t
+
+    def on_release(self, life: LifeMetrics, e) -> None:
+        self._end(life, e, "released")
+
+    def on_abort(self, life: LifeMetrics, e) -> None:
+        self._end(life, e, "aborted")
+
+    def _end(self, life: LifeMetrics, e, outcome: str) -> None:
+        life.end_t, life.outcome = e.t, outcome
+        self.done.append(self.live.pop(e.req))
+
+
+def life_metrics(events: Iterable) -> tuple[list[LifeMetrics], int]:
+    """Every request life in the trace (ended ones first, then open ones) and peak staging."""
+    tracker = _Tracker()
+    for event in events:
+        tracker.feed(event)
+    return tracker.done + list(tracker.live.values()), tracker.peak_staging
+
+
+def run_metrics(header: ev.Header, events: Iterable, report_token: bool = True) -> dict:
+    """DESIGN.md's metrics of a one-request run, times measured from the run start (t = 0).
+
+    The request's last life that produced is the one reported, so a run that failed and
+    retried counts the retry in its times. `report_token=False` for the simulator.
+    """
+    lives, peak = life_metrics(events)
+    produced = [life for life in lives if life.produced_t is not None]
+    final = produced[-1] if produced else (lives[-1] if lives else None)
+    ready = final.ready_t if final else None
+    prefill = final.produced_t if final else None
+    return {
+        "mode": str(header.mode),
+        "prompt": final.prompt if final else None,
+        "prefix": final.prefix if final else None,
+        "chunk": header.get("chunk"),
+        "max_pending": header.max_pending,
+        "bytes": final.bytes if final else 0,
+        "spans": sum(life.spans for life in lives),
+        "prefill_s": prefill,
+        "handoff_s": ready,
+        "tail_s": None if ready is None else ready - prefill,
+        "peak_staging_bytes": peak,
+        "first_token": final.first_token if (final and report_token) else None,
+        "failed_spans": sum(life.failed_spans for life in lives),
+        "lives": len(lives),
+    }

@@ -1,0 +1,62 @@
+"""The small imperative helper both shells drive the protocol through.
+
+It holds the current immutable state, applies each event (an illegal one raises and leaves
+the state as it was), and hands every accepted event to a sink (e.g. a TraceWriter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdref import events as ev
+from pdref.apply import apply, check_end, initial_state
+from pdref.state import SystemState
+from pdref.violations import Violation
+
+
+class Monitor:
+    """Live specification check of a run: `emit` every event as it happens."""
+
+    def __init__(self, header: ev.Header, sink: Callable[[object], None] | None = None) -> None:
+        self.header = header
+        self.state: SystemState = initial_state(header)
+        self.sink = sink
+        self.events = 0
+        self.last_t = 0.0
+
+    def emit(self, event) -> None:
+        """Apply `event`; raises Violation (state unchanged) when it breaks a rule."""
+        if event.t < self.last_t:
+            raise Violation("TRACE-2", f"t {event.t} is before the previous t {self.last_t}", event)
+        self.state = apply(self.state, event)
+        self.last_t = event.t
+        self.events += 1
+        if self.sink is not None:
+            self.sink(event)
+
+    def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0"):
+        """Allocate the lowest free pages for [prefix, prompt) and emit the reserve; page ids."""
+        count = self.state.pages_needed(prompt, prefix)
+        _, pages = self.state.pool.allocate(count)
+        self.emit(ev.Reserve(t, req, prompt, prefix, pages, producer))
+        return pages
+
+    def can_reserve(self, prompt: int, prefix: int) -> bool:
+        return self.state.can_reserve(prompt, prefix)
+
+    def can_issue(self, producer: str = "p0") -> bool:
+        return self.state.can_issue(producer)
+
+    def can_admit(self, req: str) -> bool:
+        return self.state.can_admit(req)
+
+    def pending(self, producer: str = "p0") -> int:
+        return self.state.pending_of(producer)
+
+    @property
+    def free_pages(self) -> int:
+        return self.state.free_pages
+
+    def close(self) -> None:
+        """End of a complete run: LIFE-1 says nothing may still hold pages or spans."""
+        check_end(self.state)

@@ -1,0 +1,66 @@
+"""The span plan of each mode: which regions are sent, in what order. Both shells call this."""
+
+from __future__ import annotations
+
+import attrs
+
+from pdref.events import Mode
+from pdref.geometry import Geometry
+from pdref.intervals import Range, fmt
+
+
+@attrs.frozen
+class Region:
+    """A block of KV: layers x tokens, both half-open."""
+
+    layers: Range
+    tokens: Range
+
+    def bytes(self, geometry: Geometry) -> int:
+        return geometry.region_bytes(self.layers, self.tokens)
+
+    def __str__(self) -> str:
+        return f"{fmt(self.layers)} x {fmt(self.tokens)}"
+
+
+class PlanError(ValueError):
+    """A workload the plan cannot be made for; the message names the field and the rule."""
+
+
+def validate_workload(prompt: int, prefix: int, chunk: int, page_tokens: int) -> None:
+    """Raise PlanError for a workload that breaks a rule (the shells' bad-input checks)."""
+    if prompt < 1:
+        raise PlanError(f"prompt must be >= 1, got {prompt}")
+    if chunk < 1:
+        raise PlanError(f"chunk must be >= 1, got {chunk}")
+    if not 0 <= prefix <= prompt:
+        raise PlanError(f"prefix must be in [0, prompt={prompt}], got {prefix}")
+    if prefix % page_tokens:
+        raise PlanError(f"prefix must be a multiple of page_tokens={page_tokens}, got {prefix}")
+
+
+def plan_chunks(prompt: int, prefix: int, chunk: int) -> list[Range]:
+    """The prefill chunks of the suffix [prefix, prompt), in order, aligned at prefix."""
+    if chunk < 1:
+        raise PlanError(f"chunk must be >= 1, got {chunk}")
+    return [(a, min(a + chunk, prompt)) for a in range(prefix, prompt, chunk)]
+
+
+def plan_spans(mode: Mode, geometry: Geometry, prompt: int, prefix: int, chunk: int):
+    """The copy spans of a mode, in issue order; empty when the suffix is empty.
+
+    whole: one span, every layer of the suffix. chunk: one span per prefill chunk, every
+    layer. layer: one span per layer over the whole suffix (refused for recurrent models).
+    """
+    mode = Mode(mode)
+    suffix = (prefix, prompt)
+    all_layers = (0, geometry.layers)
+    if prompt <= prefix:
+        return []
+    if mode is Mode.WHOLE:
+        return [Region(all_layers, suffix)]
+    if mode is Mode.CHUNK:
+        return [Region(all_layers, tokens) for tokens in plan_chunks(prompt, prefix, chunk)]
+    if geometry.recurrent:
+        raise PlanError("mode layer is refused for a recurrent model (CFG-1)")
+    return [Region((layer, layer + 1), suffix) for layer in range(geometry.layers)]

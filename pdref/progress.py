@@ -1,0 +1,149 @@
+"""Two-dimensional coverage (layers x tokens) and a request's per-layer landing progress.
+
+`Coverage` keeps bands of consecutive layers whose token coverage is identical. A chunk span
+(all layers x some tokens) touches one band; a layer span touches one layer; so an update
+costs the bands it touches, not the layer count.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+import attrs
+
+from pdref.intervals import IntervalSet, Range, contains, fmt, is_empty
+
+_EMPTY_SET = IntervalSet()
+
+
+@attrs.frozen
+class Coverage:
+    """A set of (layer, token) points over layers [0, num_layers), stored as layer bands."""
+
+    num_layers: int
+    # Band i spans layers [starts[i], starts[i+1]) (the last ends at num_layers).
+    starts: tuple[int, ...] = (0,)
+    sets: tuple[IntervalSet, ...] = (_EMPTY_SET,)
+
+    def _band_end(self, i: int) -> int:
+        return self.starts[i + 1] if i + 1 < len(self.starts) else self.num_layers
+
+    def _bands(self, layers: Range):
+        """Indices of the bands that hold layers of `layers`."""
+        first = bisect_right(self.starts, layers[0]) - 1
+        last = bisect_right(self.starts, layers[1] - 1)
+        return range(first, last)
+
+    def _split(self, layers: Range) -> Coverage:
+        starts, sets = list(self.starts), list(self.sets)
+        for cut in layers:
+            i = bisect_right(starts, cut) - 1
+            if 0 < cut < self.num_layers and starts[i] != cut:
+                starts.insert(i + 1, cut)
+                sets.insert(i + 1, sets[i])
+        return Coverage(self.num_layers, tuple(starts), tuple(sets))
+
+    def _map(self, layers: Range, fn) -> Coverage:
+        """Apply fn to the token set of every layer in `layers`, then re-merge equal bands."""
+        split = self._split(layers)
+        sets = list(split.sets)
+        for i in split._bands(layers):
+            sets[i] = fn(sets[i])
+        return split._merged(tuple(sets))
+
+    def _merged(self, sets: tuple[IntervalSet, ...]) -> Coverage:
+        starts, merged = [self.starts[0]], [sets[0]]
+        for start, s in zip(self.starts[1:], sets[1:], strict=True):
+            if s == merged[-1]:
+                continue
+            starts.append(start)
+            merged.append(s)
+        return Coverage(self.num_layers, tuple(starts), tuple(merged))
+
+    def union(self, layers: Range, tokens: Range) -> Coverage:
+        if is_empty(layers) or is_empty(tokens):
+            return self
+        return self._map(layers, lambda s: s.union(tokens))
+
+    def remove_tokens(self, tokens: Range) -> Coverage:
+        """Remove `tokens` on every layer."""
+        if is_empty(tokens):
+            return self
+        return self._merged(tuple(s.difference(tokens) for s in self.sets))
+
+    def first_overlap(self, layers: Range, tokens: Range) -> tuple[int, Range] | None:
+        """(layer, tokens) of the first covered point inside the region, or None."""
+        if is_empty(layers) or is_empty(tokens):
+            return None
+        for i in self._bands(layers):
+            hit = self.sets[i].first_overlap(tokens)
+            if hit is not None:
+                return max(self.starts[i], layers[0]), hit
+        return None
+
+    def first_gap(self, layers: Range, tokens: Range) -> tuple[int, Range] | None:
+        """(layer, tokens) of the first point of the region not covered, or None."""
+        if is_empty(layers) or is_empty(tokens):
+            return None
+        for i in self._bands(layers):
+            gap = self.sets[i].first_gap(tokens)
+            if gap is not None:
+                return max(self.starts[i], layers[0]), gap
+        return None
+
+    def covers(self, layers: Range, tokens: Range) -> bool:
+        return self.first_gap(layers, tokens) is None
+
+    def tokens_of(self, layer: int) -> IntervalSet:
+        return self.sets[bisect_right(self.starts, layer) - 1]
+
+
+class ProgressError(ValueError):
+    """A span that cannot be published: out of bounds or overlapping what already landed."""
+
+
+@attrs.frozen
+class LayerProgress:
+    """Per-layer landed token intervals of one request inside [prefix, prompt)."""
+
+    num_layers: int
+    prefix: int
+    prompt: int
+    landed: Coverage = attrs.field()
+    finished: bool = False
+
+    @landed.default
+    def _empty(self) -> Coverage:
+        return Coverage(self.num_layers)
+
+    @property
+    def bounds(self) -> Range:
+        return (self.prefix, self.prompt)
+
+    def add(self, layers: Range, tokens: Range) -> LayerProgress:
+        """Publish a landed span; raises ProgressError if out of bounds or overlapping."""
+        if self.finished:
+            raise ProgressError("progress is finished: nothing more may land")
+        if not (contains((0, self.num_layers), layers) and contains(self.bounds, tokens)):
+            raise ProgressError(
+                f"span {fmt(layers)} x {fmt(tokens)} is outside "
+                f"[0, {self.num_layers}) x {fmt(self.bounds)}"
+            )
+        hit = self.landed.first_overlap(layers, tokens)
+        if hit is not None:
+            raise ProgressError(f"tokens {fmt(hit[1])} of layer {hit[0]} already landed")
+        return attrs.evolve(self, landed=self.landed.union(layers, tokens))
+
+    def missing(self) -> tuple[int, Range] | None:
+        """The first (layer, tokens) that has not landed, or None when complete."""
+        return self.landed.first_gap((0, self.num_layers), self.bounds)
+
+    def is_complete(self) -> bool:
+        return self.missing() is None
+
+    def finish(self) -> LayerProgress:
+        """Mark the progress finished (admission); raises ProgressError when incomplete."""
+        gap = self.missing()
+        if gap is not None:
+            raise ProgressError(f"layer {gap[0]} has not landed tokens {fmt(gap[1])}")
+        return attrs.evolve(self, finished=True)

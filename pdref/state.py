@@ -1,0 +1,115 @@
+"""The whole protocol state as immutable values, and the queries the shells drive it with."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import immutables
+
+from pdref.events import Header, Mode, SpanId
+from pdref.geometry import Geometry
+from pdref.intervals import Range, overlaps
+from pdref.pool import Pool
+from pdref.progress import Coverage, LayerProgress
+
+
+class Phase(enum.Enum):
+    RESERVED = "reserved"
+    PRODUCED = "produced"
+    ADMITTED = "admitted"
+
+
+@attrs.frozen
+class Span:
+    """A copy in flight: the region it reads and the bytes it moves."""
+
+    span: SpanId
+    layers: Range
+    tokens: Range
+    bytes: int
+
+    def reads(self, tokens: Range) -> bool:
+        """True when the span reads any of `tokens` (on any layer)."""
+        return self.layers[0] < self.layers[1] and overlaps(self.tokens, tokens)
+
+    def meets(self, other: Span) -> bool:
+        """True when the two spans' regions share a (layer, token) point."""
+        return overlaps(self.layers, other.layers) and overlaps(self.tokens, other.tokens)
+
+
+@attrs.frozen
+class RequestLife:
+    """One life of a request: from `reserve` to `release` or `abort`."""
+
+    req: str
+    producer: str
+    prompt: int
+    prefix: int
+    pages: tuple[int, ...]
+    progress: LayerProgress
+    computed: Coverage  # every region the producer ever computed in this life
+    held: Coverage  # computed and not reused since: what a span may read
+    phase: Phase = Phase.RESERVED
+    in_flight: tuple[Span, ...] = ()
+    failed: bool = False
+
+    @property
+    def suffix(self) -> Range:
+        return (self.prefix, self.prompt)
+
+    def find_span(self, span: SpanId) -> Span | None:
+        for s in self.in_flight:
+            if s.span == span:
+                return s
+        return None
+
+
+@attrs.frozen
+class SystemState:
+    """The decoder pool, every live request, the producers' in-flight counts, used span ids."""
+
+    geometry: Geometry
+    mode: Mode
+    max_pending: int
+    pool: Pool
+    requests: immutables.Map = immutables.Map()  # req -> RequestLife
+    pending: immutables.Map = immutables.Map()  # producer -> spans in flight
+    spans_used: immutables.Map = immutables.Map()  # span id -> req, never forgotten
+
+    @classmethod
+    def initial(cls, header: Header) -> SystemState:
+        return cls(header.geometry, header.mode, header.max_pending, Pool(header.pool_pages))
+
+    @property
+    def free_pages(self) -> int:
+        return self.pool.free_pages
+
+    def pending_of(self, producer: str = "p0") -> int:
+        return self.pending.get(producer, 0)
+
+    def live(self, req: str) -> RequestLife | None:
+        return self.requests.get(req)
+
+    def pages_needed(self, prompt: int, prefix: int) -> int:
+        return self.geometry.pages_for(prompt - prefix)
+
+    def can_reserve(self, prompt: int, prefix: int) -> bool:
+        return self.pages_needed(prompt, prefix) <= self.free_pages
+
+    def can_issue(self, producer: str = "p0") -> bool:
+        return self.pending_of(producer) < self.max_pending
+
+    def can_admit(self, req: str) -> bool:
+        life = self.live(req)
+        return (
+            life is not None
+            and life.phase is Phase.PRODUCED
+            and not life.in_flight
+            and not life.failed
+            and life.progress.is_complete()
+        )
+
+    def open_requests(self) -> list[RequestLife]:
+        """Live requests that still hold pages or spans in flight (LIFE-1 at trace end)."""
+        return [life for life in self.requests.values() if life.pages or life.in_flight]

@@ -1,0 +1,222 @@
+"""Reading and writing contract-v1 JSONL traces, strictly: every malformed line is TRACE-1."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from pdref import events as ev
+from pdref.geometry import Geometry
+from pdref.violations import Violation
+
+MAX_INT = 2**53
+
+
+class _Bad(Exception):
+    """A field that breaks the form rules; turned into TRACE-1 with the line number."""
+
+
+def _int(v, name):
+    if type(v) is not int or not 0 <= v < MAX_INT:
+        raise _Bad(f"field {name!r} must be an integer in [0, 2**53), got {v!r}")
+    return v
+
+
+def _pos_int(v, name):
+    if _int(v, name) < 1:
+        raise _Bad(f"field {name!r} must be >= 1, got {v!r}")
+    return v
+
+
+def _num(v, name):
+    if type(v) not in (int, float) or not math.isfinite(v) or not 0 <= v < MAX_INT:
+        raise _Bad(f"field {name!r} must be a finite number in [0, 2**53), got {v!r}")
+    return v
+
+
+def _str(v, name):
+    if type(v) is not str:
+        raise _Bad(f"field {name!r} must be a string, got {v!r}")
+    return v
+
+
+def _name(v, name):
+    if not _str(v, name):
+        raise _Bad(f"field {name!r} must be a non-empty string")
+    return v
+
+
+def _range(v, name):
+    if type(v) is not list or len(v) != 2:
+        raise _Bad(f"field {name!r} must be a two-element array [a, b], got {v!r}")
+    a, b = _int(v[0], name), _int(v[1], name)
+    if a > b:
+        raise _Bad(f"field {name!r} is a range [{a}, {b}) with a > b")
+    return (a, b)
+
+
+def _pages(v, name):
+    if type(v) is not list:
+        raise _Bad(f"field {name!r} must be an array of page ids, got {v!r}")
+    return tuple(_int(p, name) for p in v)
+
+
+def _span(v, name):
+    if type(v) is str:
+        return _name(v, name)
+    return _int(v, name)
+
+
+def _opt(check):
+    return lambda v, name: None if v is None else check(v, name)
+
+
+_COMMON = (("t", _num, True), ("req", _name, True))
+FIELDS: dict[str, tuple] = {
+    "reserve": (("prompt", _int, True), ("prefix", _int, True), ("pages", _pages, True),
+                ("producer", _name, False)),
+    "computed": (("layers", _range, True), ("tokens", _range, True)),
+    "issue": (("span", _span, True), ("layers", _range, True), ("tokens", _range, True),
+              ("bytes", _int, True)),
+    "land": (("span", _span, True),),
+    "fail": (("span", _span, True), ("error", _str, True)),
+    "reuse": (("tokens", _range, True),),
+    "produced": (("token", _int, True),),
+    "admit": (),
+    "release": (),
+    "abort": (("reason", _str, True),),
+    "stage": (("name", _name, True), ("end", _num, True), ("span", _opt(_span), False),
+              ("resource", _opt(_name), False)),
+}
+_GEOMETRY = (("layers", _pos_int), ("kv_heads", _pos_int), ("head_dim", _pos_int),
+             ("dtype_bytes", _pos_int), ("page_tokens", _pos_int))
+_HEADER_KEYS = {"kind", "version", "source", "mode", "geometry", "pool_pages", "max_pending"}
+
+
+def _event_from(obj: dict):
+    kind = obj.get("kind")
+    spec = FIELDS.get(kind) if type(kind) is str else None
+    if spec is None:
+        raise _Bad(f"unknown kind {kind!r}")
+    args = {}
+    for name, check, required in _COMMON + spec:
+        if name in obj:
+            args[name] = check(obj[name], name)
+        elif required:
+            raise _Bad(f"{kind} needs field {name!r}")
+    return ev.EVENT_TYPES[kind](**args)
+
+
+def _header_from(obj: dict) -> ev.Header:
+    if obj.get("kind") != "header":
+        raise _Bad("line 1 must be the header")
+    if obj.get("version") != 1 or type(obj.get("version")) is not int:
+        raise _Bad(f"version must be 1, got {obj.get('version')!r}")
+    mode = obj.get("mode")
+    if mode not in ("whole", "chunk", "layer"):
+        raise _Bad(f"mode must be whole, chunk or layer, got {mode!r}")
+    geo = obj.get("geometry")
+    if type(geo) is not dict:
+        raise _Bad("header needs a 'geometry' object")
+    fields = {k: check(geo.get(k, 16 if k == "page_tokens" else None), k) for k, check in _GEOMETRY}
+    recurrent = geo.get("recurrent", False)
+    if type(recurrent) is not bool:
+        raise _Bad(f"field 'recurrent' must be true or false, got {recurrent!r}")
+    extra = tuple(sorted((k, v) for k, v in obj.items() if k not in _HEADER_KEYS))
+    return ev.Header(
+        source=_str(obj.get("source", ""), "source"), mode=ev.Mode(mode),
+        geometry=Geometry(**fields, recurrent=recurrent),
+        pool_pages=_int(obj.get("pool_pages"), "pool_pages"),
+        max_pending=_pos_int(obj.get("max_pending"), "max_pending"), extra=extra,
+    )
+
+
+def _reject_constant(name):
+    raise _Bad(f"{name} is not a JSON number")
+
+
+def _load(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise _Bad("line is not valid UTF-8") from None
+    except (ValueError, RecursionError) as e:
+        raise _Bad(f"line is not valid JSON ({e})") from None
+    if type(obj) is not dict:
+        raise _Bad("line is not a JSON object")
+    return obj
+
+
+def parse_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, object]]:
+    """(line number, Header or event) for each line; raises TRACE-1/TRACE-2 Violations.
+
+    Also enforces the form rules that span lines: header first and once, t never decreases,
+    a stage ends at or after it starts.
+    """
+    last_t = 0.0
+    for lineno, raw in enumerate(lines, 1):
+        try:
+            obj = _load(raw)
+            if lineno == 1:
+                yield lineno, _header_from(obj)
+                continue
+            if obj.get("kind") == "header":
+                raise _Bad("a second header")
+            event = _event_from(obj)
+        except _Bad as e:
+            raise Violation("TRACE-1", str(e), line=lineno) from None
+        if event.t < last_t:
+            raise Violation("TRACE-2", f"t {event.t} is before the previous event's t {last_t}",
+                            event, lineno)
+        if event.kind == "stage" and event.end < event.t:
+            raise Violation("TRACE-2", f"stage ends at {event.end}, before it starts at {event.t}",
+                            event, lineno)
+        last_t = event.t
+        yield lineno, event
+
+
+def read_trace(path: str | Path) -> Iterator[tuple[int, object]]:
+    """Stream a trace file: (line number, Header or event); an empty file is TRACE-1."""
+    with open(path, "rb") as f:
+        seen = False
+        for item in parse_lines(f):
+            seen = True
+            yield item
+        if not seen:
+            raise Violation("TRACE-1", "the file is empty: a header is needed", line=1)
+
+
+def dumps(obj: dict) -> str:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+
+class TraceWriter:
+    """Writes a trace atomically: to a temporary file renamed into place on success only."""
+
+    def __init__(self, path: str | Path, header: ev.Header) -> None:
+        self.path = Path(path)
+        self.header = header
+        self._file = None
+        self._tmp: str | None = None
+
+    def __enter__(self) -> TraceWriter:
+        folder = self.path.parent if str(self.path.parent) else Path(".")
+        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=folder)
+        self._file = os.fdopen(fd, "w", encoding="utf-8")
+        self._file.write(dumps(ev.header_to_json(self.header)) + "\n")
+        return self
+
+    def write(self, event) -> None:
+        self._file.write(dumps(ev.event_to_json(event)) + "\n")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._file.close()
+        if exc_type is None:
+            os.replace(self._tmp, self.path)
+        else:
+            os.unlink(self._tmp)

@@ -1,0 +1,37 @@
+"""Violations of the protocol, each naming the contract code of the rule it breaks."""
+
+from __future__ import annotations
+
+CODES = {
+    "TRACE-1": "every line is well-formed",
+    "TRACE-2": "t never decreases; a stage has end >= t",
+    "CFG-1": "layer mode is refused for a recurrent geometry",
+    "SLAB-1": "a reservation gets exactly the right free pages, inside the pool",
+    "SLAB-2": "prefix is page-aligned and 0 <= prefix <= prompt, prompt >= 1",
+    "REQ-1": "events name a live request and a span in flight; ids are never reused",
+    "COV-1": "an issued span lies inside [0, L) x [prefix, prompt)",
+    "COV-2": "spans never overlap landed tokens or other spans in flight",
+    "COV-3": "admit needs every layer covered on [prefix, prompt)",
+    "COPY-1": "a span is issued only from computed, not reused, source KV",
+    "COPY-2": "a producer never has more than max_pending spans in flight",
+    "COPY-3": "reuse never touches tokens a span in flight reads",
+    "COPY-4": "an issued span's bytes equal the KV bytes of its region",
+    "PROD-1": "produced comes once, after the whole suffix was computed",
+    "ADM-1": "admit comes once, after produced, with no span in flight or failed",
+    "LIFE-1": "release only after admit; a complete trace ends with nothing held",
+}
+
+
+class Violation(Exception):
+    """An event (or trace line) that breaks the rule named by `code`."""
+
+    def __init__(
+        self, code: str, message: str, event: object | None = None, line: int | None = None
+    ) -> None:
+        if code not in CODES:
+            raise ValueError(f"unknown violation code {code!r}")
+        super().__init__(f"{code} {message}")
+        self.code = code
+        self.message = message
+        self.event = event
+        self.line = line  # 1-based trace line, when the violation came from a file
