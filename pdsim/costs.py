@@ -1,0 +1,125 @@
+"""The cost model: a small set of named linear terms, derived from a model and hardware profile.
+
+compute(chunk [a, b))  = chunk_s + token_s * (b - a) + pair_s * sum_{i=a}^{b-1} (i + 1)
+copy(span of n bytes)  = span_s + gather_byte_s * n + link_latency_s + link_byte_s * n
+While a gather overlaps a compute chunk, the chunk runs slower by `contention` times the
+overlapped time. `pdsim calibrate` fits these same terms from engine traces.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pdref.geometry import Geometry
+from pdref.models import ModelSpec
+from pdsim.profiles import HwProfile, LinkProfile
+
+
+def _non_negative(_inst, attribute, value) -> None:
+    if not value >= 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+@attrs.frozen
+class Costs:
+    """Every timing term the simulator uses, in seconds (per item, per byte or per pair)."""
+
+    token_s: float = attrs.field(validator=_non_negative)
+    pair_s: float = attrs.field(validator=_non_negative)
+    chunk_s: float = attrs.field(validator=_non_negative)
+    span_s: float = attrs.field(validator=_non_negative)
+    gather_byte_s: float = attrs.field(validator=_non_negative)
+    link_stages: tuple[tuple[str, float], ...]  # (stage name, seconds per byte)
+    link_latency_s: float = attrs.field(validator=_non_negative)
+    pipelined: bool = True
+    contention: float = attrs.field(default=0.0, validator=_non_negative)
+    decode_token_s: float = attrs.field(default=0.0, validator=_non_negative)
+    state_bytes: int = 0
+
+    @property
+    def link_byte_s(self) -> float:
+        per_byte = [s for _, s in self.link_stages]
+        return max(per_byte) if self.pipelined else sum(per_byte)
+
+    def compute_s(self, tokens: tuple[int, int]) -> float:
+        """Time of one prefill chunk over prompt positions [a, b), with context [0, b)."""
+        a, b = tokens
+        n = max(b - a, 0)
+        pairs = (b * (b + 1) - a * (a + 1)) // 2 if n else 0
+        return self.chunk_s + self.token_s * n + self.pair_s * pairs
+
+    def gather_s(self, nbytes: int) -> float:
+        return self.gather_byte_s * nbytes
+
+    def link_s(self, nbytes: int) -> float:
+        return self.link_latency_s + self.link_byte_s * nbytes
+
+    def copy_s(self, nbytes: int) -> float:
+        """Time one span holds the copy worker: fixed cost, gather, then the link."""
+        return self.span_s + self.gather_s(nbytes) + self.link_s(nbytes)
+
+    def stage_plan(self, nbytes: int) -> list[tuple[str, float, float]]:
+        """(name, start offset, end offset) of a span's stages, relative to its start."""
+        g0 = self.span_s
+        g1 = g0 + self.gather_s(nbytes)
+        plan = [("gather", g0, g1)]
+        t = g1 + self.link_latency_s
+        for name, per_byte in self.link_stages:
+            plan.append((name, t, t + per_byte * nbytes))
+            if not self.pipelined:
+                t += per_byte * nbytes
+        return plan
+
+    def scaled(self, bandwidth: float = 1.0, compute: float = 1.0) -> Costs:
+        """A what-if copy: every bandwidth times `bandwidth`, compute speed times `compute`."""
+        return attrs.evolve(
+            self,
+            token_s=self.token_s / compute,
+            pair_s=self.pair_s / compute,
+            gather_byte_s=self.gather_byte_s / bandwidth,
+            link_stages=tuple((n, s / bandwidth) for n, s in self.link_stages),
+        )
+
+
+def sim_geometry(spec: ModelSpec, page_tokens: int = 16) -> Geometry:
+    """The KV geometry the handoff carries: only attention layers (`kv_layers`) of a hybrid."""
+    geometry = spec.geometry(page_tokens)
+    kv_layers = spec.get("kv_layers")
+    return attrs.evolve(geometry, layers=kv_layers) if kv_layers else geometry
+
+
+def linear_flops_per_token(spec: ModelSpec) -> float:
+    """Matmul FLOPs per prompt token: 2 x the non-embedding parameters a token touches."""
+    active = spec.get("active_params")
+    if active:
+        return 2.0 * active
+    if spec.params:
+        embed = spec.vocab * spec.hidden * (1 if spec.tie_embeddings else 2)
+        return 2.0 * (spec.params - embed)
+    attn = spec.hidden * spec.head_dim * (2 * spec.heads + 2 * spec.kv_heads)
+    return 2.0 * spec.layers * (attn + 3 * spec.hidden * spec.intermediate)
+
+
+def pair_flops(spec: ModelSpec) -> float:
+    """Attention FLOPs per (query token, context token) pair: QK^T and PV, every KV layer."""
+    return 4.0 * sim_geometry(spec).layers * spec.heads * spec.head_dim
+
+
+def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
+    """Derive the cost terms of `spec` on `hw` over `link` (explicit overrides win)."""
+    rate = hw.peak_flops * hw.efficiency
+    over = hw.compute
+    weights = linear_flops_per_token(spec) / 2 * spec.dtype_bytes
+    return Costs(
+        token_s=over.token_s if over.token_s is not None else linear_flops_per_token(spec) / rate,
+        pair_s=over.pair_s if over.pair_s is not None else pair_flops(spec) / rate,
+        chunk_s=over.chunk_s if over.chunk_s is not None else hw.chunk_s,
+        span_s=hw.span_s,
+        gather_byte_s=1.0 / hw.gather_bandwidth,
+        link_stages=tuple((s.name, 1.0 / s.bandwidth) for s in link.stages),
+        link_latency_s=link.latency_s,
+        pipelined=link.pipelined,
+        contention=hw.contention,
+        decode_token_s=weights / hw.hbm_bandwidth,
+        state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),
+    )

@@ -1,0 +1,128 @@
+"""Hardware and link profiles: TOML files in specs/hw (devices) and specs/hw/links (copy paths).
+
+`--hw NAME` finds specs/hw/NAME.toml, `--link NAME` specs/hw/links/NAME.toml; either may be a
+path to a user's own file. Every figure is validated at load; a bad one raises ProfileError
+naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pdref.models import SPECS_DIR, ProfileError, read_toml, resolve_profile
+
+HW_DIR = SPECS_DIR / "hw"
+LINKS_DIR = HW_DIR / "links"
+
+
+def _positive(_inst, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"field {attribute.name!r} must be a number > 0, got {value!r}")
+
+
+def _non_negative(_inst, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"field {attribute.name!r} must be a number >= 0, got {value!r}")
+
+
+def _fraction(_inst, attribute, value) -> None:
+    _positive(_inst, attribute, value)
+    if value > 1:
+        raise ValueError(f"field {attribute.name!r} must be in (0, 1], got {value!r}")
+
+
+@attrs.frozen
+class Stage:
+    """One leg of a copy path (e.g. d2h, h2d, net) with its bandwidth in bytes per second."""
+
+    name: str = attrs.field(validator=attrs.validators.min_len(1))
+    bandwidth: float = attrs.field(validator=_positive)
+
+
+@attrs.frozen
+class LinkProfile:
+    """The path a span's bytes take after the gather: its stages and fixed latency."""
+
+    name: str
+    stages: tuple[Stage, ...] = attrs.field(validator=attrs.validators.min_len(1))
+    latency_s: float = attrs.field(default=0.0, validator=_non_negative)
+    pipelined: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    source: str = ""
+
+
+@attrs.frozen
+class ComputeOverride:
+    """Explicit compute terms (a calibrated profile); None means derive from flops."""
+
+    token_s: float | None = None
+    pair_s: float | None = None
+    chunk_s: float | None = None
+
+
+@attrs.frozen
+class HwProfile:
+    """One producer device: compute figures, gather bandwidth, per-span cost, contention."""
+
+    name: str
+    link: str = attrs.field(validator=attrs.validators.min_len(1))
+    peak_flops: float = attrs.field(validator=_positive)
+    hbm_bandwidth: float = attrs.field(validator=_positive)
+    efficiency: float = attrs.field(validator=_fraction)
+    chunk_s: float = attrs.field(validator=_non_negative)
+    gather_bandwidth: float = attrs.field(validator=_positive)
+    span_s: float = attrs.field(validator=_non_negative)
+    contention: float = attrs.field(validator=_non_negative)
+    compute: ComputeOverride = ComputeOverride()
+    source: str = ""
+
+
+def load_hw(name_or_path: str) -> HwProfile:
+    """Load and validate a hardware profile; raises ProfileError naming the bad field."""
+    path = resolve_profile(name_or_path, HW_DIR, "hw")
+    return hw_from_dict(read_toml(path), default_name=path.stem, where=str(path))
+
+
+def load_link(name_or_path: str) -> LinkProfile:
+    """Load and validate a link profile; raises ProfileError naming the bad field."""
+    path = resolve_profile(name_or_path, LINKS_DIR, "link")
+    return link_from_dict(read_toml(path), default_name=path.stem, where=str(path))
+
+
+def hw_from_dict(data: dict, default_name: str, where: str) -> HwProfile:
+    known = {f.name for f in attrs.fields(HwProfile)} - {"compute"}
+    _refuse_unknown(data, known | {"compute"}, where)
+    fields = {k: v for k, v in data.items() if k in known}
+    fields.setdefault("name", default_name)
+    try:
+        compute = ComputeOverride(**data.get("compute", {}))
+        for key, value in attrs.asdict(compute).items():
+            if value is not None:
+                _positive(None, attrs.fields_dict(ComputeOverride)[key], value)
+        return HwProfile(**fields, compute=compute)
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: {_short(e)}") from None
+
+
+def link_from_dict(data: dict, default_name: str, where: str) -> LinkProfile:
+    _refuse_unknown(data, {f.name for f in attrs.fields(LinkProfile)}, where)
+    fields = dict(data)
+    fields.setdefault("name", default_name)
+    try:
+        fields["stages"] = tuple(Stage(**s) for s in data.get("stages", ()))
+        return LinkProfile(**fields)
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: {_short(e)}") from None
+
+
+def _refuse_unknown(data: dict, known: set[str], where: str) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        names = ", ".join(sorted(known))
+        raise ProfileError(f"{where}: unknown field {unknown[0]!r} (known: {names})")
+
+
+def _short(error: Exception) -> str:
+    text = str(error)
+    if "missing" in text and "required" in text:
+        return "missing required field: " + text.split("argument")[-1].strip(" :s")
+    return text.split("\n")[0]
