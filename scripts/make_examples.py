@@ -1,0 +1,143 @@
+"""Write specs/examples/: legal traces for each mode and one illegal trace per violation code.
+
+Illegal examples are short, hand-readable traces named `illegal-CODE-what.jsonl`; each breaks
+exactly the rule its name gives. Run: python scripts/make_examples.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdref import events as ev
+from pdref.geometry import Geometry
+from pdref.synth import SynthConfig, synth_trace
+from pdref.trace import dumps
+
+OUT = Path(__file__).resolve().parent.parent / "specs" / "examples"
+GEO = {"layers": 2, "kv_heads": 1, "head_dim": 4, "dtype_bytes": 2, "page_tokens": 4,
+       "recurrent": False}
+HEADER = {"kind": "header", "version": 1, "source": "hand", "mode": "chunk", "geometry": GEO,
+          "pool_pages": 8, "max_pending": 2}
+B = 16  # KV bytes of one token on one layer: 2 * 1 * 4 * 2
+
+
+def R(t, **kw):  # noqa: N802 - a short builder keeps the examples readable
+    return {"t": t, "req": kw.pop("req", "a"), **kw}
+
+
+def reserve(t, prompt=8, prefix=0, pages=(0, 1), **kw):
+    return R(t, kind="reserve", prompt=prompt, prefix=prefix, pages=list(pages), **kw)
+
+
+def computed(t, layers=(0, 2), tokens=(0, 8), **kw):
+    return R(t, kind="computed", layers=list(layers), tokens=list(tokens), **kw)
+
+
+def issue(t, span, layers=(0, 2), tokens=(0, 8), nbytes=None, **kw):
+    size = B * (layers[1] - layers[0]) * (tokens[1] - tokens[0]) if nbytes is None else nbytes
+    return R(t, kind="issue", span=span, layers=list(layers), tokens=list(tokens), bytes=size,
+             **kw)
+
+
+def simple(kind, t, **kw):
+    return R(t, kind=kind, **kw)
+
+
+# The legal two-chunk life every illegal example starts from or edits.
+LIFE = [
+    reserve(0.0),
+    computed(0.1, tokens=(0, 4)), issue(0.1, 0, tokens=(0, 4)),
+    computed(0.2, tokens=(4, 8)), issue(0.2, 1, tokens=(4, 8)),
+    simple("produced", 0.2, token=7),
+    simple("land", 0.3, span=0), simple("land", 0.4, span=1),
+    simple("admit", 0.4), simple("release", 0.9),
+]
+
+
+def edit(index, replacement):
+    """LIFE with event `index` replaced by the given events (none: deleted)."""
+    return LIFE[:index] + list(replacement) + LIFE[index + 1:]
+
+
+ILLEGAL = {
+    "TRACE-1-float-token-count": [reserve(0.0, prompt=8.0)],
+    "TRACE-1-missing-header": None,  # written specially below
+    "TRACE-2-time-goes-back": [reserve(1.0), computed(0.5)],
+    "CFG-1-layer-mode-recurrent": [],
+    "SLAB-1-page-held-by-another-slab": [reserve(0.0), reserve(0.1, req="b", pages=(1, 2))],
+    "SLAB-1-wrong-page-count": [reserve(0.0, pages=(0, 1, 2))],
+    "SLAB-2-prefix-not-page-aligned": [reserve(0.0, prefix=3, pages=(0, 1))],
+    "REQ-1-land-twice": edit(7, [simple("land", 0.4, span=1), simple("land", 0.4, span=1)]),
+    "REQ-1-span-id-reused": edit(4, [issue(0.2, 0, tokens=(4, 8))]),
+    "COV-1-span-outside-suffix": [reserve(0.0, prefix=4, pages=(0,)), computed(0.1),
+                                  issue(0.1, 0, tokens=(0, 8))],
+    "COV-2-overlapping-spans-in-flight": edit(4, [issue(0.2, 1, tokens=(2, 8))]),
+    "COV-3-admit-before-last-layer": [reserve(0.0), computed(0.1), issue(0.1, 0, layers=(0, 1)),
+                                      simple("produced", 0.1, token=3), simple("land", 0.2, span=0),
+                                      simple("admit", 0.3)],
+    "COPY-1-span-from-reused-source": [reserve(0.0), computed(0.1),
+                                       simple("reuse", 0.2, tokens=[0, 4]), issue(0.3, 0)],
+    "COPY-2-too-many-pending": [reserve(0.0), computed(0.1), issue(0.1, 0, tokens=(0, 2)),
+                                issue(0.1, 1, tokens=(2, 4)), issue(0.1, 2, tokens=(4, 8))],
+    "COPY-3-reuse-under-copy": [reserve(0.0), computed(0.1), issue(0.1, 0),
+                                simple("reuse", 0.2, tokens=[6, 8])],
+    "COPY-4-wrong-bytes": [reserve(0.0), computed(0.1), issue(0.1, 0, nbytes=100)],
+    "PROD-1-produced-before-computed": [reserve(0.0), computed(0.1, layers=(0, 1)),
+                                        simple("produced", 0.2, token=1)],
+    "ADM-1-admit-with-failed-span": [reserve(0.0), computed(0.1), issue(0.1, 0),
+                                     simple("fail", 0.2, span=0, error="link down"),
+                                     simple("produced", 0.2, token=1), simple("admit", 0.3)],
+    "ADM-1-admit-before-produced": edit(5, []),
+    "LIFE-1-release-before-admit": edit(8, []),
+    "LIFE-1-trace-ends-holding-pages": LIFE[:-1],
+}
+
+LEGAL_EXTRA = {
+    "legal-hand-chunk": LIFE,
+    "legal-hand-empty-suffix": [reserve(0.0, prefix=8, pages=()), computed(0.1),
+                                simple("produced", 0.1, token=5), simple("admit", 0.1),
+                                simple("release", 0.2)],
+    "legal-hand-fail-abort-retry": [
+        reserve(0.0), computed(0.1), issue(0.1, 0), simple("fail", 0.2, span=0, error="timeout"),
+        simple("abort", 0.2, reason="span failed"),
+        reserve(0.3, pages=(2, 3)), computed(0.4), issue(0.4, 1), simple("produced", 0.4, token=2),
+        simple("land", 0.5, span=1), simple("admit", 0.5), simple("release", 0.6),
+    ],
+}
+
+
+def write(name: str, header: dict, lines: list[dict]) -> None:
+    text = "".join(dumps(obj) + "\n" for obj in [header, *lines])
+    (OUT / f"{name}.jsonl").write_text(text, encoding="utf-8")
+
+
+def write_synthetic() -> None:
+    for mode in ev.Mode:
+        geometry = Geometry(layers=4, kv_heads=2, head_dim=8, dtype_bytes=2, page_tokens=16)
+        header = ev.Header("pdref.synth", mode, geometry, pool_pages=48, max_pending=2,
+                           extra=(("chunk", 32),))
+        config = SynthConfig(requests=6, max_live=3, max_prompt=160, chunk=32, producers=2)
+        events = synth_trace(header, config, seed=7)
+        write(f"legal-synth-{mode}", ev.header_to_json(header),
+              [ev.event_to_json(e) for e in events])
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.glob("*.jsonl"):
+        old.unlink()
+    write_synthetic()
+    for name, lines in LEGAL_EXTRA.items():
+        write(name, HEADER, lines)
+    for code_name, lines in ILLEGAL.items():
+        if lines is None:
+            (OUT / f"illegal-{code_name}.jsonl").write_text(dumps(reserve(0.0)) + "\n")
+            continue
+        header = HEADER
+        if code_name.startswith("CFG-1"):
+            header = {**HEADER, "mode": "layer", "geometry": {**GEO, "recurrent": True}}
+        write(f"illegal-{code_name}", header, lines)
+
+
+if __name__ == "__main__":
+    main()
