@@ -1,0 +1,80 @@
+"""`pdsim run | sweep | explain | timeline`: the simulator's command line.
+
+Bad input is one line on stderr naming the field and the rule, exit 2, and nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from pdref.models import ProfileError
+from pdref.plan import PlanError
+from pdsim.metrics import single_metrics, workload_metrics
+from pdsim.options import Parser, UsageError, add_run_options, run_setup
+from pdsim.report import format_metrics, write_trace
+from pdsim.sim import simulate
+
+EXIT_OK, EXIT_USAGE = 0, 2
+INPUT_ERRORS = (UsageError, ProfileError, PlanError, ValueError, OSError)
+
+
+def cmd_run(args) -> int:
+    cfg, requests = run_setup(args)
+    result = simulate(cfg, requests)
+    metrics = single_metrics(result) if len(requests) == 1 else workload_metrics(result)
+    if args.trace:
+        write_trace(args.trace, result)
+    print(json.dumps(metrics) if args.json else format_metrics(metrics))
+    return EXIT_OK
+
+
+def _commands():
+    from pdsim import explain, sweep, timeline
+
+    return {
+        "run": ("simulate one run or workload; print metrics", _run_args, cmd_run),
+        "sweep": ("grid over chunk sizes, prompts, modes, bounds, bandwidths",
+                  sweep.add_args, sweep.command),
+        "explain": ("dependency graph and critical path of one run",
+                    explain.add_args, explain.command),
+        "timeline": ("Gantt PNG and Perfetto trace of one run",
+                     timeline.add_args, timeline.command),
+    }
+
+
+def _run_args(p) -> None:
+    add_run_options(p)
+    p.add_argument("--trace", default=None, help="write the contract-v1 JSONL trace here")
+    p.add_argument("--json", action="store_true", help="print metrics as one JSON object")
+
+
+def _parser(commands) -> Parser:
+    parser = Parser(prog="pdsim", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for name, (text, add_args, _) in commands.items():
+        add_args(sub.add_parser(name, help=text, description=text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    commands = _commands()
+    try:
+        args = _parser(commands).parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        return commands[args.command][2](args)
+    except INPUT_ERRORS as e:
+        print(f"pdsim {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, OSError) and error.filename:
+        return f"{error.filename}: {error.strerror}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""What one simulation is given: the workload's requests and the run's frozen configuration."""
+
+from __future__ import annotations
+
+import attrs
+
+from pdref.events import Mode
+from pdref.geometry import Geometry
+from pdsim.costs import Costs
+
+
+def _at_least(n: int):
+    def check(_inst, attribute, value) -> None:
+        if type(value) is not int or value < n:
+            raise ValueError(f"{attribute.name} must be an integer >= {n}, got {value!r}")
+
+    return check
+
+
+def _time(_inst, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
+
+
+@attrs.frozen
+class RequestSpec:
+    """One request of a workload: when it arrives and which tokens it needs handed off."""
+
+    req: str = attrs.field(validator=attrs.validators.min_len(1))
+    arrival: float = attrs.field(validator=_time)
+    prompt: int = attrs.field(validator=_at_least(1))
+    prefix: int = attrs.field(default=0, validator=_at_least(0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.prefix > self.prompt:
+            raise ValueError(f"prefix must be <= prompt={self.prompt}, got {self.prefix}")
+
+
+@attrs.frozen
+class SimConfig:
+    """The run: geometry and cost terms, mode, chunk, bounds, pool, producers."""
+
+    geometry: Geometry
+    costs: Costs
+    mode: Mode = attrs.field(converter=Mode)
+    chunk: int = attrs.field(validator=_at_least(1))
+    max_pending: int = attrs.field(default=2, validator=_at_least(1))
+    pool_pages: int = attrs.field(default=4096, validator=_at_least(1))
+    producers: int = attrs.field(default=1, validator=_at_least(1))
+    no_compute: bool = False
+    output_tokens: int = attrs.field(default=0, validator=_at_least(0))
+    stages: bool = True  # emit informational stage events (traces, explain, timeline)
+    labels: tuple[tuple[str, object], ...] = ()  # extra header fields (model, hw, link, ...)
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode is Mode.LAYER and self.geometry.recurrent:
+            raise ValueError("mode layer is refused for a recurrent model (CFG-1)")
+
+    def producer_name(self, index: int) -> str:
+        return f"p{index}"

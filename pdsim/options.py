@@ -1,0 +1,124 @@
+"""Command-line options shared by the pdsim subcommands, and turning them into a run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import attrs
+
+from pdref.events import Mode
+from pdref.models import load_model
+from pdsim.config import RequestSpec, SimConfig
+from pdsim.costs import costs_for, sim_geometry
+from pdsim.profiles import load_hw, load_link
+from pdsim.workload import WorkloadSpec, build_requests
+
+
+class UsageError(Exception):
+    """Bad command-line input: one line naming the field and the rule; exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports bad input as one line on stderr and exits 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be A:B with integers, got {text!r}") from None
+    return lo, hi
+
+
+def _times(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated seconds, got {text!r}") from None
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen3-0.6b", help="model profile name or .toml")
+    p.add_argument("--hw", default="a100-pcie", help="hardware profile name or .toml")
+    p.add_argument("--link", default=None, help="link profile (default: the hw profile's)")
+    p.add_argument("--page-tokens", type=int, default=16)
+    p.add_argument("--bandwidth-scale", type=float, default=1.0,
+                   help="what-if: multiply every copy bandwidth")
+    p.add_argument("--compute-scale", type=float, default=1.0,
+                   help="what-if: multiply compute speed")
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """DESIGN.md's workload options plus the simulator's own."""
+    add_model_options(p)
+    p.add_argument("--prompt", type=int, default=8192)
+    p.add_argument("--prefix", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--mode", choices=[m.value for m in Mode], default="whole")
+    p.add_argument("--max-pending", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compute", action="store_true",
+                   help="export-only what-if: the copy path alone")
+    p.add_argument("--payload", type=int, default=None,
+                   help="with --no-compute: payload bytes (sets the prompt length)")
+    p.add_argument("--pool-pages", type=int, default=None)
+    p.add_argument("--producers", type=int, default=1)
+    p.add_argument("--requests", type=int, default=1)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    p.add_argument("--interval", type=float, default=0.0, help="fixed arrival spacing, s")
+    p.add_argument("--arrivals", type=_times, default=None, help="fixed arrival times, s")
+    p.add_argument("--prompt-range", type=_range, default=None, help="uniform prompts A:B")
+    p.add_argument("--prompts-csv", default=None, help="CSV with prompt[,arrival,prefix]")
+    p.add_argument("--output-tokens", type=int, default=0, help="decode length per request")
+
+
+def _check_positive(args, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} must be > 0, got {value}")
+
+
+def base_config(args) -> SimConfig:
+    """The SimConfig the model/hw/link options describe (mode whole, chunk 256 unless set)."""
+    _check_positive(args, "page_tokens", "bandwidth_scale", "compute_scale")
+    spec = load_model(args.model)
+    hw = load_hw(args.hw)
+    link = load_link(args.link or hw.link)
+    costs = costs_for(spec, hw, link).scaled(args.bandwidth_scale, args.compute_scale)
+    labels = (("model", spec.name), ("hw", hw.name), ("link", link.name))
+    if args.bandwidth_scale != 1.0:
+        labels += (("bandwidth_scale", args.bandwidth_scale),)
+    geometry = sim_geometry(spec, args.page_tokens)
+    return SimConfig(geometry, costs, getattr(args, "mode", "whole"),
+                     getattr(args, "chunk", 256), labels=labels)
+
+
+def run_setup(args) -> tuple[SimConfig, list[RequestSpec]]:
+    """The config and the requests of `pdsim run` (and explain/timeline)."""
+    _check_positive(args, "chunk", "max_pending", "producers", "requests", "pool_pages",
+                    "payload")
+    cfg = base_config(args)
+    prompt = args.prompt
+    if args.payload is not None:
+        prompt = -(-args.payload // cfg.geometry.bytes_per_token)
+    spec = WorkloadSpec(args.requests, prompt, args.prefix, args.prompt_range,
+                        args.prompts_csv, args.rate, args.interval, args.arrivals, args.seed)
+    requests = build_requests(spec, cfg.geometry.page_tokens)
+    pool = args.pool_pages or _default_pool(cfg, requests)
+    cfg = attrs.evolve(cfg, max_pending=args.max_pending, pool_pages=pool,
+                       producers=args.producers, no_compute=args.no_compute,
+                       output_tokens=args.output_tokens)
+    return cfg, requests
+
+
+def _default_pool(cfg: SimConfig, requests: list[RequestSpec]) -> int:
+    """Room for every request at once (single runs) or 16 of the largest (workloads)."""
+    need = [cfg.geometry.pages_for(r.prompt - r.prefix) for r in requests]
+    return max(1, sum(need) if len(need) <= 16 else 16 * max(need))

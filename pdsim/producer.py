@@ -1,0 +1,130 @@
+"""The producer process: runs a request's compute steps and feeds its copy worker.
+
+After each step it emits `computed`, then issues the spans that step made ready, one by one;
+when `Monitor.can_issue` says the producer already has max_pending spans in flight, the
+producer blocks (no further compute) until a span lands. The single copy worker serves spans
+in issue order: fixed cost, gather (which slows overlapping compute), then the link.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from pdref import events as ev
+from pdref.plan import Region
+from pdsim.config import RequestSpec
+from pdsim.steps import Step, copied_bytes, plan_steps
+
+
+@attrs.define
+class Job:
+    """A request while the producer works on it (mutable process state)."""
+
+    request: RequestSpec
+    steps: list[Step]
+    index: int = 0
+    ready: deque = attrs.Factory(deque)  # spans computed but not yet issued
+    spans_total: int = 0
+    spans_issued: int = 0
+    spans_landed: int = 0
+    produced: bool = False
+
+    @property
+    def req(self) -> str:
+        return self.request.req
+
+
+class Producer:
+    """One producer device: a compute stream and one copy worker."""
+
+    def __init__(self, env, sim, name: str) -> None:
+        self.env, self.sim, self.name = env, sim, name
+        self.job: Job | None = None  # the request being computed, None when idle
+        self.blocked: Job | None = None
+        self.worker_free = 0.0
+        self.gathers: deque[tuple[float, float]] = deque()
+
+    @property
+    def idle(self) -> bool:
+        return self.job is None
+
+    def start(self, request: RequestSpec) -> None:
+        cfg = self.sim.cfg
+        steps = plan_steps(cfg, request)
+        self.job = Job(request, steps, spans_total=sum(len(s.spans) for s in steps))
+        self.sim.monitor.reserve(self.env.now, request.req, request.prompt, request.prefix,
+                                 self.name)
+        self._next_step(self.job)
+
+    def _next_step(self, job: Job) -> None:
+        if job.index == len(job.steps):
+            self._finish(job)
+            return
+        step = job.steps[job.index]
+        duration = self._stretched(step.base_s)
+        if self.sim.cfg.stages and not self.sim.cfg.no_compute:
+            self.sim.stage(self.env.now, job.req, "compute", duration, None, f"{self.name}.compute")
+        self.env.after(duration, self._end_step, job, step)
+
+    def _stretched(self, base: float) -> float:
+        """Compute time when known gathers overlap [now, now + base]: contention slows it."""
+        now, end = self.env.now, self.env.now + base
+        while self.gathers and self.gathers[0][1] <= now:
+            self.gathers.popleft()
+        overlap = sum(max(0.0, min(g1, end) - max(g0, now)) for g0, g1 in self.gathers)
+        return base + self.sim.cfg.costs.contention * overlap
+
+    def _end_step(self, job: Job, step: Step) -> None:
+        now = self.env.now
+        self.sim.emit(ev.Computed(now, job.req, step.layers, step.tokens))
+        job.index += 1
+        if job.index == len(job.steps):
+            self._produce(job)
+        job.ready.extend(step.spans)
+        self._issue_ready(job)
+
+    def _produce(self, job: Job) -> None:
+        job.produced = True
+        self.sim.emit(ev.Produced(self.env.now, job.req, 0))
+        self.sim.try_admit(job)
+
+    def _issue_ready(self, job: Job) -> None:
+        while job.ready:
+            if not self.sim.monitor.can_issue(self.name):
+                self.blocked = job
+                return
+            self._issue(job, job.ready.popleft())
+        self._next_step(job)
+
+    def _finish(self, job: Job) -> None:
+        if not job.produced:
+            self._produce(job)
+        self.job = None
+        self.env.at(self.env.now, self.sim.dispatch)
+
+    def _issue(self, job: Job, region: Region) -> None:
+        cfg, now = self.sim.cfg, self.env.now
+        span = self.sim.next_span()
+        nbytes = region.bytes(cfg.geometry)
+        job.spans_issued += 1
+        self.sim.emit(ev.Issue(now, job.req, span, region.layers, region.tokens, nbytes))
+        start = max(now, self.worker_free)
+        moved = copied_bytes(cfg, nbytes, job.spans_issued == job.spans_total)
+        plan = cfg.costs.stage_plan(moved)
+        self.worker_free = start + cfg.costs.copy_s(moved)
+        self.gathers.append((start + plan[0][1], start + plan[0][2]))
+        if cfg.stages:
+            for name, a, b in plan:
+                self.env.at(start + a, self.sim.stage, start + a, job.req, name, b - a, span,
+                            f"{self.name}.{name}")
+        self.env.at(self.worker_free, self._land, job, span)
+
+    def _land(self, job: Job, span: int) -> None:
+        self.sim.emit(ev.Land(self.env.now, job.req, span))
+        job.spans_landed += 1
+        self.sim.try_admit(job)
+        if self.blocked is not None and self.sim.monitor.can_issue(self.name):
+            blocked, self.blocked = self.blocked, None
+            self._issue_ready(blocked)

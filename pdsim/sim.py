@@ -1,0 +1,99 @@
+"""One simulation: wires the Env, the Monitor (pdref), producers and the decoder together.
+
+Every event goes through `pdref.monitor.Monitor.emit`, so a schedule the specification
+forbids raises a Violation instead of producing a trace.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from pdref import events as ev
+from pdref.monitor import Monitor
+from pdsim.config import RequestSpec, SimConfig
+from pdsim.decoder import Decoder
+from pdsim.env import Env
+from pdsim.producer import Producer
+
+
+@attrs.frozen
+class SimResult:
+    """What a run leaves: its header, every event in order, and what it was given."""
+
+    cfg: SimConfig
+    header: ev.Header
+    events: tuple
+    requests: tuple[RequestSpec, ...]
+    steps: int  # heap events handled
+
+
+def make_header(cfg: SimConfig) -> ev.Header:
+    extra = tuple(sorted((("chunk", cfg.chunk),) + cfg.labels))
+    return ev.Header(source="pdsim", mode=cfg.mode, geometry=cfg.geometry,
+                     pool_pages=cfg.pool_pages, max_pending=cfg.max_pending, extra=extra)
+
+
+def check_fits(cfg: SimConfig, requests) -> None:
+    """Refuse a workload with a request no pool state could ever hold (it would wait forever)."""
+    for r in requests:
+        need = cfg.geometry.pages_for(r.prompt - r.prefix)
+        if need > cfg.pool_pages:
+            raise ValueError(
+                f"pool_pages must hold every request: {r.req} needs {need} pages, "
+                f"pool has {cfg.pool_pages}")
+
+
+class Sim:
+    """Plays one workload in virtual time; `run()` returns the SimResult."""
+
+    def __init__(self, cfg: SimConfig, requests) -> None:
+        check_fits(cfg, requests)
+        self.cfg, self.requests = cfg, tuple(requests)
+        self.env = Env()
+        self.header = make_header(cfg)
+        self.events: list = []
+        self.monitor = Monitor(self.header, sink=self.events.append)
+        self.producers = [Producer(self.env, self, cfg.producer_name(i))
+                          for i in range(cfg.producers)]
+        self.decoder = Decoder(self.env, self)
+        self.queue: deque[RequestSpec] = deque()
+        self._spans = 0
+        for request in self.requests:
+            self.env.at(request.arrival, self._arrive, request)
+
+    def emit(self, event) -> None:
+        self.monitor.emit(event)
+
+    def stage(self, t, req, name, duration, span, resource) -> None:
+        self.monitor.emit(ev.Stage(t, req, name, t + duration, span, resource))
+
+    def next_span(self) -> int:
+        self._spans += 1
+        return self._spans - 1
+
+    def try_admit(self, job) -> None:
+        self.decoder.try_admit(job)
+
+    def _arrive(self, request: RequestSpec) -> None:
+        self.queue.append(request)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Start queued requests, in arrival order, on idle producers while a slab fits."""
+        while self.queue:
+            producer = next((p for p in self.producers if p.idle), None)
+            head = self.queue[0]
+            if producer is None or not self.monitor.can_reserve(head.prompt, head.prefix):
+                return
+            producer.start(self.queue.popleft())
+
+    def run(self) -> SimResult:
+        self.env.run()
+        self.monitor.close()
+        return SimResult(self.cfg, self.header, tuple(self.events), self.requests, self.env.steps)
+
+
+def simulate(cfg: SimConfig, requests) -> SimResult:
+    return Sim(cfg, requests).run()

@@ -1,0 +1,114 @@
+"""Workloads: arrival times (fixed list, fixed interval, or Poisson at a rate) and prompt
+lengths (fixed, uniform in a range, or from a CSV with a `prompt` column and optional
+`arrival` and `prefix` columns). Seeded, so equal inputs give equal workloads."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from pdsim.config import RequestSpec
+
+
+class WorkloadError(ValueError):
+    """A workload input that breaks a rule; the message names the field."""
+
+
+@attrs.frozen
+class WorkloadSpec:
+    """How to draw the requests of a run (validated by `build_requests`)."""
+
+    requests: int = 1
+    prompt: int = 8192
+    prefix: int = 0
+    prompt_range: tuple[int, int] | None = None
+    prompts_csv: str | None = None
+    rate: float | None = None  # Poisson arrivals, requests per second
+    interval: float = 0.0  # fixed spacing between arrivals when no rate is given
+    arrivals: tuple[float, ...] | None = None
+    seed: int = 0
+
+
+def build_requests(spec: WorkloadSpec, page_tokens: int) -> list[RequestSpec]:
+    """The requests r0, r1, ... of a workload, in arrival order."""
+    rng = np.random.default_rng(spec.seed)
+    rows = _read_csv(spec.prompts_csv) if spec.prompts_csv else None
+    count = len(rows) if rows is not None and spec.requests == 1 else spec.requests
+    if count < 1:
+        raise WorkloadError(f"requests must be >= 1, got {count}")
+    prompts = _prompts(spec, rows, count, rng)
+    times = _arrivals(spec, rows, count, rng)
+    out = []
+    for i, (t, prompt) in enumerate(zip(times, prompts, strict=True)):
+        prefix = _prefix(spec, rows, i, prompt, page_tokens)
+        out.append(RequestSpec(f"r{i}", float(t), int(prompt), prefix))
+    return sorted(out, key=lambda r: (r.arrival, int(r.req[1:])))
+
+
+def _prompts(spec: WorkloadSpec, rows, count: int, rng) -> list[int]:
+    if rows is not None:
+        return [rows[i % len(rows)]["prompt"] for i in range(count)]
+    if spec.prompt_range is not None:
+        lo, hi = spec.prompt_range
+        if not 1 <= lo <= hi:
+            raise WorkloadError(f"prompt-range must be A:B with 1 <= A <= B, got {lo}:{hi}")
+        return [int(x) for x in rng.integers(lo, hi + 1, size=count)]
+    if spec.prompt < 1:
+        raise WorkloadError(f"prompt must be >= 1, got {spec.prompt}")
+    return [spec.prompt] * count
+
+
+def _arrivals(spec: WorkloadSpec, rows, count: int, rng) -> list[float]:
+    if spec.arrivals is not None:
+        if len(spec.arrivals) != count or any(not t >= 0 for t in spec.arrivals):
+            raise WorkloadError(f"arrivals must list {count} times >= 0")
+        return list(spec.arrivals)
+    if rows is not None and all("arrival" in r for r in rows):
+        return [rows[i % len(rows)]["arrival"] for i in range(count)]
+    if spec.rate is not None:
+        if not spec.rate > 0:
+            raise WorkloadError(f"rate must be > 0 requests/s, got {spec.rate}")
+        return list(np.cumsum(rng.exponential(1.0 / spec.rate, size=count)) - 0.0)
+    if not spec.interval >= 0:
+        raise WorkloadError(f"interval must be >= 0 s, got {spec.interval}")
+    return [i * spec.interval for i in range(count)]
+
+
+def _prefix(spec: WorkloadSpec, rows, i: int, prompt: int, page_tokens: int) -> int:
+    if rows is not None and "prefix" in rows[i % len(rows)]:
+        prefix = rows[i % len(rows)]["prefix"]
+    else:
+        prefix = min(spec.prefix, prompt // page_tokens * page_tokens)
+    if prefix < 0 or prefix > prompt or prefix % page_tokens:
+        raise WorkloadError(
+            f"prefix must be a multiple of page_tokens={page_tokens} in [0, prompt={prompt}],"
+            f" got {prefix}")
+    return prefix
+
+
+def _read_csv(path: str) -> list[dict]:
+    try:
+        with open(Path(path), newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise WorkloadError(f"prompts-csv: cannot read {path}: {e}") from None
+    if not rows or "prompt" not in rows[0]:
+        raise WorkloadError(f"prompts-csv: {path} needs a header row with a 'prompt' column")
+    return [_row(path, n, row) for n, row in enumerate(rows, 2)]
+
+
+def _row(path: str, line: int, row: dict) -> dict:
+    out = {}
+    for key, convert in (("prompt", int), ("prefix", int), ("arrival", float)):
+        if row.get(key) not in (None, ""):
+            try:
+                out[key] = convert(row[key])
+            except ValueError:
+                raise WorkloadError(f"prompts-csv: {path}:{line}: {key} {row[key]!r} is not a "
+                                    f"{convert.__name__}") from None
+    if out.get("prompt", 0) < 1:
+        raise WorkloadError(f"prompts-csv: {path}:{line}: prompt must be >= 1")
+    return out
