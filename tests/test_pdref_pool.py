@@ -1,0 +1,105 @@
+"""Properties of the page pool: never more than the pool, ids never collide, all come back."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
+
+from pdref.pool import Pool, PoolError, page_runs
+
+POOL = 24
+
+
+def free_ids(pool: Pool) -> set[int]:
+    out: set[int] = set()
+    for a, b in pool.free:
+        out |= set(range(a, b))
+    return out
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random allocate/take/give_back against a set of free ids and a dict of held slabs."""
+
+    slabs = Bundle("slabs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = Pool(POOL)
+        self.free = set(range(POOL))
+        self.held: dict[int, tuple[int, ...]] = {}
+        self.next = 0
+
+    def _hold(self, pages):
+        self.next += 1
+        self.held[self.next] = pages
+        return self.next
+
+    @rule(target=slabs, count=st.integers(0, 10))
+    def allocate(self, count):
+        """allocate(n) gives the n lowest free ids, or refuses when fewer are free."""
+        if count > len(self.free):
+            with pytest.raises(PoolError):
+                self.pool.allocate(count)
+            return multiple()
+        self.pool, pages = self.pool.allocate(count)
+        assert pages == tuple(sorted(self.free)[:count])
+        self.free -= set(pages)
+        return self._hold(pages)
+
+    @rule(target=slabs, pages=st.lists(st.integers(-2, POOL + 2), max_size=8))
+    def take(self, pages):
+        """take(ids) succeeds exactly when the ids are distinct, inside the pool and free."""
+        pages = tuple(pages)
+        ok = (len(set(pages)) == len(pages) and set(pages) <= self.free)
+        if not ok:
+            with pytest.raises(PoolError):
+                self.pool.take(pages)
+            return multiple()
+        self.pool = self.pool.take(pages)
+        self.free -= set(pages)
+        return self._hold(pages)
+
+    @rule(slab=consumes(slabs))
+    def give_back(self, slab):
+        """give_back returns every page of a held slab."""
+        pages = self.held.pop(slab)
+        self.pool = self.pool.give_back(pages)
+        self.free |= set(pages)
+
+    @invariant()
+    def matches_model(self):
+        """Free ids, the free count and the held slabs partition the pool exactly."""
+        assert free_ids(self.pool) == self.free
+        assert self.pool.free_pages == len(self.free) == self.pool.free.size
+        held = [p for pages in self.held.values() for p in pages]
+        assert len(held) == len(set(held))  # ids never collide
+        assert set(held) | self.free == set(range(POOL))
+        assert not set(held) & self.free
+        assert len(held) + self.pool.free_pages == POOL
+
+
+TestPool = PoolMachine.TestCase
+TestPool.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+@given(st.lists(st.integers(0, 40), unique=True))
+def test_page_runs(pages):
+    """page_runs coalesces distinct ids into sorted, maximal half-open runs."""
+    runs = page_runs(tuple(pages))
+    assert [p for a, b in runs for p in range(a, b)] == sorted(pages)
+    assert all(b0 < a1 for (_, b0), (a1, _) in zip(runs, runs[1:], strict=False))
+
+
+def test_take_names_the_bad_page():
+    """A taken page, an id outside the pool and a repeated id are each refused with a reason."""
+    pool = Pool(8).take((2, 3))
+    with pytest.raises(PoolError, match="page 3 is held"):
+        pool.take((3,))
+    with pytest.raises(PoolError, match="outside"):
+        pool.take((8,))
+    with pytest.raises(PoolError, match="twice"):
+        pool.take((5, 5))
+    with pytest.raises(PoolError):
+        Pool(2).allocate(3)
