@@ -1,0 +1,53 @@
+"""The decoder's paged KV pool: slabs reserved through pdref, spans imported into them.
+
+Which pages a slab gets is decided by pdref (`Monitor.reserve`, its functional allocator);
+this module only holds the tensor and moves bytes. `write_span` imports a region into the
+slab's pages and publishes nothing: coverage, admission and page ownership live in pdref.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from pdgpu.source_cache import token_slots
+from pdref.geometry import Geometry
+from pdref.intervals import Range
+
+
+@attrs.frozen
+class Slab:
+    """Pages reserved for tokens [prefix, prompt) of one request."""
+
+    pages: tuple[int, ...]
+    prefix: int
+    prompt: int
+    slots: torch.Tensor  # [prompt - prefix] flat pool slot per suffix position
+
+
+class DecoderPool:
+    """`kv` [L, 2, pool_pages * page_tokens, KVH, D] on the decoder device."""
+
+    def __init__(self, geometry: Geometry, pool_pages: int, device, dtype: torch.dtype) -> None:
+        self.geometry = geometry
+        self.device = torch.device(device)
+        shape = (geometry.layers, 2, pool_pages * geometry.page_tokens, geometry.kv_heads,
+                 geometry.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, 2, S, KVH, D]
+
+    def slab(self, pages: tuple[int, ...], prefix: int, prompt: int) -> Slab:
+        slots = token_slots(pages, self.geometry.page_tokens, prompt - prefix, self.device)
+        return Slab(tuple(pages), prefix, prompt, slots)
+
+    def write_span(self, slab: Slab, layers: Range, tokens: Range, kv: torch.Tensor) -> None:
+        """Import kv [nl, 2, nt, KVH, D] as layers x tokens of the slab (no allocation)."""
+        index = slab.slots[tokens[0] - slab.prefix:tokens[1] - slab.prefix]  # [nt] view
+        self.kv[layers[0]:layers[1]].index_copy_(2, index, kv)
+
+    def read_slab(self, slab: Slab) -> torch.Tensor:
+        """A CPU copy of the slab's KV [L, 2, prompt - prefix, KVH, D] (for parity checks)."""
+        return self.kv.index_select(2, slab.slots).cpu()
+
+    def scrub(self, slab: Slab) -> None:
+        """Fill the slab's slots with NaN so a later reader of stale KV cannot pass parity."""
+        self.kv.index_fill_(2, slab.slots, float("nan"))

@@ -1,0 +1,235 @@
+"""A decoder-only transformer of the Qwen3 / Llama family, prefilled in chunks over a paged cache.
+
+Module names follow the Hugging Face layout (`model.layers.N.self_attn.q_proj` ...), so a
+state dict is a checkpoint. The math follows the published Qwen3 / Llama code: RMSNorm in
+float32, rotate-half RoPE (with Llama 3.1 frequency scaling), grouped-query attention,
+Qwen3's per-head q/k RMSNorm before RoPE, SwiGLU MLP, tied or untied embeddings.
+
+The KV cache is not owned by the model: every attention call hands its new K/V to a `KVStore`
+(the producer's paged source cache) and gets back K/V of every earlier token of the request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pdref.models import ModelSpec
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVStore(Protocol):
+    """Where attention keeps K/V: store this chunk's, return the request's K/V up to its end."""
+
+    def append(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def inv_frequencies(spec: ModelSpec) -> torch.Tensor:
+    """RoPE inverse frequencies [D/2] (float32), with Llama 3.1 scaling when the spec has it."""
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = spec.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [n, D] for the given positions [n], computed in float32 then cast."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, H, D] rotated by position."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal GQA attention of queries at positions [start, start+n) over keys [0, c).
+
+    q [n, H, D], k/v [c, KVH, D] -> [n, H, D]. Query head h reads KV head h // (H / KVH).
+    """
+    n, heads, _ = q.shape
+    groups = heads // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)  # [c, H, D]
+    v = v.repeat_interleave(groups, dim=1)  # [c, H, D]
+    qpos = torch.arange(start, start + n, device=q.device)[:, None]  # [n, 1]
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :]  # [1, c]
+    mask = kpos <= qpos  # [n, c]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+    )  # [H, n, D]
+    return out.transpose(0, 1)  # [n, H, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden, spec.heads * spec.head_dim, bias=False)
+        self.k_proj = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
+        self.v_proj = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
+        self.o_proj = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=False)
+        self.qk_norm = spec.arch == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps)
+
+    def forward(self, x, cos, sin, kv: KVStore, layer: int, start: int) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)  # [n, H, D]
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)  # [n, KVH, D]
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)  # [n, KVH, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = kv.append(layer, start, k, v)  # [start+n, KVH, D] each
+        out = attend(q, keys, values, start)  # [n, H, D]
+        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden, spec.intermediate, bias=False)
+        self.up_proj = nn.Linear(spec.hidden, spec.intermediate, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate, spec.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden, spec.rms_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.rms_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, h, cos, sin, kv: KVStore, layer: int, start: int) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Body(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.layers))
+        self.norm = RMSNorm(spec.hidden, spec.rms_eps)
+
+
+class Transformer(nn.Module):
+    """The network. `prefill_chunk` for chunk-major prefill, `run_layer` for layer-major."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = Body(spec)
+        if not spec.tie_embeddings:
+            self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.register_buffer("inv_freq", inv_frequencies(spec), persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [n] -> hidden [n, E]."""
+        return self.model.embed_tokens(tokens)
+
+    def run_layer(self, layer: int, h: torch.Tensor, start: int, kv: KVStore) -> torch.Tensor:
+        """One layer over hidden states h [n, E] of positions [start, start+n)."""
+        positions = torch.arange(start, start + h.shape[0], device=h.device)  # [n]
+        cos, sin = rope_tables(self.inv_freq, positions, h.dtype)  # [n, D] each
+        return self.model.layers[layer](h, cos, sin, kv, layer, start)
+
+    def prefill_chunk(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        kv: KVStore,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Every layer over tokens [n] at positions [start, start+n); hidden [n, E] out.
+
+        `on_layer(l)` runs as soon as layer l's K/V of this chunk is in the store.
+        """
+        h = self.embed(tokens)  # [n, E]
+        for layer in range(self.num_layers):
+            h = self.run_layer(layer, h, start, kv)
+            if on_layer is not None:
+                on_layer(layer)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden [n, E] -> logits [n, V]."""
+        h = self.model.norm(h)
+        weight = self.model.embed_tokens.weight if self.spec.tie_embeddings else self.lm_head.weight
+        return F.linear(h, weight)
+
+
+def torch_dtype(spec: ModelSpec) -> torch.dtype:
+    return TORCH_DTYPES[spec.dtype]
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Seeded random init: norms at 1, every matrix N(0, 0.02), deterministic per seed."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+        param.copy_(values)
+
+
+def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int | None = 0):
+    """A model of `spec`'s shape in its dtype on `device`; random weights when seed is set."""
+    with torch.device("meta"):
+        model = Transformer(spec)
+    model = model.to_empty(device=device)
+    if seed is not None:
+        init_weights(model, seed)
+    model = model.to(torch_dtype(spec)).eval().requires_grad_(False)
+    model.inv_freq = inv_frequencies(spec).to(device)  # stays float32, like HF's
+    return model

@@ -1,0 +1,111 @@
+"""The engine's line to pdref: every protocol event goes through a live Monitor as it happens.
+
+Protocol events are stamped with the run clock and applied at once (a violation raises and
+stops the run). `stage` events are timed by whoever did the work (the copy worker reports a
+stage after it ends, with its real start), so they are kept aside, checked for form, and
+merged into the trace by time when the run ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from pdref import events as ev
+from pdref.metrics import run_metrics
+from pdref.monitor import Monitor
+from pdref.violations import Violation
+
+STAGE_NAMES = ("compute", "blocked", "gather", "d2h", "h2d")
+
+
+class Recorder:
+    """Clock, live Monitor, span ids, and the events of one run."""
+
+    def __init__(self, header: ev.Header) -> None:
+        self.header = header
+        self.protocol: list = []
+        self.stages: list[ev.Stage] = []
+        self.monitor = Monitor(header, sink=self.protocol.append)
+        self.check_s = 0.0
+        self._spans = itertools.count()
+        self.t0 = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """Put t = 0 here; only before the first event."""
+        if self.protocol:
+            raise RuntimeError("the clock can only restart before the first event")
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def next_span(self) -> int:
+        return next(self._spans)
+
+    def emit(self, cls, *fields):
+        """Stamp, check live and record one protocol event; raises Violation."""
+        event = cls(self.now(), *fields)
+        start = time.perf_counter()
+        try:
+            self.monitor.emit(event)
+        finally:
+            self.check_s += time.perf_counter() - start
+        return event
+
+    def reserve(self, req: str, prompt: int, prefix: int) -> tuple[int, ...]:
+        start = time.perf_counter()
+        try:
+            return self.monitor.reserve(self.now(), req, prompt, prefix)
+        finally:
+            self.check_s += time.perf_counter() - start
+
+    def ask(self, query: str, *args) -> bool:
+        """A Monitor query (can_issue, can_admit ...), timed as live-check cost."""
+        start = time.perf_counter()
+        try:
+            return getattr(self.monitor, query)(*args)
+        finally:
+            self.check_s += time.perf_counter() - start
+
+    def failed(self, req: str) -> bool:
+        life = self.monitor.state.live(req)
+        return life is not None and life.failed
+
+    def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None):
+        if end < start:
+            raise Violation("TRACE-2", f"stage {name} ends at {end}, before it starts at {start}")
+        self.stages.append(ev.Stage(start, req, name, end, span, resource))
+
+    def trace(self) -> list:
+        """Every event in time order (stable: protocol order is kept among equal times)."""
+        return sorted(self.protocol + self.stages, key=lambda e: e.t)
+
+
+def stage_means(stages: list[ev.Stage]) -> dict:
+    """Mean seconds of each copy stage per span, and of a span's whole copy."""
+    out = {}
+    for name in ("gather", "d2h", "h2d"):
+        times = [s.end - s.t for s in stages if s.name == name]
+        out[f"{name}_s"] = sum(times) / len(times) if times else None
+    spans: dict = {}
+    for s in stages:
+        if s.span is not None:
+            a, b = spans.get(s.span, (s.t, s.end))
+            spans[s.span] = (min(a, s.t), max(b, s.end))
+    copies = [b - a for a, b in spans.values()]
+    out["copy_s"] = sum(copies) / len(copies) if copies else None
+    out["compute_s"] = sum(s.end - s.t for s in stages if s.name == "compute")
+    out["blocked_s"] = sum(s.end - s.t for s in stages if s.name == "blocked")
+    return out
+
+
+def engine_metrics(rec: Recorder, wall_s: float, extra: dict) -> dict:
+    """DESIGN.md's metrics from the trace (pdref.metrics), plus the engine's own figures."""
+    metrics = run_metrics(rec.header, rec.trace())
+    metrics.update(stage_means(rec.stages))
+    metrics.update(extra)
+    metrics["wall_s"] = wall_s
+    metrics["check_s"] = rec.check_s
+    metrics["check_frac"] = rec.check_s / wall_s if wall_s > 0 else 0.0
+    return metrics
