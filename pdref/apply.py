@@ -6,10 +6,8 @@ two rules always reports the same code.
 
 from __future__ import annotations
 
-import attrs
-
 from pdref import events as ev
-from pdref.intervals import contains, fmt
+from pdref.intervals import contains, fmt, is_empty
 from pdref.pool import PoolError
 from pdref.progress import Coverage, LayerProgress
 from pdref.state import Phase, RequestLife, Span, SystemState
@@ -31,7 +29,7 @@ def _live(state: SystemState, event) -> RequestLife:
 
 
 def _put(state: SystemState, life: RequestLife, **changes) -> SystemState:
-    return attrs.evolve(state, requests=state.requests.set(life.req, life), **changes)
+    return state.replace(requests=state.requests.set(life.req, life), **changes)
 
 
 def _adjust_pending(state: SystemState, producer: str, delta: int):
@@ -70,8 +68,7 @@ def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
             and contains((0, life.prompt), event.tokens)):
         raise Violation("PROD-1", f"computed {fmt(event.layers)} x {fmt(event.tokens)} is outside "
                         f"[0, {state.geometry.layers}) x [0, {life.prompt})", event)
-    return _put(state, attrs.evolve(
-        life,
+    return _put(state, life.replace(
         computed=life.computed.union(event.layers, event.tokens),
         held=life.held.union(event.layers, event.tokens),
     ))
@@ -103,7 +100,7 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
         raise Violation("COPY-2", f"producer {life.producer!r} already has "
                         f"{state.max_pending} spans in flight (max_pending)", event)
     return _put(
-        state, attrs.evolve(life, in_flight=life.in_flight + (span,)),
+        state, life.replace(in_flight=life.in_flight + (span,)),
         pending=_adjust_pending(state, life.producer, 1),
         spans_used=state.spans_used.set(event.span, event.req),
     )
@@ -116,7 +113,7 @@ def _retire(state: SystemState, event) -> tuple[RequestLife, Span]:
     if span is None:
         raise Violation("REQ-1", f"span {event.span!r} is not in flight for {event.req!r}", event)
     rest = tuple(s for s in life.in_flight if s is not span)
-    return attrs.evolve(life, in_flight=rest), span
+    return life.replace(in_flight=rest), span
 
 
 def apply_land(state: SystemState, event: ev.Land) -> SystemState:
@@ -125,14 +122,16 @@ def apply_land(state: SystemState, event: ev.Land) -> SystemState:
     if hit is not None:
         raise Violation("COV-2", f"span {event.span!r} lands on tokens {fmt(hit[1])} of layer "
                         f"{hit[0]} that already landed", event)
-    progress = life.progress.add(span.layers, span.tokens)
-    return _put(state, attrs.evolve(life, progress=progress),
+    progress = life.progress
+    if not (is_empty(span.layers) or is_empty(span.tokens)):  # an empty span publishes nothing
+        progress = progress.add(span.layers, span.tokens)
+    return _put(state, life.replace(progress=progress),
                 pending=_adjust_pending(state, life.producer, -1))
 
 
 def apply_fail(state: SystemState, event: ev.Fail) -> SystemState:
     life, _ = _retire(state, event)
-    return _put(state, attrs.evolve(life, failed=True),
+    return _put(state, life.replace(failed=True),
                 pending=_adjust_pending(state, life.producer, -1))
 
 
@@ -142,7 +141,7 @@ def apply_reuse(state: SystemState, event: ev.Reuse) -> SystemState:
         if span.reads(event.tokens):
             raise Violation("COPY-3", f"reuse of tokens {fmt(event.tokens)} while span "
                             f"{span.span!r} in flight reads {fmt(span.tokens)}", event)
-    return _put(state, attrs.evolve(life, held=life.held.remove_tokens(event.tokens)))
+    return _put(state, life.replace(held=life.held.remove_tokens(event.tokens)))
 
 
 def apply_produced(state: SystemState, event: ev.Produced) -> SystemState:
@@ -153,7 +152,7 @@ def apply_produced(state: SystemState, event: ev.Produced) -> SystemState:
     if gap is not None:
         raise Violation("PROD-1", f"produced before layer {gap[0]} computed tokens "
                         f"{fmt(gap[1])}", event)
-    return _put(state, attrs.evolve(life, phase=Phase.PRODUCED))
+    return _put(state, life.replace(phase=Phase.PRODUCED))
 
 
 def apply_admit(state: SystemState, event: ev.Admit) -> SystemState:
@@ -169,7 +168,7 @@ def apply_admit(state: SystemState, event: ev.Admit) -> SystemState:
         raise Violation("COV-3", f"layer {gap[0]} has not landed tokens {fmt(gap[1])}", event)
     if life.phase is not Phase.PRODUCED:
         raise Violation("ADM-1", f"admit before produced for {event.req!r}", event)
-    done = attrs.evolve(life, phase=Phase.ADMITTED, progress=life.progress.finish())
+    done = life.replace(phase=Phase.ADMITTED, progress=life.progress.finish())
     return _put(state, done)
 
 
@@ -177,7 +176,7 @@ def _end_life(state: SystemState, life: RequestLife) -> SystemState:
     pending = state.pending
     if life.in_flight:  # abort cancels them
         pending = _adjust_pending(state, life.producer, -len(life.in_flight))
-    return attrs.evolve(state, requests=state.requests.delete(life.req),
+    return state.replace(requests=state.requests.delete(life.req),
                         pool=state.pool.give_back(life.pages), pending=pending)
 
 
