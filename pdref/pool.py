@@ -13,6 +13,10 @@ class PoolError(ValueError):
 
 def page_runs(pages: tuple[int, ...]) -> list[tuple[int, int]]:
     """Sorted page ids coalesced into half-open runs (duplicates must be checked before)."""
+    if pages and pages[-1] - pages[0] + 1 == len(pages) and pages == tuple(
+        range(pages[0], pages[-1] + 1)
+    ):
+        return [(pages[0], pages[-1] + 1)]  # the allocator's usual answer: one ascending run
     runs: list[tuple[int, int]] = []
     for page in sorted(pages):
         if runs and runs[-1][1] == page:

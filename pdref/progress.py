@@ -45,6 +45,8 @@ class Coverage:
 
     def _map(self, layers: Range, fn) -> Coverage:
         """Apply fn to the token set of every layer in `layers`, then re-merge equal bands."""
+        if layers[0] <= 0 and layers[1] >= self.num_layers:  # every layer: no split needed
+            return self._merged(tuple(fn(s) for s in self.sets))
         split = self._split(layers)
         sets = list(split.sets)
         for i in split._bands(layers):
@@ -52,6 +54,8 @@ class Coverage:
         return split._merged(tuple(sets))
 
     def _merged(self, sets: tuple[IntervalSet, ...]) -> Coverage:
+        if len(sets) == 1:
+            return Coverage(self.num_layers, self.starts, sets)
         starts, merged = [self.starts[0]], [sets[0]]
         for start, s in zip(self.starts[1:], sets[1:], strict=True):
             if s == merged[-1]:

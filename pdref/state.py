@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from operator import attrgetter
 
 import attrs
 import immutables
@@ -12,6 +13,21 @@ from pdref.geometry import Geometry
 from pdref.intervals import Range, overlaps
 from pdref.pool import Pool
 from pdref.progress import Coverage, LayerProgress
+
+
+def replacer(cls):
+    """A faster `attrs.evolve` for one frozen class: copy every field, override some."""
+    names = tuple(a.name for a in attrs.fields(cls))
+    get_all = attrgetter(*names)
+    index = {name: i for i, name in enumerate(names)}
+
+    def replace(obj, **changes):
+        values = list(get_all(obj))
+        for name, value in changes.items():
+            values[index[name]] = value
+        return cls(*values)
+
+    return replace
 
 
 class Phase(enum.Enum):
@@ -57,6 +73,9 @@ class RequestLife:
     @property
     def suffix(self) -> Range:
         return (self.prefix, self.prompt)
+
+    def replace(self, **changes) -> RequestLife:
+        return _replace_life(self, **changes)
 
     def find_span(self, span: SpanId) -> Span | None:
         for s in self.in_flight:
@@ -110,6 +129,13 @@ class SystemState:
             and life.progress.is_complete()
         )
 
+    def replace(self, **changes) -> SystemState:
+        return _replace_state(self, **changes)
+
     def open_requests(self) -> list[RequestLife]:
         """Live requests that still hold pages or spans in flight (LIFE-1 at trace end)."""
         return [life for life in self.requests.values() if life.pages or life.in_flight]
+
+
+_replace_life = replacer(RequestLife)
+_replace_state = replacer(SystemState)

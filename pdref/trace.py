@@ -9,6 +9,8 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import orjson
+
 from pdref import events as ev
 from pdref.geometry import Geometry
 from pdref.violations import Violation
@@ -97,18 +99,21 @@ _GEOMETRY = (("layers", _pos_int), ("kv_heads", _pos_int), ("head_dim", _pos_int
 _HEADER_KEYS = {"kind", "version", "source", "mode", "geometry", "pool_pages", "max_pending"}
 
 
+_SPECS = {kind: (ev.EVENT_TYPES[kind], _COMMON + spec) for kind, spec in FIELDS.items()}
+
+
 def _event_from(obj: dict):
     kind = obj.get("kind")
-    spec = FIELDS.get(kind) if type(kind) is str else None
+    cls, spec = _SPECS.get(kind, (None, None)) if type(kind) is str else (None, None)
     if spec is None:
         raise _Bad(f"unknown kind {kind!r}")
     args = {}
-    for name, check, required in _COMMON + spec:
+    for name, check, required in spec:
         if name in obj:
             args[name] = check(obj[name], name)
         elif required:
             raise _Bad(f"{kind} needs field {name!r}")
-    return ev.EVENT_TYPES[kind](**args)
+    return cls(**args)
 
 
 def _header_from(obj: dict) -> ev.Header:
@@ -135,18 +140,12 @@ def _header_from(obj: dict) -> ev.Header:
     )
 
 
-def _reject_constant(name):
-    raise _Bad(f"{name} is not a JSON number")
-
-
 def _load(raw: bytes) -> dict:
+    # orjson is strict RFC 8259: NaN, Infinity, overflowing floats and bad UTF-8 are errors.
     try:
-        text = raw.decode("utf-8")
-        obj = json.loads(text, parse_constant=_reject_constant)
-    except UnicodeDecodeError:
-        raise _Bad("line is not valid UTF-8") from None
-    except (ValueError, RecursionError) as e:
-        raise _Bad(f"line is not valid JSON ({e})") from None
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise _Bad(f"line is not valid JSON or not UTF-8 ({e})") from None
     if type(obj) is not dict:
         raise _Bad("line is not a JSON object")
     return obj

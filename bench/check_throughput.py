@@ -1,0 +1,89 @@
+"""Events per second of `pdref check` on a large, realistically interleaved trace.
+
+The trace: qwen3-0.6b geometry (28 layers), many concurrent requests with 512..8192-token
+prompts, chunk 256 spans, stage events, failures and retries, two producers. Also times a
+bare `json.loads` of every line in the same run, so the checker's cost reads as a ratio.
+Run: python bench/check_throughput.py [--events 200000] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from pdref import events as ev
+from pdref.check import check_file
+from pdref.models import load_model
+from pdref.synth import SynthConfig, synth_trace
+from pdref.trace import dumps
+
+TARGET_EVENTS_PER_S = 100_000
+
+
+def make_trace(path: Path, min_events: int, seed: int) -> int:
+    geometry = load_model("qwen3-0.6b").geometry()
+    header = ev.Header("bench", ev.Mode.CHUNK, geometry, pool_pages=8192, max_pending=2,
+                       extra=(("chunk", 256),))
+    lines = [dumps(ev.header_to_json(header))]
+    while len(lines) - 1 < min_events:
+        config = SynthConfig(requests=200, max_live=12, min_prompt=512, max_prompt=8192,
+                             chunk=256, fail_rate=0.01, producers=2)
+        batch = synth_trace(header, config, seed=seed)
+        seed += 1
+        offset = float(len(lines))  # later batches run later in time
+        for e in batch:
+            obj = ev.event_to_json(e)
+            obj["t"] += offset
+            if "end" in obj:
+                obj["end"] += offset
+            obj["req"] = f"{seed}-{obj['req']}"
+            if "span" in obj:
+                obj["span"] = f"{seed}-{obj['span']}"
+            lines.append(dumps(obj))
+    path.write_text("\n".join(lines) + "\n")
+    return len(lines) - 1
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "bench.jsonl"
+        count = make_trace(path, args.events, seed=1)
+        result = check_file(path)
+        assert result.ok, result.text()
+        check_s = best_of(lambda: check_file(path), args.repeats)
+        parse_s = best_of(lambda: [json.loads(x) for x in path.open("rb")], args.repeats)
+    report = {
+        "events": count,
+        "check_s": round(check_s, 3),
+        "events_per_s": round(count / check_s),
+        "json_parse_only_s": round(parse_s, 3),
+        "check_over_parse_ratio": round(check_s / parse_s, 2),
+        "target_events_per_s": TARGET_EVENTS_PER_S,
+        "meets_target": count / check_s >= TARGET_EVENTS_PER_S,
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:>24}: {value}")
+
+
+if __name__ == "__main__":
+    main()
