@@ -1,0 +1,231 @@
+"""`pdgpu run` and `pdgpu compare`: the engine on the command line.
+
+Exit codes: 0 ok; 1 a protocol violation or a parity failure; 2 bad input (one line on stderr
+naming the field and the rule; nothing allocated, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import attrs
+import torch
+
+from pdgpu.checkpoint import CheckpointError, inspect_checkpoint, load_checkpoint
+from pdgpu.compare import compare_modes, compare_table
+from pdgpu.engine import Engine, EngineError, RunResult
+from pdgpu.model import build_model
+from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
+from pdref.models import ModelSpec, ProfileError, load_model
+from pdref.trace import TraceWriter
+from pdref.violations import Violation
+
+METRIC_ORDER = ("mode", "prompt", "prefix", "chunk", "max_pending", "bytes", "spans",
+                "prefill_s", "handoff_s", "tail_s", "peak_staging_bytes", "first_token")
+
+
+class BadInput(Exception):
+    """Bad command-line input: one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise BadInput(message)
+
+
+def _int(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="preset name, profile .toml, or HF folder")
+    p.add_argument("--prompt", type=_int(0), help="prompt tokens (default 256, or --tokens')")
+    p.add_argument("--prefix", type=_int(0), default=0, help="tokens the decoder already holds")
+    p.add_argument("--chunk", type=_int(0), default=64, help="prefill chunk tokens")
+    p.add_argument("--max-pending", type=_int(0), default=2, help="spans in flight at most")
+    p.add_argument("--page-tokens", type=_int(1), default=16)
+    p.add_argument("--seed", type=_int(0), default=0, help="weights and random prompt seed")
+    p.add_argument("--device", default=None, help="producer device (default cuda if any)")
+    p.add_argument("--decoder-device", default=None,
+                   help="decoder device (default: cuda:1 with two GPUs, else cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="override the model's dtype")
+    p.add_argument("--tokens", help="prompt token ids, comma separated")
+    p.add_argument("--tokens-file", help="file of prompt token ids (whitespace or commas)")
+    p.add_argument("--pool-pages", type=_int(0), help="decoder pool pages (default: enough)")
+    p.add_argument("--link-gbps", type=_positive_float,
+                   help="pace host->decoder copies to this many GB/s (1e9 bytes/s)")
+    p.add_argument("--fail-span", type=_int(0), help="make the copy of this span id fail")
+    p.add_argument("--retries", type=_int(0), default=2, help="retries after a failed copy")
+    p.add_argument("--requests", type=_int(1), default=1,
+                   help="serve the prompt this many times back to back")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pdgpu", description="KV handoff engine, checked live by pdref")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = sub.add_parser("run", help="run one workload in one mode")
+    _workload_args(run)
+    run.add_argument("--mode", choices=("whole", "chunk", "layer"), default="chunk")
+    run.add_argument("--trace", help="write the contract-v1 trace here")
+    run.add_argument("--debug", choices=tuple(DEBUG_BREAKS), help="break the protocol on purpose")
+    cmp = sub.add_parser("compare", help="run every mode on one prompt: parity and ratios")
+    _workload_args(cmp)
+    cmp.add_argument("--trace-dir", help="write one trace per mode into this folder")
+    return parser
+
+
+def _tokens(args, spec: ModelSpec) -> tuple[int, ...]:
+    text = args.tokens
+    if args.tokens_file is not None:
+        try:
+            text = Path(args.tokens_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInput(f"tokens-file: cannot read {args.tokens_file} ({e})") from None
+    if text is None:
+        prompt = 256 if args.prompt is None else args.prompt
+        gen = torch.Generator().manual_seed(args.seed)
+        return tuple(torch.randint(0, spec.vocab, (prompt,), generator=gen).tolist())
+    try:
+        tokens = tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise BadInput("tokens: must be integers separated by commas or spaces") from None
+    if args.prompt is not None and args.prompt != len(tokens):
+        raise BadInput(f"prompt: {args.prompt} does not match the {len(tokens)} tokens given")
+    return tokens
+
+
+def _devices(args) -> tuple[str, str]:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.decoder_device is not None:
+        return device, args.decoder_device
+    if device.startswith("cuda") and torch.cuda.device_count() > 1:
+        return device, "cuda:1"
+    return device, "cpu"
+
+
+def _spec(args) -> ModelSpec:
+    """The model's spec from a preset, a profile or a checkpoint's headers (nothing allocated)."""
+    if Path(args.model).is_dir():
+        spec = inspect_checkpoint(args.model)
+    else:
+        spec = load_model(args.model)
+    if spec.arch not in ("qwen3", "llama"):
+        raise BadInput(f"model: arch {spec.arch!r} has no engine implementation (qwen3, llama)")
+    return attrs.evolve(spec, dtype=args.dtype) if args.dtype else spec
+
+
+def _config(args, mode: str, device: str, decoder: str) -> EngineConfig:
+    return EngineConfig(
+        mode=mode, chunk=args.chunk, max_pending=args.max_pending, page_tokens=args.page_tokens,
+        pool_pages=args.pool_pages, device=device, decoder_device=decoder,
+        link_gbps=args.link_gbps, fail_span=args.fail_span, retries=args.retries,
+        debug=getattr(args, "debug", None), keep_kv=args.command == "compare")
+
+
+def _requests(args, tokens) -> list[Request]:
+    return [Request(f"r{i}", tokens, args.prefix) for i in range(args.requests)]
+
+
+def _check_out_path(path: str | None, what: str, is_dir: bool = False) -> None:
+    if path is None:
+        return
+    folder = Path(path) if is_dir else Path(path).resolve().parent
+    if not folder.is_dir():
+        raise BadInput(f"{what}: folder {folder} does not exist")
+
+
+def write_trace(result: RunResult, path: str | Path) -> None:
+    with TraceWriter(path, result.header) as writer:
+        for event in result.events:
+            writer.write(event)
+
+
+def _print_metrics(metrics: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(metrics, default=str))
+        return
+    keys = list(METRIC_ORDER) + sorted(k for k in metrics if k not in METRIC_ORDER)
+    for key in keys:
+        value = metrics.get(key)
+        text = f"{value:.6f}" if isinstance(value, float) else str(value)
+        print(f"{key:>20}: {text}")
+
+
+def _prepare(args):
+    """Check everything before allocating, then build the model: (model, tokens, devices)."""
+    device, decoder = _devices(args)
+    spec = _spec(args)
+    tokens = _tokens(args, spec)
+    for mode in _modes(args, spec):
+        setup_check(spec, _config(args, mode, device, decoder), _requests(args, tokens))
+    if Path(args.model).is_dir():
+        return load_checkpoint(args.model, device, args.dtype), tokens, device, decoder
+    return build_model(spec, device=device, seed=args.seed), tokens, device, decoder
+
+
+def _modes(args, spec: ModelSpec) -> list[str]:
+    if args.command == "run":
+        return [args.mode]
+    return ["whole", "chunk"] if spec.recurrent else ["whole", "chunk", "layer"]
+
+
+def cmd_run(args) -> int:
+    _check_out_path(args.trace, "trace")
+    model, tokens, device, decoder = _prepare(args)
+    engine = Engine(model, _config(args, args.mode, device, decoder))
+    result = engine.run(_requests(args, tokens))
+    if args.trace:
+        write_trace(result, args.trace)
+    _print_metrics(result.metrics, args.json)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    _check_out_path(args.trace_dir, "trace-dir", is_dir=True)
+    model, tokens, device, decoder = _prepare(args)
+    modes = _modes(args, model.spec)
+    configs = {m: _config(args, m, device, decoder) for m in modes}
+    report = compare_modes(model, configs, _requests(args, tokens))
+    if args.trace_dir:
+        for mode, result in report.results.items():
+            write_trace(result, Path(args.trace_dir) / f"{mode}.jsonl")
+    print(json.dumps(report.summary(), default=str) if args.json else compare_table(report))
+    return 0 if report.parity_ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return cmd_run(args) if args.command == "run" else cmd_compare(args)
+    except (BadInput, WorkloadError, ProfileError, CheckpointError) as e:
+        print(f"pdgpu: error: {e}", file=sys.stderr)
+        return 2
+    except Violation as e:
+        print(f"pdgpu: violation: {e.code} {e.message}", file=sys.stderr)
+        return 1
+    except EngineError as e:
+        print(f"pdgpu: engine error: {e}", file=sys.stderr)
+        return 1
