@@ -1,0 +1,53 @@
+"""Matplotlib figures (Agg backend, returned as PNG bytes so callers write them atomically)."""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MODE_COLORS = {"whole": "tab:blue", "chunk": "tab:orange", "layer": "tab:green"}
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def sweep_png(rows: list[dict], title: str = "") -> bytes:
+    """Completion (solid) and tail (dashed) vs chunk size per mode, one panel per prompt."""
+    from pdsim.sweep import best_chunks
+
+    prompts = sorted({r["prompt"] for r in rows})
+    first = rows[0]
+    shown = [r for r in rows if r["max_pending"] == first["max_pending"]
+             and r["bandwidth_scale"] == first["bandwidth_scale"]]
+    best = best_chunks(shown)
+    fig, axes = plt.subplots(2, len(prompts), figsize=(5.5 * len(prompts), 6.5),
+                             squeeze=False, sharex=True)
+    for col, prompt in enumerate(prompts):
+        top, bottom = axes[0][col], axes[1][col]
+        for mode, color in MODE_COLORS.items():
+            pts = sorted((r["chunk"], r["handoff_s"], r["tail_s"]) for r in shown
+                         if r["prompt"] == prompt and r["mode"] == mode)
+            if pts:
+                xs = [p[0] for p in pts]
+                top.plot(xs, [p[1] * 1e3 for p in pts], "-o", color=color, label=mode)
+                bottom.plot(xs, [p[2] * 1e3 for p in pts], "--o", color=color, label=mode)
+        b = best[prompt]
+        for ax in (top, bottom):
+            ax.axvline(b["chunk"], color="grey", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.legend(fontsize=7)
+        top.set_ylabel("completion (handoff) ms")
+        bottom.set_ylabel("unhidden tail ms")
+        bottom.set_xlabel("chunk (tokens)")
+        top.set_title(f"prompt {prompt}: best {b['mode']} chunk {b['chunk']}", fontsize=9)
+    fig.suptitle(f"{title}  max_pending {first['max_pending']}, "
+                 f"bandwidth x{first['bandwidth_scale']:g}", fontsize=8)
+    return _png(fig)
