@@ -137,6 +137,9 @@ class Stage:
     end: float
     span: SpanId | None = None
     resource: str | None = None
+    # Extension (contract v1 allows extra fields): the prompt tokens a compute stage
+    # prefilled, so calibration can fit compute cost per chunk.
+    tokens: Range | None = None
 
 
 Event = (

@@ -92,7 +92,7 @@ FIELDS: dict[str, tuple] = {
     "release": (),
     "abort": (("reason", _str, True),),
     "stage": (("name", _name, True), ("end", _num, True), ("span", _opt(_span), False),
-              ("resource", _opt(_name), False)),
+              ("resource", _opt(_name), False), ("tokens", _opt(_range), False)),
 }
 _GEOMETRY = (("layers", _pos_int), ("kv_heads", _pos_int), ("head_dim", _pos_int),
              ("dtype_bytes", _pos_int), ("page_tokens", _pos_int))
