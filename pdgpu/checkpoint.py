@@ -72,7 +72,7 @@ def spec_from_config(config: dict, name: str, where: str) -> ModelSpec:
         "kv_heads": config.get("num_key_value_heads", heads),
         "head_dim": config.get("head_dim") or _div(config.get("hidden_size"), heads),
         "intermediate": config.get("intermediate_size"), "vocab": config.get("vocab_size"),
-        "dtype": DTYPES.get(config.get("torch_dtype", "float32"), "float32"),
+        "dtype": DTYPES.get(config.get("torch_dtype", config.get("dtype")), "float32"),
         "rope_theta": float(config.get("rope_theta", 10000.0)),
         "rms_eps": float(config.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),

@@ -132,8 +132,6 @@ def _spec(args) -> ModelSpec:
         spec = inspect_checkpoint(args.model)
     else:
         spec = load_model(args.model)
-    if spec.arch not in ("qwen3", "llama"):
-        raise BadInput(f"model: arch {spec.arch!r} has no engine implementation (qwen3, llama)")
     return attrs.evolve(spec, dtype=args.dtype) if args.dtype else spec
 
 
@@ -181,6 +179,8 @@ def _prepare(args):
     tokens = _tokens(args, spec)
     for mode in _modes(args, spec):
         setup_check(spec, _config(args, mode, device, decoder), _requests(args, tokens))
+    if spec.arch not in ("qwen3", "llama"):
+        raise BadInput(f"model: arch {spec.arch!r} has no engine implementation (qwen3, llama)")
     if Path(args.model).is_dir():
         return load_checkpoint(args.model, device, args.dtype), tokens, device, decoder
     return build_model(spec, device=device, seed=args.seed), tokens, device, decoder
