@@ -3,6 +3,8 @@
 The trace: qwen3-0.6b geometry (28 layers), many concurrent requests with 512..8192-token
 prompts, chunk 256 spans, stage events, failures and retries, two producers. Also times a
 bare `json.loads` of every line in the same run, so the checker's cost reads as a ratio.
+Also: issue + land of a 128k-token prompt over 80 layers in 256-token spans, shuffled
+(interval work must stay logarithmic-ish, not linear in the prompt).
 Run: python bench/check_throughput.py [--events 200000] [--json]
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 from pdref import events as ev
 from pdref.check import check_file
 from pdref.models import load_model
+from pdref.monitor import Monitor
 from pdref.synth import SynthConfig, synth_trace
 from pdref.trace import dumps
 
@@ -45,6 +49,31 @@ def make_trace(path: Path, min_events: int, seed: int) -> int:
             lines.append(dumps(obj))
     path.write_text("\n".join(lines) + "\n")
     return len(lines) - 1
+
+
+def long_prompt_spans(shape: str, seed: int = 0) -> tuple[int, float]:
+    """Land a 128k-token prompt of llama-3.1-70b (80 layers) in 256-token spans, shuffled.
+
+    shape "chunk": 512 spans of all layers; "layer": 40,960 spans of one layer each.
+    Returns (spans, seconds) for issue + land of every span and the admission.
+    """
+    geometry = load_model("llama-3.1-70b").geometry()
+    prompt, layers = 131072, geometry.layers
+    monitor = Monitor(ev.Header("bench", ev.Mode.CHUNK, geometry, 9000, max_pending=1))
+    monitor.reserve(0.0, "r", prompt, 0)
+    monitor.emit(ev.Computed(0.0, "r", (0, layers), (0, prompt)))
+    if shape == "chunk":
+        regions = [((0, layers), (a, a + 256)) for a in range(0, prompt, 256)]
+    else:
+        regions = [((k, k + 1), (a, a + 256)) for k in range(layers) for a in range(0, prompt, 256)]
+    random.Random(seed).shuffle(regions)
+    start = time.perf_counter()
+    for span, (lay, tok) in enumerate(regions):
+        monitor.emit(ev.Issue(0.0, "r", span, lay, tok, geometry.region_bytes(lay, tok)))
+        monitor.emit(ev.Land(0.0, "r", span))
+    monitor.emit(ev.Produced(0.0, "r", 0))
+    monitor.emit(ev.Admit(0.0, "r"))
+    return len(regions), time.perf_counter() - start
 
 
 def best_of(fn, repeats: int) -> float:
@@ -78,6 +107,10 @@ def main() -> None:
         "target_events_per_s": TARGET_EVENTS_PER_S,
         "meets_target": count / check_s >= TARGET_EVENTS_PER_S,
     }
+    for shape in ("chunk", "layer"):
+        spans, seconds = long_prompt_spans(shape)
+        report[f"long_prompt_{shape}_spans"] = spans
+        report[f"long_prompt_{shape}_us_per_span"] = round(seconds / spans * 1e6, 1)
     if args.json:
         print(json.dumps(report))
     else:
