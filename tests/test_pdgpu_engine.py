@@ -1,0 +1,173 @@
+"""pdgpu.engine: bit-exact parity of chunk/layer with whole, failures, back-to-back, live checks."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from pdgpu.engine import Engine, EngineError
+from pdgpu.model import build_model
+from pdgpu.source_cache import SourceCache
+from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError
+from pdref import events as ev
+from pdref.check import check_lines
+from pdref.models import load_model
+from pdref.trace import dumps
+from pdref.violations import Violation
+
+TINY = attrs.evolve(load_model("tiny"), dtype="float32")
+LLAMA = attrs.evolve(TINY, name="tiny-llama", arch="llama", tie_embeddings=False)
+MODELS = {"qwen3": build_model(TINY, seed=0), "llama": build_model(LLAMA, seed=1)}
+
+
+def _tokens(n: int, seed: int = 0) -> tuple[int, ...]:
+    return tuple(torch.randint(0, TINY.vocab, (n,), generator=torch.Generator().manual_seed(seed))
+                 .tolist())
+
+
+def _run(mode, requests, model="qwen3", **kw):
+    config = EngineConfig(mode, keep_kv=True, **kw)
+    return Engine(MODELS[model], config).run(requests)
+
+
+def _check(result, open_trace=False):
+    """pdref's checker on the trace the run would write."""
+    lines = [dumps(ev.header_to_json(result.header)).encode()]
+    lines += [dumps(ev.event_to_json(e)).encode() for e in result.events]
+    return check_lines(lines, open_trace=open_trace)
+
+
+def _reference_kv(model, tokens, prefix):
+    """K/V [L, 2, suffix, KVH, D] of a plain one-shot prefill: what the decoder must hold."""
+    cache = SourceCache(model.spec.geometry(16), 64, "cpu", torch.float32)
+    request = cache.open(len(tokens))
+    model.prefill_chunk(torch.tensor(tokens), 0, request)
+    return cache.kv[:, :, request.slots[prefix:]]
+
+
+CASES = [
+    # (model, prompt, prefix, chunk, max_pending)
+    ("qwen3", 100, 0, 32, 2),
+    ("qwen3", 100, 32, 24, 2),  # prefix reuse, chunks not page aligned
+    ("qwen3", 64, 64, 16, 2),  # empty suffix
+    ("qwen3", 50, 16, 200, 2),  # chunk larger than the suffix
+    ("qwen3", 97, 16, 8, 1),  # many spans, one in flight
+    ("llama", 77, 16, 20, 3),
+]
+
+
+@pytest.mark.parametrize("model,prompt,prefix,chunk,max_pending", CASES)
+def test_chunk_and_layer_kv_are_bit_identical_to_whole(model, prompt, prefix, chunk, max_pending):
+    """Decoder KV and first token after chunk/layer handoff equal whole's; traces check ok."""
+    request = [Request("r", _tokens(prompt), prefix)]
+    runs = {m: _run(m, request, model, chunk=chunk, max_pending=max_pending)
+            for m in ("whole", "chunk", "layer")}
+    base = runs["whole"].outcomes[0]
+    for mode, result in runs.items():
+        assert _check(result).ok, (mode, _check(result))
+        assert torch.equal(result.outcomes[0].kv, base.kv), mode
+        assert result.outcomes[0].first_token == base.first_token, mode
+    assert base.kv.shape[2] == prompt - prefix
+
+
+def test_whole_handoff_carries_the_models_kv():
+    """What lands in the decoder is the model's K/V of the suffix (not just equal garbage)."""
+    tokens = _tokens(90, seed=3)
+    result = _run("whole", [Request("r", tokens, 32)], chunk=90)
+    assert torch.equal(result.outcomes[0].kv, _reference_kv(MODELS["qwen3"], tokens, 32))
+
+
+def test_failed_span_aborts_returns_pages_and_retry_is_exact():
+    """--fail-span: fail, abort, pages back, and the retried KV equals a clean run's."""
+    request = [Request("r", _tokens(100), 16)]
+    clean = _run("chunk", request, chunk=16)
+    failed = _run("chunk", request, chunk=16, fail_span=2)
+    kinds = [e.kind for e in failed.events]
+    assert kinds.count("fail") == 1 and kinds.count("abort") == 1 and kinds.count("reserve") == 2
+    assert failed.outcomes[0].attempts == 2
+    assert torch.equal(failed.outcomes[0].kv, clean.outcomes[0].kv)
+    assert _check(failed).ok
+    assert failed.metrics["failed_spans"] == 1
+
+
+def test_retries_are_bounded():
+    """With no retry left, a failed copy ends the run with an EngineError, not a hang."""
+    with pytest.raises(EngineError, match="failed on all 1 attempts"):
+        _run("whole", [Request("r", _tokens(40), 0)], chunk=16, fail_span=0, retries=0)
+
+
+def test_back_to_back_requests_reuse_source_pages_at_once():
+    """A second request overwrites the first's source pages and still hands off exactly."""
+    a, b = _tokens(80, seed=1), _tokens(80, seed=2)
+    both = _run("chunk", [Request("a", a, 0), Request("b", b, 16)], chunk=16)
+    alone = _run("chunk", [Request("b", b, 16)], chunk=16)
+    assert torch.equal(both.outcomes[1].kv, alone.outcomes[0].kv)
+    assert not torch.equal(both.outcomes[0].kv[:, :, 16:], both.outcomes[1].kv)
+    reuse = [e for e in both.events if e.kind == "reuse"]
+    assert [e.req for e in reuse] == ["a", "b"]
+    assert _check(both).ok
+
+
+def test_slow_link_blocks_the_producer_and_bounds_staging():
+    """With a paced link, the producer blocks on max_pending and staging stays at 2 spans."""
+    result = _run("chunk", [Request("r", _tokens(128), 0)], chunk=16, max_pending=2,
+                  link_gbps=0.002)
+    span_bytes = TINY.geometry(16).region_bytes((0, TINY.layers), (0, 16))
+    assert result.metrics["peak_staging_bytes"] == 2 * span_bytes
+    assert any(e.kind == "stage" and e.name == "blocked" for e in result.events)
+    h2d = [e.end - e.t for e in result.events if e.kind == "stage" and e.name == "h2d"]
+    assert min(h2d) >= span_bytes / 0.002e9 * 0.95
+    assert _check(result).ok
+
+
+def test_stage_events_cover_compute_and_every_copy_stage():
+    """Each span has gather, d2h and h2d stages in order; compute stages precede them."""
+    result = _run("layer", [Request("r", _tokens(60), 0)], chunk=16)
+    stages = [e for e in result.events if e.kind == "stage"]
+    for span in {e.span for e in result.events if e.kind == "issue"}:
+        names = [s.name for s in stages if s.span == span]
+        assert names == ["gather", "d2h", "h2d"]
+    assert sum(s.name == "compute" for s in stages) == TINY.layers
+    assert all(s.end >= s.t for s in stages)
+
+
+@pytest.mark.parametrize("switch,code", sorted(DEBUG_BREAKS.items()))
+def test_protocol_breaking_switch_is_caught_live_with_its_code(switch, code):
+    """Each debug switch that breaks the protocol is stopped by the live check with its code."""
+    with pytest.raises(Violation) as info:
+        _run("chunk", [Request("r", _tokens(96), 0)], chunk=16, max_pending=1,
+             link_gbps=0.001, debug=switch)
+    assert info.value.code == code
+
+
+def test_layer_mode_refused_for_recurrent_model_before_allocating():
+    """CFG-1: layer mode on a recurrent geometry is refused at setup, nothing allocated."""
+    model = build_model(attrs.evolve(TINY, recurrent=True), seed=0)
+    engine = Engine(model, EngineConfig("layer", chunk=16))
+    with pytest.raises(WorkloadError, match="CFG-1"):
+        engine.run([Request("r", _tokens(32), 0)])
+    assert not hasattr(engine, "source") and not hasattr(engine, "pool")
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(chunk=0), "chunk"), (dict(max_pending=0), "max_pending"),
+    (dict(pool_pages=1), "pool_pages"), (dict(link_gbps=0.0), "link_gbps"),
+])
+def test_bad_config_is_refused_naming_the_field(kw, field):
+    """Bad engine settings raise WorkloadError naming the field, before allocation."""
+    engine = Engine(MODELS["qwen3"], EngineConfig("chunk", **{"chunk": 16, **kw}))
+    with pytest.raises(WorkloadError, match=field):
+        engine.run([Request("r", _tokens(40), 0)])
+    assert not hasattr(engine, "source")
+
+
+def test_metrics_report_engine_figures():
+    """Metrics carry DESIGN names plus copy-stage times, allocations and live-check cost."""
+    m = _run("chunk", [Request("r", _tokens(64), 0)], chunk=16).metrics
+    span_bytes = TINY.geometry(16).region_bytes((0, TINY.layers), (0, 16))
+    assert m["bytes"] == 4 * span_bytes and m["spans"] == 4
+    assert m["source_alloc_bytes"] == 2 * 2 * span_bytes  # gather + host, max_pending slots
+    assert 0 < m["check_s"] < m["wall_s"]
+    assert m["prefill_s"] <= m["handoff_s"] and m["tail_s"] >= 0
+    assert all(m[k] > 0 for k in ("gather_s", "d2h_s", "h2d_s", "copy_s"))
