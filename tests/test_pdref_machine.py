@@ -1,0 +1,434 @@
+"""A rule-based state machine: random legal and illegal events go through `apply` and through
+a deliberately simple second model (plain sets of (layer, token) points), which must agree on
+every verdict and code, and on the whole state after every step."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from pdref import events as ev
+from pdref.apply import apply, initial_state
+from pdref.geometry import Geometry
+from pdref.violations import Violation
+
+PAGE_TOKENS = 4
+MAX_PROMPT = 40
+NAMES = ("a", "b", "c", "d")
+PRODUCERS = ("p0", "p1")
+
+# ---------------------------------------------------------------------------------------------
+# The simple model: sets and dicts only, written from DESIGN.md, following apply.py's check
+# order where one event breaks two rules. It shares nothing with pdref.
+# ---------------------------------------------------------------------------------------------
+
+
+def cells(layers, tokens) -> set[tuple[int, int]]:
+    return {(la, t) for la in range(layers[0], layers[1]) for t in range(tokens[0], tokens[1])}
+
+
+def inside(outer, r) -> bool:
+    """Each range checked on its own: an empty range lies anywhere (pdref's reading)."""
+    return r[1] <= r[0] or (outer[0] <= r[0] and r[1] <= outer[1])
+
+
+class Life:
+    def __init__(self, producer, prompt, prefix, pages):
+        self.producer, self.prompt, self.prefix, self.pages = producer, prompt, prefix, pages
+        self.computed: set = set()
+        self.held: set = set()
+        self.landed: set = set()
+        self.flying: dict = {}  # span id -> set of cells
+        self.phase = "reserved"
+        self.failed = False
+
+
+class Simple:
+    def __init__(self, layers, pool_pages, max_pending, bpt):
+        self.layers, self.pool_pages = layers, pool_pages
+        self.max_pending, self.bpt = max_pending, bpt
+        self.free = set(range(pool_pages))
+        self.lives: dict[str, Life] = {}
+        self.pending: dict[str, int] = {}
+        self.used: set = set()
+
+    @staticmethod
+    def cfg(mode, recurrent):
+        return "CFG-1" if mode == "layer" and recurrent else None
+
+    def suffix(self, life):
+        return cells((0, self.layers), (life.prefix, life.prompt))
+
+    def _end(self, req):
+        life = self.lives.pop(req)
+        self.free |= set(life.pages)
+        self.pending[life.producer] = self.pending.get(life.producer, 0) - len(life.flying)
+
+    def step(self, e) -> str | None:
+        """The code `e` breaks, or None after applying it."""
+        kind = e.kind
+        if kind == "stage":
+            return None
+        life = self.lives.get(e.req)
+        if kind == "reserve":
+            if life is not None:
+                return "REQ-1"
+            if e.prompt < 1 or not 0 <= e.prefix <= e.prompt or e.prefix % PAGE_TOKENS:
+                return "SLAB-2"
+            need = (e.prompt - e.prefix + PAGE_TOKENS - 1) // PAGE_TOKENS
+            pages = list(e.pages)
+            if len(pages) != need or len(set(pages)) != len(pages) or not set(pages) <= self.free:
+                return "SLAB-1"
+            self.free -= set(pages)
+            self.lives[e.req] = Life(e.producer, e.prompt, e.prefix, pages)
+            return None
+        if life is None:
+            return "REQ-1"
+        if kind == "computed":
+            if not (inside((0, self.layers), e.layers) and inside((0, life.prompt), e.tokens)):
+                return "PROD-1"
+            life.computed |= cells(e.layers, e.tokens)
+            life.held |= cells(e.layers, e.tokens)
+        elif kind == "issue":
+            region = cells(e.layers, e.tokens)
+            if e.span in self.used:
+                return "REQ-1"
+            if not (inside((0, self.layers), e.layers)
+                    and inside((life.prefix, life.prompt), e.tokens)):
+                return "COV-1"
+            width = max(0, e.layers[1] - e.layers[0]) * max(0, e.tokens[1] - e.tokens[0])
+            if e.bytes != self.bpt * width:
+                return "COPY-4"
+            if region - life.held:
+                return "COPY-1"
+            if any(region & other for other in life.flying.values()):
+                return "COV-2"
+            if self.pending.get(life.producer, 0) >= self.max_pending:
+                return "COPY-2"
+            self.used.add(e.span)
+            life.flying[e.span] = region
+            self.pending[life.producer] = self.pending.get(life.producer, 0) + 1
+        elif kind in ("land", "fail"):
+            if e.span not in life.flying:
+                return "REQ-1"
+            region = life.flying[e.span]
+            if kind == "land":
+                if region & life.landed:
+                    return "COV-2"
+                life.landed |= region
+            else:
+                life.failed = True
+            del life.flying[e.span]
+            self.pending[life.producer] -= 1
+        elif kind == "reuse":
+            gone = {t for t in range(e.tokens[0], e.tokens[1])}
+            if any(t in gone for region in life.flying.values() for _, t in region):
+                return "COPY-3"
+            life.held = {(la, t) for la, t in life.held if t not in gone}
+        elif kind == "produced":
+            if life.phase != "reserved" or self.suffix(life) - life.computed:
+                return "PROD-1"
+            life.phase = "produced"
+        elif kind == "admit":
+            if life.phase == "admitted" or life.failed or life.flying:
+                return "ADM-1"
+            if self.suffix(life) - life.landed:
+                return "COV-3"
+            if life.phase != "produced":
+                return "ADM-1"
+            life.phase = "admitted"
+        elif kind == "release":
+            if life.phase != "admitted":
+                return "LIFE-1"
+            self._end(e.req)
+        elif kind == "abort":
+            self._end(e.req)
+        return None
+
+    def can_admit(self, req) -> bool:
+        life = self.lives.get(req)
+        return (life is not None and life.phase == "produced" and not life.failed
+                and not life.flying and not self.suffix(life) - life.landed)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def coverage_cells(cov, layers) -> set[tuple[int, int]]:
+    return {(la, t) for la in range(layers) for a, b in cov.tokens_of(la) for t in range(a, b)}
+
+
+def check_invariants(s, m, layers):
+    """Free pages, live requests, pending counts and every life's sets match."""
+    free = {p for a, b in s.pool.free for p in range(a, b)}
+    assert free == m.free and s.free_pages == len(m.free)
+    assert set(s.requests.keys()) == set(m.lives)
+    for p in PRODUCERS:
+        assert s.pending_of(p) == m.pending.get(p, 0)
+        assert s.can_issue(p) == (m.pending.get(p, 0) < m.max_pending)
+    held_pages = []
+    for req, life in m.lives.items():
+        got = s.live(req)
+        held_pages += list(got.pages)
+        assert sorted(got.pages) == sorted(life.pages)
+        assert (got.prompt, got.prefix, got.producer) == (life.prompt, life.prefix,
+                                                          life.producer)
+        assert coverage_cells(got.progress.landed, layers) == life.landed
+        assert coverage_cells(got.computed, layers) == life.computed
+        assert coverage_cells(got.held, layers) == life.held
+        assert {sp.span for sp in got.in_flight} == set(life.flying)
+        assert got.phase.value == life.phase and got.failed == life.failed
+        assert s.can_admit(req) == m.can_admit(req)
+    assert len(held_pages) == len(set(held_pages))  # page ids never collide
+    assert len(held_pages) + s.free_pages == m.pool_pages
+    for prompt in (1, 9, MAX_PROMPT):
+        assert s.can_reserve(prompt, 0) == ((prompt + 3) // 4 <= len(m.free))
+
+
+small = st.integers(0, MAX_PROMPT + 2)
+ranges = st.tuples(small, small)
+
+
+class ApplyVsSimple(RuleBasedStateMachine):
+    reqs = Bundle("reqs")
+    spans = Bundle("spans")  # (req, span id) of every span ever accepted
+
+    @initialize(layers=st.integers(2, 4), pool_pages=st.integers(6, 24),
+                max_pending=st.integers(1, 3), mode=st.sampled_from(["whole", "chunk", "layer"]),
+                recurrent=st.booleans())
+    def start(self, layers, pool_pages, max_pending, mode, recurrent):
+        geo = Geometry(layers=layers, kv_heads=1, head_dim=2, dtype_bytes=1,
+                       page_tokens=PAGE_TOKENS, recurrent=recurrent)
+        got = None
+        try:
+            initial_state(ev.Header("m", mode, geo, pool_pages, max_pending))
+        except Violation as v:
+            got = v.code
+        assert got == Simple.cfg(mode, recurrent)
+        if got:
+            geo = Geometry(layers=layers, kv_heads=1, head_dim=2, dtype_bytes=1,
+                           page_tokens=PAGE_TOKENS)
+        self.L = layers
+        self.state = initial_state(ev.Header("m", mode, geo, pool_pages, max_pending))
+        self.model = Simple(layers, pool_pages, max_pending, geo.bytes_per_token_layer)
+        self.next_span = 0
+
+    def do(self, event) -> bool:
+        """Apply `event` to both models; they must agree. True when it was accepted."""
+        want = self.model.step(event)
+        try:
+            new = apply(self.state, event)
+        except Violation as v:
+            assert v.code == want, f"{event}: pdref says {v.code}, simple model says {want}"
+            return False
+        assert want is None, f"{event}: pdref accepts, simple model says {want}"
+        self.state = new
+        return True
+
+    def pick(self, data, other):
+        """Mostly a live request (so events get past REQ-1), sometimes any name at all."""
+        live = sorted(self.model.lives)
+        if live and data.draw(st.integers(0, 19), "live?") < 19:
+            return data.draw(st.sampled_from(live), "req")
+        return other
+
+    def rng_in(self, data, lo, hi):
+        """Mostly a range inside [lo, hi], sometimes any small range."""
+        if data.draw(st.integers(0, 9), "inside?") < 8 and lo <= hi:
+            a = data.draw(st.integers(lo, hi))
+            return (a, data.draw(st.integers(a, hi)))
+        return data.draw(ranges)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    @rule(target=reqs, req=st.sampled_from(NAMES), data=st.data(),
+          how=st.sampled_from(["alloc", "alloc", "alloc", "random"]))
+    def reserve(self, req, data, how):
+        shape = data.draw(st.sampled_from(["ok"] * 8 + ["no prompt", "any prefix"]), "shape")
+        prompt = 0 if shape == "no prompt" else data.draw(st.integers(1, MAX_PROMPT), "prompt")
+        if shape == "any prefix":
+            prefix = data.draw(st.integers(0, MAX_PROMPT), "prefix")
+        else:
+            prefix = PAGE_TOKENS * data.draw(st.integers(0, prompt // PAGE_TOKENS), "prefix")
+        need = max(0, (prompt - prefix + PAGE_TOKENS - 1) // PAGE_TOKENS)
+        if how == "alloc":
+            pages = sorted(self.model.free)[:need]
+        else:
+            pages = data.draw(st.lists(st.integers(0, self.model.pool_pages), max_size=need + 1))
+        producer = data.draw(st.sampled_from(PRODUCERS), "producer")
+        if self.do(ev.Reserve(0.0, req, prompt, prefix, tuple(pages), producer)):
+            return req
+        return multiple()
+
+    @precondition(lambda self: self.model.lives)
+    @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
+    def computed(self, other, data):
+        req = self.pick(data, other)
+        life = self.model.lives.get(req)
+        if life is not None and data.draw(st.booleans(), "all"):
+            layers, tokens = (0, self.L), (0, life.prompt)
+        else:
+            layers = self.rng_in(data, 0, self.L)
+            tokens = self.rng_in(data, 0, life.prompt if life else MAX_PROMPT)
+        self.do(ev.Computed(0.0, req, layers, tokens))
+
+    @precondition(lambda self: self.model.lives)
+    @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
+    def produced(self, other, data):
+        self.do(ev.Produced(0.0, self.pick(data, other), 1))
+
+    @precondition(lambda self: self.model.lives)
+    @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
+    def admit(self, other, data):
+        self.do(ev.Admit(0.0, self.pick(data, other)))
+
+    @precondition(lambda self: any(self.model.can_admit(r) for r in self.model.lives))
+    @rule(data=st.data())
+    def admit_ready(self, data):
+        req = data.draw(st.sampled_from(sorted(r for r in self.model.lives
+                                               if self.model.can_admit(r))))
+        assert self.state.can_admit(req)
+        assert self.do(ev.Admit(0.0, req))
+
+    @precondition(lambda self: self.model.lives)
+    @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
+    def release(self, other, data):
+        self.do(ev.Release(0.0, self.pick(data, other)))
+
+    @precondition(lambda self: self.model.lives)
+    @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
+    def abort(self, other, data):
+        self.do(ev.Abort(0.0, self.pick(data, other), "x"))
+
+    @precondition(lambda self: self.model.lives)
+    @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
+    def reuse(self, other, data):
+        req = self.pick(data, other)
+        life = self.model.lives.get(req)
+        tokens = self.rng_in(data, 0, life.prompt if life else MAX_PROMPT)
+        if life and life.flying and data.draw(st.booleans(), "hit a span?"):
+            region = data.draw(st.sampled_from(sorted(life.flying.values(), key=sorted)))
+            if region:
+                t = data.draw(st.sampled_from(sorted(t for _, t in region)))
+                tokens = (t, t + data.draw(st.integers(1, 3)))
+        self.do(ev.Reuse(0.0, req, tokens))
+
+    @rule(req=st.sampled_from(NAMES) | reqs, kind=st.sampled_from(
+        ["stage", "computed", "issue", "land", "fail", "reuse", "produced", "admit", "release",
+         "abort"]))
+    def any_name(self, req, kind):
+        """Any event for any name, live or not (REQ-1 unless it is live)."""
+        self.do({
+            "stage": ev.Stage(0.0, req, "compute", 0.0),
+            "computed": ev.Computed(0.0, req, (0, 1), (0, 1)),
+            "issue": ev.Issue(0.0, req, f"g{self.next_span}", (0, 0), (0, 0), 0),
+            "land": ev.Land(0.0, req, 0),
+            "fail": ev.Fail(0.0, req, 0, "e"),
+            "reuse": ev.Reuse(0.0, req, (0, 0)),
+            "produced": ev.Produced(0.0, req, 1),
+            "admit": ev.Admit(0.0, req),
+            "release": ev.Release(0.0, req),
+            "abort": ev.Abort(0.0, req, "x"),
+        }[kind])
+
+    # --- spans ------------------------------------------------------------------------------
+
+    def _issue(self, req, span, layers, tokens, extra_bytes):
+        size = self.model.bpt * max(0, layers[1] - layers[0]) * max(0, tokens[1] - tokens[0])
+        if span is None:
+            span = self.next_span
+            self.next_span += 1
+        if self.do(ev.Issue(0.0, req, span, layers, tokens, size + extra_bytes)):
+            return (req, span)
+        return None
+
+    @precondition(lambda self: self.model.lives)
+    @rule(target=spans, other=st.sampled_from(NAMES) | reqs, data=st.data(),
+          old=st.none() | st.none() | spans, extra_bytes=st.sampled_from([0, 0, 0, 0, 1]))
+    def issue(self, other, data, old, extra_bytes):
+        req = self.pick(data, other)
+        life = self.model.lives.get(req)
+        layers = self.rng_in(data, 0, self.L)
+        tokens = self.rng_in(data, life.prefix if life else 0, life.prompt if life else 40)
+        return self._issue(req, old[1] if old else None, layers, tokens, extra_bytes) or multiple()
+
+    @precondition(lambda self: any(
+        life.prefix < life.prompt for life in self.model.lives.values()))
+    @rule(target=spans, data=st.data())
+    def issue_gap(self, data):
+        """Mostly-legal issue: a run of cells neither landed nor in flight."""
+        req = data.draw(st.sampled_from(sorted(r for r, life in self.model.lives.items()
+                                               if life.prefix < life.prompt)))
+        life = self.model.lives[req]
+        busy = life.landed.union(*life.flying.values())
+        free = sorted(self.model.suffix(life) - busy)
+        if not free:  # every cell is taken: a certain overlap
+            return self._issue(req, None, (0, self.L), (life.prefix, life.prompt), 0) or multiple()
+        la, t = free[data.draw(st.integers(0, min(3, len(free) - 1)))]
+        b = t + 1
+        while b < life.prompt and (la, b) not in busy and data.draw(st.integers(0, 5)) > 0:
+            b += 1
+        lz = la + 1
+        while lz < self.L and not cells((lz, lz + 1), (t, b)) & busy and data.draw(st.booleans()):
+            lz += 1
+        return self._issue(req, None, (la, lz), (t, b), 0) or multiple()
+
+    @precondition(lambda self: self.model.lives)
+    @rule(data=st.data())
+    def rush(self, data):
+        """A whole legal-looking life for one request: compute, send every gap, admit."""
+        req = data.draw(st.sampled_from(sorted(self.model.lives)))
+        life = self.model.lives[req]
+        self.do(ev.Computed(0.0, req, (0, self.L), (0, life.prompt)))
+        while req in self.model.lives:
+            busy = life.landed.union(*life.flying.values())
+            free = sorted(self.model.suffix(life) - busy)
+            if not free:
+                break
+            la, t = free[0]
+            b = t + 1
+            while b < life.prompt and (la, b) not in busy:
+                b += 1
+            lz = la + 1
+            while lz < self.L and not cells((lz, lz + 1), (t, b)) & busy:
+                lz += 1
+            span = self.next_span
+            if self._issue(req, None, (la, lz), (t, b), 0) is None:
+                return
+            self.do(ev.Land(0.0, req, span))
+        self.do(ev.Produced(0.0, req, 1))
+        self.do(ev.Admit(0.0, req))
+
+    @rule(pair=spans, other=st.none() | reqs)
+    def land(self, pair, other):
+        self.do(ev.Land(0.0, other or pair[0], pair[1]))
+
+    @precondition(lambda self: any(life.flying for life in self.model.lives.values()))
+    @rule(data=st.data())
+    def land_in_flight(self, data):
+        pairs = sorted(((r, s) for r, life in self.model.lives.items() for s in life.flying),
+                       key=str)
+        req, span = data.draw(st.sampled_from(pairs))
+        self.do(ev.Land(0.0, req, span))
+
+    @rule(pair=spans, other=st.none() | reqs)
+    def fail(self, pair, other):
+        self.do(ev.Fail(0.0, other or pair[0], pair[1], "e"))
+
+    @invariant()
+    def models_agree(self):
+        """After every step both models hold the same state."""
+        check_invariants(self.state, self.model, self.L)
+
+
+TestApplyVsSimple = ApplyVsSimple.TestCase
+TestApplyVsSimple.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
