@@ -1,0 +1,109 @@
+"""pdgpu command line: run/compare outputs, traces pdref accepts, bad input as one line + exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdgpu.cli import main
+from pdref.check import check_file
+
+SMALL_RUN = ["--prompt", "80", "--chunk", "16"]
+
+
+def test_run_writes_a_trace_pdref_accepts_and_prints_json(tmp_path, capsys):
+    """`pdgpu run --trace --json`: exit 0, one JSON object, a trace that checks ok."""
+    trace = tmp_path / "t.jsonl"
+    assert main(["run", *SMALL_RUN, "--mode", "layer", "--trace", str(trace), "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["mode"] == "layer" and metrics["spans"] == 2
+    result = check_file(trace)
+    assert result.ok, result.text()
+    header = json.loads(trace.read_text().splitlines()[0])
+    assert header["chunk"] == 16 and header["source"] == "pdgpu"
+
+
+def test_run_text_output_names_design_metrics(capsys):
+    """Plain output lists DESIGN.md's metric names, one per line."""
+    assert main(["run", *SMALL_RUN, "--link-gbps", "5"]) == 0
+    out = capsys.readouterr().out
+    for name in ("bytes", "spans", "prefill_s", "handoff_s", "tail_s", "peak_staging_bytes",
+                 "first_token", "link_gbps"):
+        assert f" {name}: " in out
+
+
+def test_explicit_tokens_and_tokens_file_agree(tmp_path, capsys):
+    """--tokens and --tokens-file with the same ids give the same first token."""
+    ids = ",".join(str(i * 7 % 256) for i in range(40))
+    path = tmp_path / "ids.txt"
+    path.write_text(ids.replace(",", " \n"))
+    assert main(["run", "--tokens", ids, "--chunk", "16", "--json"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert main(["run", "--tokens-file", str(path), "--chunk", "16", "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert a["prompt"] == 40 and a["first_token"] == b["first_token"]
+
+
+def test_compare_reports_parity_and_ratios(tmp_path, capsys):
+    """`pdgpu compare --json`: every mode at parity with whole; one trace per mode written."""
+    args = ["compare", *SMALL_RUN, "--prefix", "16", "--json", "--trace-dir", str(tmp_path)]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary) == {"whole", "chunk", "layer"}
+    assert all(s["parity"] == {"kv_equal": True, "token_equal": True} for s in summary.values())
+    assert summary["whole"]["vs_whole"]["handoff_s_ratio"] == 1.0
+    assert all(check_file(tmp_path / f"{m}.jsonl").ok for m in summary)
+
+
+def test_compare_table_and_fail_span_recovery(capsys):
+    """The text table shows parity ok even when the first copy of a run fails and retries."""
+    assert main(["compare", *SMALL_RUN, "--fail-span", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "parity: ok" in out and "kv==whole" in out
+
+
+def test_debug_break_exits_1_with_the_code(tmp_path, capsys):
+    """A protocol-breaking debug switch stops the run: exit 1, the code, no trace written."""
+    trace = tmp_path / "t.jsonl"
+    assert main(["run", *SMALL_RUN, "--debug", "issue-early", "--trace", str(trace)]) == 1
+    assert "COPY-1" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+BAD = [
+    (["--prompt", "0"], "prompt must be >= 1"),
+    (["--chunk", "0"], "chunk must be >= 1"),
+    (["--prefix", "8"], "prefix must be a multiple of page_tokens"),
+    (["--prefix", "96"], "prefix must be in [0, prompt=80]"),
+    (["--max-pending", "0"], "max_pending must be >= 1"),
+    (["--model", "no-such-model"], "unknown profile"),
+    (["--pool-pages", "2"], "pool_pages"),
+    (["--tokens", "1,x,3"], "tokens"),
+    (["--tokens", "1,2,999"], "vocab"),
+    (["--link-gbps", "-1"], "link-gbps"),
+    (["--mode", "sideways"], "mode"),
+    (["--device", "tpu"], "device"),
+    (["--model", "qwen3-next-80b-a3b", "--mode", "layer"], "CFG-1"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, extra, needle):
+    """Each bad input: exit 2, one stderr line naming the field/rule, no trace file."""
+    trace = tmp_path / "t.jsonl"
+    args = ["run", "--prompt", "80", "--chunk", "16", "--trace", str(trace)]
+    if "--tokens" in extra:
+        args = ["run", "--chunk", "16", "--trace", str(trace)]
+    code = main(args + extra)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert needle in err and err.count("\n") == 1
+    assert "Traceback" not in err
+    assert not trace.exists()
+
+
+def test_missing_trace_folder_is_bad_input(tmp_path, capsys):
+    """A trace path in a folder that does not exist is refused before running."""
+    assert main(["run", *SMALL_RUN, "--trace", str(tmp_path / "no" / "t.jsonl")]) == 2
+    assert "trace" in capsys.readouterr().err
