@@ -1,0 +1,101 @@
+"""Simulator speed: events per second, a 10,000-config sweep, a 10,000-request workload.
+
+    python bench/sim_speed.py            # full figures (about a minute on 2 cores)
+    python bench/sim_speed.py --quick    # a tenth of the sizes
+
+Every simulated event goes through pdref's Monitor (the spec), as in any pdsim run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import attrs
+
+from pdref.models import load_model
+from pdsim.config import RequestSpec, SimConfig
+from pdsim.costs import costs_for, sim_geometry
+from pdsim.metrics import workload_metrics
+from pdsim.profiles import load_hw, load_link
+from pdsim.sim import simulate
+from pdsim.sweep import Point, run_sweep
+from pdsim.workload import WorkloadSpec, build_requests
+
+
+def base_config() -> SimConfig:
+    spec = load_model("qwen3-0.6b")
+    hw = load_hw("a100-pcie")
+    costs = costs_for(spec, hw, load_link(hw.link))
+    return SimConfig(sim_geometry(spec), costs, "chunk", 256, pool_pages=1024)
+
+
+def events_per_second(base: SimConfig, repeats: int) -> dict:
+    """One 8192-token request, chunk 64, with stage events, run `repeats` times."""
+    cfg = attrs.evolve(base, chunk=64)
+    start, events = time.perf_counter(), 0
+    for _ in range(repeats):
+        events += len(simulate(cfg, [RequestSpec("r0", 0.0, 8192)]).events)
+    wall = time.perf_counter() - start
+    return {"events": events, "wall_s": wall, "events_per_s": events / wall}
+
+
+def sweep_points(count: int) -> list[Point]:
+    """chunk 64..2048 (step 16) x modes chunk/layer x max_pending 1..4 x bandwidth scales."""
+    chunks = range(64, 2049, 16)
+    bandwidths = [0.25 * 1.4**i for i in range(10)]
+    points = [Point(mode, 8192, c, p, b) for c in chunks for mode in ("chunk", "layer")
+              for p in (1, 2, 3, 4) for b in bandwidths]
+    return points[:: max(1, len(points) // count)][:count]
+
+
+def sweep_speed(base: SimConfig, count: int, jobs: int) -> dict:
+    points = sweep_points(count)
+    start = time.perf_counter()
+    rows = run_sweep(base, points, jobs=jobs, progress=False)
+    wall = time.perf_counter() - start
+    return {"configs": len(rows), "jobs": jobs, "wall_s": wall, "configs_per_s": len(rows) / wall}
+
+
+def workload_speed(base: SimConfig, count: int, stages: bool) -> dict:
+    """Poisson arrivals, prompts uniform 512..8192, chunk 256, one span per chunk."""
+    spec = WorkloadSpec(requests=count, prompt_range=(512, 8192), rate=2.0, seed=1)
+    requests = build_requests(spec, base.geometry.page_tokens)
+    cfg = attrs.evolve(base, pool_pages=16 * 512, output_tokens=64, stages=stages)
+    start = time.perf_counter()
+    result = simulate(cfg, requests)
+    wall = time.perf_counter() - start
+    m = workload_metrics(result)
+    return {"requests": count, "spans": m["spans"], "events": len(result.events),
+            "stages": stages, "wall_s": wall, "requests_per_s": count / wall,
+            "events_per_s": len(result.events) / wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a tenth of the sizes")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    args = p.parse_args(argv)
+    scale = 10 if args.quick else 1
+    base = base_config()
+    figures = {
+        "cpu_count": os.cpu_count(),
+        "single": events_per_second(base, 200 // scale),
+        "sweep": sweep_speed(base, 10_000 // scale, args.jobs),
+        "workload": workload_speed(base, 10_000 // scale, stages=True),
+        "workload_no_stages": workload_speed(base, 10_000 // scale, stages=False),
+    }
+    text = json.dumps(figures, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
