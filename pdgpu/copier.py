@@ -190,6 +190,11 @@ class Copier:
         return sum(b.numel() * b.element_size() for b in bufs.values())
 
     @property
+    def host_staging_bytes(self) -> int:
+        """Bytes of the host staging ring (pinned on CUDA): `slots` spans."""
+        return sum(r.host.numel() * r.host.element_size() for r in self.rings)
+
+    @property
     def in_flight(self) -> int:
         return len(self._busy)
 
@@ -291,3 +296,25 @@ class Copier:
         remaining = start + nbytes / (self.config.link_gbps * 1e9) - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
+
+
+def measure_copy_bandwidth(device, nbytes: int = 256 << 20, repeats: int = 5) -> dict:
+    """Best-of-`repeats` GB/s of device->host and host->device copies through the staging
+    kind of host memory the copier uses (pinned on CUDA), on a copy stream."""
+    device = torch.device(device)
+    backend = make_backend(device, device)
+    host = backend.host_buffer(nbytes, torch.uint8)  # [nbytes]
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)  # [nbytes]
+    out = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            with backend.producer_stream():
+                dst.copy_(src, non_blocking=True)
+            backend.sync_producer()
+            best = min(best, time.perf_counter() - start)
+        out[f"{name}_gbps"] = nbytes / best / 1e9
+    out["bytes"] = nbytes
+    out["pinned"] = bool(host.is_pinned()) if device.type == "cuda" else False
+    return out

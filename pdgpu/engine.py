@@ -93,6 +93,7 @@ class Engine:
     def _extra_metrics(self) -> dict:
         return {"link_gbps": self.config.link_gbps, "device": str(self.config.device),
                 "staging_alloc_bytes": self.copier.staging_bytes,
+                "host_staging_bytes": self.copier.host_staging_bytes,
                 "source_alloc_bytes": self.copier.source_side_bytes}
 
     def _serve_all(self, rec: Recorder, requests: list[Request]):
