@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import itertools
 import json
@@ -89,7 +90,7 @@ def grid(args) -> list[Point]:
         args.modes, args.prompts, args.chunks, args.max_pending, args.bandwidths)]
 
 
-def evaluate(base: SimConfig, point: Point, prefix: int) -> dict:
+def evaluate(base: SimConfig, point: Point, prefix: int = 0) -> dict:
     """Simulate one grid point (no stage events: metrics only)."""
     cfg = attrs.evolve(base, mode=point.mode, chunk=point.chunk, max_pending=point.max_pending,
                        costs=base.costs.scaled(bandwidth=point.bandwidth_scale), stages=False)
@@ -100,27 +101,16 @@ def evaluate(base: SimConfig, point: Point, prefix: int) -> dict:
     return {k: m[k] for k in COLUMNS}
 
 
-_BASE: list = []
-
-
-def _init(base: SimConfig, prefix: int) -> None:
-    _BASE[:] = [base, prefix]
-
-
-def _evaluate_one(point: Point) -> dict:
-    return evaluate(_BASE[0], point, _BASE[1])
-
-
 def run_sweep(base: SimConfig, points: list[Point], prefix: int = 0, jobs: int = 2,
               progress: bool = True) -> list[dict]:
     """Every point's metrics, in grid order, on `jobs` processes."""
     bar = dict(total=len(points), disable=not progress, unit="cfg", file=sys.stderr)
+    one = functools.partial(evaluate, base, prefix=prefix)
     if jobs <= 1 or len(points) < 8:
-        _init(base, prefix)
-        return [_evaluate_one(p) for p in tqdm(points, **bar)]
+        return [one(p) for p in tqdm(points, **bar)]
     chunksize = max(1, len(points) // (jobs * 16))
-    with multiprocessing.get_context("fork").Pool(jobs, _init, (base, prefix)) as pool:
-        return list(tqdm(pool.imap(_evaluate_one, points, chunksize), **bar))
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        return list(tqdm(pool.imap(one, points, chunksize), **bar))
 
 
 def best_chunks(rows: list[dict]) -> dict[int, dict]:
