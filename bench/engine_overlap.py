@@ -5,8 +5,9 @@
     python bench/engine_overlap.py --model qwen3-0.6b --prompt 8192 --chunk 256 \
         --device cuda --link-gbps 0                     # GPU check (scripts/gpu_check.sh)
 
-Every configuration runs `--repeats` times, interleaved (whole, chunk, layer, one-shot, ...),
-and the median of each figure is reported, so slow drift of the machine hits all modes alike.
+Every configuration runs `--repeats` times, interleaved (whole, chunk, layer, one-shot, ...);
+figures are medians and ratios are medians of ratios taken within a round, so slow drift of
+a shared machine hits all modes alike.
 Ratios and targets (issue 4):
   chunk tail / one span's copy     <= 1.5   (the unhidden tail is about one span)
   chunk handoff / whole handoff    <= 1.0   (overlap never loses)
@@ -46,10 +47,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--decoder-device", default="cpu")
     p.add_argument("--dtype", default=None, help="override the model dtype")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None,
                    help="torch compute threads (default 1 on CPU: one core computes, one copies)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="also write the JSON result to this file")
     return p.parse_args(argv)
 
 
@@ -64,30 +66,44 @@ def _configs(args, device: str, link) -> dict[str, EngineConfig]:
     }
 
 
-def measure(model, configs: dict, request: Request, repeats: int) -> dict:
-    """Median of each figure per configuration, runs interleaved; one warm-up round first."""
-    samples: dict[str, list[dict]] = {name: [] for name in configs}
-    names = list(configs)
-    for round_ in range(repeats + 1):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            metrics = Engine(model, configs[name]).run([request]).metrics
-            if round_ > 0:
-                samples[name].append(metrics)
-    return {name: {k: statistics.median(m[k] or 0 for m in runs) for k in FIGURES}
-            for name, runs in samples.items()}
+def measure(model, configs: dict, request: Request, repeats: int) -> list[dict]:
+    """`repeats` rounds of every configuration (order rotated each round), after a warm-up
+    round; each round maps config name -> metrics."""
+    names, rounds = list(configs), []
+    for i in range(repeats + 1):
+        order = names[i % len(names):] + names[:i % len(names)]
+        rounds.append({name: Engine(model, configs[name]).run([request]).metrics
+                       for name in order})
+    return rounds[1:]
 
 
-def ratios(med: dict, span_bytes: int, max_pending: int) -> dict:
-    chunk, whole = med["chunk"], med["whole"]
+def medians(rounds: list[dict]) -> dict:
+    return {name: {k: statistics.median(r[name][k] or 0 for r in rounds) for k in FIGURES}
+            for name in rounds[0]}
+
+
+def _paired(rounds: list[dict], fn) -> float:
+    """Median over rounds of a ratio taken within each round (drift cancels)."""
+    return statistics.median(fn(r) for r in rounds)
+
+
+def ratios(rounds: list[dict], span_bytes: int, max_pending: int) -> dict:
+    med = medians(rounds)
     return {
-        "chunk_tail_over_span_copy": chunk["tail_s"] / chunk["copy_s"],
-        "chunk_tail_over_whole_tail": chunk["tail_s"] / whole["tail_s"],
-        "chunk_handoff_over_whole": chunk["handoff_s"] / whole["handoff_s"],
-        "layer_handoff_over_whole": med["layer"]["handoff_s"] / whole["handoff_s"],
-        "chunked_prefill_overhead": whole["prefill_s"] / med["oneshot"]["prefill_s"] - 1,
-        "chunk_staging_spans": chunk["host_staging_bytes"] / span_bytes,
-        "chunk_peak_in_flight_spans": chunk["peak_staging_bytes"] / span_bytes,
-        "chunk_staging_over_whole": chunk["peak_staging_bytes"] / whole["peak_staging_bytes"],
+        "chunk_tail_over_span_copy": _paired(rounds, lambda r: r["chunk"]["tail_s"]
+                                             / r["chunk"]["copy_s"]),
+        "chunk_tail_over_whole_tail": _paired(rounds, lambda r: r["chunk"]["tail_s"]
+                                              / r["whole"]["tail_s"]),
+        "chunk_handoff_over_whole": _paired(rounds, lambda r: r["chunk"]["handoff_s"]
+                                            / r["whole"]["handoff_s"]),
+        "layer_handoff_over_whole": _paired(rounds, lambda r: r["layer"]["handoff_s"]
+                                            / r["whole"]["handoff_s"]),
+        "chunked_prefill_overhead": _paired(rounds, lambda r: r["whole"]["prefill_s"]
+                                            / r["oneshot"]["prefill_s"] - 1),
+        "chunk_staging_spans": med["chunk"]["host_staging_bytes"] / span_bytes,
+        "chunk_peak_in_flight_spans": med["chunk"]["peak_staging_bytes"] / span_bytes,
+        "chunk_staging_over_whole": med["chunk"]["peak_staging_bytes"]
+        / med["whole"]["peak_staging_bytes"],
         "live_check_frac": max(m["check_frac"] for m in med.values()),
         "max_pending": max_pending,
     }
@@ -128,14 +144,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model, request, device, link = _setup(args)
     spec = model.spec
-    med = measure(model, _configs(args, device, link), request, args.repeats)
+    rounds = measure(model, _configs(args, device, link), request, args.repeats)
     span = spec.geometry(16).region_bytes((0, spec.layers), (0, min(args.chunk, args.prompt)))
-    r = ratios(med, span, args.max_pending)
+    med, r = medians(rounds), ratios(rounds, span, args.max_pending)
     result = {"model": spec.name, "prompt": args.prompt, "chunk": args.chunk, "device": device,
               "link_gbps": link, "threads": torch.get_num_threads(), "repeats": args.repeats,
               "median": med, "ratios": r, "targets": targets(r),
               "copy_bandwidth": measure_copy_bandwidth(device)}
     print(json.dumps(result) if args.json else _text(result))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
     return 0
 
 
