@@ -45,6 +45,7 @@ class Producer:
         self.blocked: Job | None = None
         self.worker_free = 0.0
         self.gathers: deque[tuple[float, float]] = deque()
+        self.lands: deque[float] = deque()  # land times of spans in flight, in FIFO order
 
     @property
     def idle(self) -> bool:
@@ -93,10 +94,17 @@ class Producer:
     def _issue_ready(self, job: Job) -> None:
         while job.ready:
             if not self.sim.monitor.can_issue(self.name):
-                self.blocked = job
+                self._block(job)
                 return
             self._issue(job, job.ready.popleft())
         self._next_step(job)
+
+    def _block(self, job: Job) -> None:
+        """Wait for a free pending slot: the oldest span in flight lands first (FIFO worker)."""
+        self.blocked = job
+        if self.sim.cfg.stages:
+            wait = self.lands[0] - self.env.now
+            self.sim.stage(self.env.now, job.req, "blocked", wait, None, f"{self.name}.compute")
 
     def _finish(self, job: Job) -> None:
         if not job.produced:
@@ -119,10 +127,12 @@ class Producer:
             for name, a, b in plan:
                 self.env.at(start + a, self.sim.stage, start + a, job.req, name, b - a, span,
                             f"{self.name}.{name}")
+        self.lands.append(self.worker_free)
         self.env.at(self.worker_free, self._land, job, span)
 
     def _land(self, job: Job, span: int) -> None:
         self.sim.emit(ev.Land(self.env.now, job.req, span))
+        self.lands.popleft()
         job.spans_landed += 1
         self.sim.try_admit(job)
         if self.blocked is not None and self.sim.monitor.can_issue(self.name):

@@ -2,8 +2,8 @@
 
 Spans come from `pdref.plan.plan_spans` (the one span plan both shells use); this module only
 decides *when* each becomes ready. whole: all after the last chunk. chunk: span k after
-chunk k. layer: the last chunk is computed layer by layer and layer l's span is ready after
-layer l of it (earlier chunks already hold every layer of their tokens).
+chunk k. layer: prefill runs layer-major (as pdgpu does): layer l over every chunk of the
+suffix, then layer l's span is ready; each layer step costs 1/L of the whole prefill.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ def plan_steps(cfg: SimConfig, request: RequestSpec) -> list[Step]:
     cost = [cfg.costs.compute_s(tokens) for tokens in chunks]
     if cfg.mode is Mode.CHUNK:
         return [Step(everything, t, c, (s,)) for t, c, s in zip(chunks, cost, spans, strict=True)]
-    steps = [Step(everything, t, c) for t, c in zip(chunks[:-1], cost[:-1], strict=True)]
     if cfg.mode is Mode.WHOLE:
+        steps = [Step(everything, t, c) for t, c in zip(chunks[:-1], cost[:-1], strict=True)]
         return steps + [Step(everything, chunks[-1], cost[-1], tuple(spans))]
-    per_layer = cost[-1] / cfg.geometry.layers
-    return steps + [Step(s.layers, chunks[-1], per_layer, (s,)) for s in spans]
+    per_layer = sum(cost) / cfg.geometry.layers
+    return [Step(s.layers, s.tokens, per_layer, (s,)) for s in spans]
 
 
 def span_copy_s(cfg: SimConfig, nbytes: int, last: bool) -> float:
