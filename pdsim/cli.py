@@ -30,7 +30,7 @@ def cmd_run(args) -> int:
 
 
 def _commands():
-    from pdsim import explain, sweep, timeline
+    from pdsim import calibrate, explain, sweep, timeline
 
     return {
         "run": ("simulate one run or workload; print metrics", _run_args, cmd_run),
@@ -40,6 +40,8 @@ def _commands():
                     explain.add_args, explain.command),
         "timeline": ("Gantt PNG and Perfetto trace of one run",
                      timeline.add_args, timeline.command),
+        "calibrate": ("fit a hw profile from traces' stage events",
+                      calibrate.add_args, calibrate.command),
     }
 
 

@@ -11,7 +11,7 @@ from pdref.events import Mode
 from pdref.models import load_model
 from pdsim.config import RequestSpec, SimConfig
 from pdsim.costs import costs_for, sim_geometry
-from pdsim.profiles import load_hw, load_link
+from pdsim.profiles import link_of, load_hw
 from pdsim.workload import WorkloadSpec, build_requests
 
 
@@ -90,7 +90,7 @@ def base_config(args) -> SimConfig:
     _check_positive(args, "page_tokens", "bandwidth_scale", "compute_scale")
     spec = load_model(args.model)
     hw = load_hw(args.hw)
-    link = load_link(args.link or hw.link)
+    link = link_of(hw, args.link)
     costs = costs_for(spec, hw, link).scaled(args.bandwidth_scale, args.compute_scale)
     labels = (("model", spec.name), ("hw", hw.name), ("link", link.name))
     if args.bandwidth_scale != 1.0:

@@ -64,7 +64,8 @@ class HwProfile:
     """One producer device: compute figures, gather bandwidth, per-span cost, contention."""
 
     name: str
-    link: str = attrs.field(validator=attrs.validators.min_len(1))
+    link: str | LinkProfile = attrs.field(
+        validator=attrs.validators.instance_of((str, LinkProfile)))
     peak_flops: float = attrs.field(validator=_positive)
     hbm_bandwidth: float = attrs.field(validator=_positive)
     efficiency: float = attrs.field(validator=_fraction)
@@ -74,12 +75,20 @@ class HwProfile:
     contention: float = attrs.field(validator=_non_negative)
     compute: ComputeOverride = ComputeOverride()
     source: str = ""
+    model: str = ""  # the model a calibrated [compute] table was fitted for
 
 
 def load_hw(name_or_path: str) -> HwProfile:
     """Load and validate a hardware profile; raises ProfileError naming the bad field."""
     path = resolve_profile(name_or_path, HW_DIR, "hw")
     return hw_from_dict(read_toml(path), default_name=path.stem, where=str(path))
+
+
+def link_of(hw: HwProfile, override: str | None = None) -> LinkProfile:
+    """The link a run uses: `override` if given, else the hw profile's (inline or by name)."""
+    if override is None and isinstance(hw.link, LinkProfile):
+        return hw.link
+    return load_link(override or hw.link)
 
 
 def load_link(name_or_path: str) -> LinkProfile:
@@ -93,11 +102,13 @@ def hw_from_dict(data: dict, default_name: str, where: str) -> HwProfile:
     _refuse_unknown(data, known | {"compute"}, where)
     fields = {k: v for k, v in data.items() if k in known}
     fields.setdefault("name", default_name)
+    if isinstance(fields.get("link"), dict):
+        fields["link"] = link_from_dict(fields["link"], f"{fields['name']}-link", f"{where} [link]")
     try:
         compute = ComputeOverride(**data.get("compute", {}))
         for key, value in attrs.asdict(compute).items():
             if value is not None:
-                _positive(None, attrs.fields_dict(ComputeOverride)[key], value)
+                _non_negative(None, attrs.fields_dict(ComputeOverride)[key], value)
         return HwProfile(**fields, compute=compute)
     except (TypeError, ValueError) as e:
         raise ProfileError(f"{where}: {_short(e)}") from None

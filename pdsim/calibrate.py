@@ -1,0 +1,158 @@
+"""`pdsim calibrate TRACE... -o PROFILE.toml`: fit the cost model from traces' stage events.
+
+Compute terms (per chunk, per token, per attention pair, contention) come from `compute`
+stages; gather and link bandwidths from the copy stages; the per-span fixed cost and link
+latency from what is left of each span's issue-to-land time. The profile written is an hw
+profile (with its link inline) that `pdsim run --hw PROFILE.toml` accepts with the traces'
+model; each figure is printed with its fit's residual.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+
+from pdref.trace import read_trace
+from pdsim.fitting import Fit, fit_compute, fit_stage, is_pipelined, link_stage_names, median
+from pdsim.options import UsageError
+from pdsim.profiles import load_hw
+from pdsim.report import write_atomic
+from pdsim.samples import samples
+
+
+@attrs.frozen
+class Calibration:
+    """Every fitted figure of the cost model, with the fits they came from."""
+
+    model: str | None
+    compute: Fit
+    gather: Fit
+    links: tuple[tuple[str, Fit], ...]
+    pipelined: bool
+    latency_s: float
+    span_s: float
+    copy_rms: float
+    traces: tuple[str, ...]
+
+
+def read_samples(paths: list[str]):
+    computes, copies, models = [], [], set()
+    for path in paths:
+        items = [item for _, item in read_trace(path)]
+        header, events = items[0], items[1:]
+        models.add(header.get("model"))
+        c, k = samples(header, events)
+        computes += c
+        copies += k
+    if len(models) > 1:
+        raise UsageError(f"TRACE: traces name different models: {sorted(map(str, models))}")
+    return computes, copies, models.pop()
+
+
+def calibrate(paths: list[str]) -> Calibration:
+    computes, copies, model = read_samples(paths)
+    if not computes and not copies:
+        raise UsageError("TRACE: no compute or copy stage events to fit")
+    names = link_stage_names(copies)
+    links = tuple((n, fit_stage(copies, n)) for n in names)
+    pipelined = is_pipelined(copies, names)
+    gather = fit_stage(copies, "gather")
+    per_link = [f.get("per_byte_s") for _, f in links]
+    intercepts = [f.get("intercept_s") for _, f in links]
+    link_byte = (max(per_link) if pipelined else sum(per_link)) if per_link else 0.0
+    gaps = [c.stage(names[0])[0] - c.stage("gather")[1] for c in copies
+            if names and c.stage(names[0]) and c.stage("gather")]
+    latency = max(0.0, median(gaps)) + ((max(intercepts) if pipelined else sum(intercepts))
+                                        if intercepts else 0.0)
+    variable = gather.get("per_byte_s") + link_byte
+    fixed = [c.land - c.start - variable * c.nbytes for c in copies]
+    total = median(fixed)
+    rms = (sum((f - total) ** 2 for f in fixed) / len(fixed)) ** 0.5 if fixed else 0.0
+    return Calibration(model, fit_compute(computes), gather, links, pipelined, latency,
+                       max(0.0, total - latency), rms, tuple(paths))
+
+
+def _bandwidth(per_byte: float) -> float:
+    return 1.0 / per_byte if per_byte > 0 else 1e18
+
+
+def profile_toml(cal: Calibration, base, name: str) -> str:
+    """An hw profile (link inline) holding the fitted figures; base supplies the rest."""
+    c = cal.compute
+    lines = [
+        f"# Calibrated by `pdsim calibrate` from {len(cal.traces)} trace(s): "
+        + ", ".join(Path(p).name for p in cal.traces),
+        f"# compute fit: {c.samples} samples, rank {c.rank}/4, rms residual {c.rms:.3e} s "
+        f"({100 * c.rel_rms:.2f}%); copy fixed-cost rms residual {cal.copy_rms:.3e} s",
+        f"# peak_flops, hbm_bandwidth, efficiency: from base profile {base.name!r} (not fitted)",
+        f"name = {json.dumps(name)}",
+        f"source = {json.dumps('pdsim calibrate; base ' + base.name)}",
+        f"model = {json.dumps(cal.model or '')}",
+        f"peak_flops = {base.peak_flops!r}",
+        f"hbm_bandwidth = {base.hbm_bandwidth!r}",
+        f"efficiency = {base.efficiency!r}",
+        f"chunk_s = {c.get('chunk_s')!r}",
+        f"gather_bandwidth = {_bandwidth(cal.gather.get('per_byte_s'))!r}"
+        f"  # rms {cal.gather.rms:.3e} s over {cal.gather.samples} spans",
+        f"span_s = {cal.span_s!r}",
+        f"contention = {c.get('contention')!r}",
+        "", "[compute]",
+        f"token_s = {c.get('token_s')!r}",
+        f"pair_s = {c.get('pair_s')!r}",
+        f"chunk_s = {c.get('chunk_s')!r}",
+        "", "[link]",
+        f"name = {json.dumps(name + '-link')}",
+        f"pipelined = {'true' if cal.pipelined else 'false'}",
+        f"latency_s = {cal.latency_s!r}",
+    ]
+    for stage, f in cal.links:
+        lines += ["", "[[link.stages]]", f"name = {json.dumps(stage)}",
+                  f"bandwidth = {_bandwidth(f.get('per_byte_s'))!r}"
+                  f"  # rms {f.rms:.3e} s over {f.samples} spans"]
+    return "\n".join(lines) + "\n"
+
+
+def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
+    """(name, value, unit, rms residual of its fit in seconds)."""
+    c = cal.compute
+    out = [(n, c.get(n), u, c.rms) for n, u in (("chunk_s", "s/chunk"), ("token_s", "s/token"),
+                                                 ("pair_s", "s/pair"), ("contention", "x"))]
+    out.append(("gather_bandwidth", _bandwidth(cal.gather.get("per_byte_s")), "B/s",
+                cal.gather.rms))
+    out += [(f"{n}_bandwidth", _bandwidth(f.get("per_byte_s")), "B/s", f.rms)
+            for n, f in cal.links]
+    out += [("latency_s", cal.latency_s, "s", cal.copy_rms), ("span_s", cal.span_s, "s",
+                                                               cal.copy_rms)]
+    return out
+
+
+def add_args(p) -> None:
+    p.add_argument("traces", nargs="+", metavar="TRACE")
+    p.add_argument("-o", "--output", required=True, help="profile TOML to write")
+    p.add_argument("--hw", default="a100-pcie",
+                   help="base profile for the figures traces cannot give (peak flops, HBM)")
+    p.add_argument("--name", default=None, help="profile name (default: the output's stem)")
+    p.add_argument("--json", action="store_true")
+
+
+def command(args) -> int:
+    from pdref.violations import Violation
+
+    base = load_hw(args.hw)
+    try:
+        cal = calibrate(args.traces)
+    except Violation as v:
+        raise UsageError(f"TRACE: not a legal trace: {v.code} {v.message}") from None
+    name = args.name or Path(args.output).stem
+    write_atomic(args.output, profile_toml(cal, base, name))
+    rows = figures(cal)
+    if args.json:
+        print(json.dumps({"model": cal.model, "pipelined": cal.pipelined, "figures": {
+            n: {"value": v, "unit": u, "rms_residual_s": r} for n, v, u, r in rows}}))
+    else:
+        for n, v, u, r in rows:
+            print(f"{n:18} {v:12.5g} {u:8} rms residual {r:.3e} s")
+        print(f"wrote {args.output} (use: pdsim run --hw {args.output} --model {cal.model})")
+    return 0

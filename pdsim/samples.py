@@ -1,0 +1,103 @@
+"""Timing samples read back from a trace's `stage` events, for `pdsim calibrate`.
+
+A compute sample pairs a `compute` stage with the `computed` event that closes it (its
+region gives tokens and the layer fraction) and the time gathers overlapped it. A copy
+sample is one span: its bytes, when the copy worker could start it (issue, or the previous
+land of the same producer), its land, and its gather / link stages.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+import attrs
+
+from pdref.intervals import length
+
+
+@attrs.frozen
+class ComputeSample:
+    duration: float
+    fraction: float  # layers computed / all layers
+    tokens: tuple[int, int]
+    chunks: int  # prefill chunks the region spans (a layer-major step runs every chunk)
+    overlap: float  # seconds of gathers (same producer) inside the stage
+
+
+@attrs.frozen
+class CopySample:
+    nbytes: int
+    start: float
+    land: float
+    stages: tuple[tuple[str, float, float], ...]  # (name, t, end) in time order
+
+    def stage(self, name: str) -> tuple[float, float] | None:
+        return next(((a, b) for n, a, b in self.stages if n == name), None)
+
+
+class _Reader:
+    def __init__(self, layers: int, chunk: int | None) -> None:
+        self.layers, self.chunk = layers, chunk
+        self.producer: dict[str, str] = {}
+        self.open_compute: dict[str, deque] = defaultdict(deque)
+        self.computes: list[tuple[str, object, object]] = []
+        self.issues: dict = {}
+        self.span_stages: dict = defaultdict(list)
+        self.last_land: dict[str, float] = {}
+        self.copies: list[tuple[str, CopySample]] = []
+        self.gathers: dict[str, list] = defaultdict(list)
+
+    def feed(self, e) -> None:
+        kind = e.kind
+        if kind == "reserve":
+            self.producer[e.req] = e.producer
+        elif kind == "stage":
+            self._stage(e)
+        elif kind == "computed" and self.open_compute[e.req]:
+            self.computes.append((self.producer.get(e.req, "p0"),
+                                  self.open_compute[e.req].popleft(), e))
+        elif kind == "issue":
+            self.issues[e.span] = e
+        elif kind == "land":
+            self._land(e)
+
+    def _stage(self, e) -> None:
+        if e.name == "compute":
+            self.open_compute[e.req].append(e)
+        elif e.span is not None:
+            self.span_stages[e.span].append((e.name, e.t, e.end))
+            if e.name == "gather":
+                self.gathers[self.producer.get(e.req, "p0")].append((e.t, e.end))
+
+    def _land(self, e) -> None:
+        issue = self.issues.pop(e.span, None)
+        if issue is None:
+            return
+        producer = self.producer.get(e.req, "p0")
+        start = max(issue.t, self.last_land.get(producer, 0.0))
+        self.last_land[producer] = e.t
+        self.copies.append((e.span, CopySample(issue.bytes, start, e.t, ())))
+
+    def compute_samples(self) -> list[ComputeSample]:
+        out = []
+        for producer, stage, done in self.computes:
+            overlap = sum(max(0.0, min(b, stage.end) - max(a, stage.t))
+                          for a, b in self.gathers[producer])
+            n = length(done.tokens)
+            chunks = -(-n // self.chunk) if self.chunk else 1
+            out.append(ComputeSample(stage.end - stage.t, length(done.layers) / self.layers,
+                                     done.tokens, chunks, overlap))
+        return out
+
+    def copy_samples(self) -> list[CopySample]:
+        return [attrs.evolve(c, stages=tuple(sorted(self.span_stages[span], key=lambda s: s[1])))
+                for span, c in self.copies if c.nbytes > 0 and self.span_stages[span]]
+
+
+def samples(header, events) -> tuple[list[ComputeSample], list[CopySample]]:
+    """Compute and copy samples of one trace (events in trace order)."""
+    chunk = header.get("chunk")
+    reader = _Reader(header.geometry.layers, chunk if isinstance(chunk, int) else None)
+    for e in events:
+        reader.feed(e)
+    return reader.compute_samples(), reader.copy_samples()
