@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--decoder-device", default="cpu")
     p.add_argument("--dtype", default=None, help="override the model dtype")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None,
                    help="torch compute threads (default 1 on CPU: one core computes, one copies)")
     p.add_argument("--json", action="store_true")
@@ -85,6 +85,15 @@ def medians(rounds: list[dict]) -> dict:
 def _paired(rounds: list[dict], fn) -> float:
     """Median over rounds of a ratio taken within each round (drift cancels)."""
     return statistics.median(fn(r) for r in rounds)
+
+
+def spread(rounds: list[dict]) -> dict:
+    """Min and max over rounds of the handoff ratios: how much the machine's noise moves them."""
+    out = {}
+    for mode in ("chunk", "layer"):
+        values = [r[mode]["handoff_s"] / r["whole"]["handoff_s"] for r in rounds]
+        out[f"{mode}_handoff_over_whole"] = (min(values), max(values))
+    return out
 
 
 def ratios(rounds: list[dict], span_bytes: int, max_pending: int) -> dict:
@@ -149,7 +158,7 @@ def main(argv=None) -> int:
     med, r = medians(rounds), ratios(rounds, span, args.max_pending)
     result = {"model": spec.name, "prompt": args.prompt, "chunk": args.chunk, "device": device,
               "link_gbps": link, "threads": torch.get_num_threads(), "repeats": args.repeats,
-              "median": med, "ratios": r, "targets": targets(r),
+              "median": med, "ratios": r, "spread": spread(rounds), "targets": targets(r),
               "copy_bandwidth": measure_copy_bandwidth(device)}
     print(json.dumps(result) if args.json else _text(result))
     if args.out:
@@ -165,6 +174,8 @@ def _text(result: dict) -> str:
              f"threads={result['threads']} (median of {result['repeats']})",
              table(result["median"])]
     lines += [f"{key:>28}: {value:.4f}" for key, value in result["ratios"].items()]
+    lines += [f"{key:>28}: {lo:.4f} .. {hi:.4f} (min .. max over rounds)"
+              for key, (lo, hi) in result["spread"].items()]
     lines += [f"  [{'ok' if ok else 'MISS'}] {name}" for name, ok in result["targets"].items()]
     lines.append(f"copy bandwidth ({'pinned' if bw['pinned'] else 'pageable'}): "
                  f"d2h {bw['d2h_gbps']:.2f} GB/s, h2d {bw['h2d_gbps']:.2f} GB/s")

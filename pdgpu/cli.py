@@ -19,8 +19,10 @@ from pdgpu.compare import compare_modes, compare_table
 from pdgpu.engine import Engine, EngineError, RunResult
 from pdgpu.model import build_model
 from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
+from pdref.check import check_lines
+from pdref.events import event_to_json, header_to_json
 from pdref.models import ModelSpec, ProfileError, load_model
-from pdref.trace import TraceWriter
+from pdref.trace import TraceWriter, dumps
 from pdref.violations import Violation
 
 METRIC_ORDER = ("mode", "prompt", "prefix", "chunk", "max_pending", "bytes", "spans",
@@ -156,6 +158,12 @@ def _check_out_path(path: str | None, what: str, is_dir: bool = False) -> None:
 
 
 def write_trace(result: RunResult, path: str | Path) -> None:
+    """Check the whole trace (stage events included) with pdref, then write it atomically."""
+    lines = [dumps(header_to_json(result.header)).encode()]
+    lines += [dumps(event_to_json(e)).encode() for e in result.events]
+    verdict = check_lines(lines, str(path))
+    if not verdict.ok:
+        raise Violation(verdict.code, f"trace line {verdict.line}: {verdict.message}")
     with TraceWriter(path, result.header) as writer:
         for event in result.events:
             writer.write(event)

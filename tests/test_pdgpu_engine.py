@@ -112,12 +112,12 @@ def test_back_to_back_requests_reuse_source_pages_at_once():
 def test_slow_link_blocks_the_producer_and_bounds_staging():
     """With a paced link, the producer blocks on max_pending and staging stays at 2 spans."""
     result = _run("chunk", [Request("r", _tokens(128), 0)], chunk=16, max_pending=2,
-                  link_gbps=0.002)
+                  link_gbps=0.0003)
     span_bytes = TINY.geometry(16).region_bytes((0, TINY.layers), (0, 16))
     assert result.metrics["peak_staging_bytes"] == 2 * span_bytes
     assert any(e.kind == "stage" and e.name == "blocked" for e in result.events)
     h2d = [e.end - e.t for e in result.events if e.kind == "stage" and e.name == "h2d"]
-    assert min(h2d) >= span_bytes / 0.002e9 * 0.95
+    assert min(h2d) >= span_bytes / 0.0003e9 * 0.95
     assert _check(result).ok
 
 
