@@ -62,7 +62,7 @@ def _positive_float(text: str) -> float:
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset name, profile .toml, or HF folder")
-    p.add_argument("--prompt", type=_int(0), help="prompt tokens (default 256, or --tokens')")
+    p.add_argument("--prompt", type=_int(0), help="prompt tokens (default 256)")
     p.add_argument("--prefix", type=_int(0), default=0, help="tokens the decoder already holds")
     p.add_argument("--chunk", type=_int(0), default=64, help="prefill chunk tokens")
     p.add_argument("--max-pending", type=_int(0), default=2, help="spans in flight at most")
@@ -81,7 +81,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-span", type=_int(0), help="make the copy of this span id fail")
     p.add_argument("--retries", type=_int(0), default=2, help="retries after a failed copy")
     p.add_argument("--requests", type=_int(1), default=1,
-                   help="serve the prompt this many times back to back")
+                   help="serve the prompt this many times back to back (metrics: the last one)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
