@@ -15,7 +15,7 @@ from pathlib import Path
 import attrs
 
 from pdref.trace import read_trace
-from pdsim.fitting import Fit, fit_compute, fit_stage, is_pipelined, link_stage_names, median
+from pdsim.fitting import Fit, fit_compute, fit_fixed, fit_stage, is_pipelined, link_stage_names
 from pdsim.options import UsageError
 from pdsim.profiles import load_hw
 from pdsim.report import write_atomic
@@ -59,19 +59,9 @@ def calibrate(paths: list[str]) -> Calibration:
     links = tuple((n, fit_stage(copies, n)) for n in names)
     pipelined = is_pipelined(copies, names)
     gather = fit_stage(copies, "gather")
-    per_link = [f.get("per_byte_s") for _, f in links]
-    intercepts = [f.get("intercept_s") for _, f in links]
-    link_byte = (max(per_link) if pipelined else sum(per_link)) if per_link else 0.0
-    gaps = [c.stage(names[0])[0] - c.stage("gather")[1] for c in copies
-            if names and c.stage(names[0]) and c.stage("gather")]
-    latency = max(0.0, median(gaps)) + ((max(intercepts) if pipelined else sum(intercepts))
-                                        if intercepts else 0.0)
-    variable = gather.get("per_byte_s") + link_byte
-    fixed = [c.land - c.start - variable * c.nbytes for c in copies]
-    total = median(fixed)
-    rms = (sum((f - total) ** 2 for f in fixed) / len(fixed)) ** 0.5 if fixed else 0.0
-    return Calibration(model, fit_compute(computes), gather, links, pipelined, latency,
-                       max(0.0, total - latency), rms, tuple(paths))
+    fixed = fit_fixed(copies, gather, links, pipelined)
+    return Calibration(model, fit_compute(computes), gather, links, pipelined,
+                       fixed.latency_s, fixed.span_s, fixed.rms, tuple(paths))
 
 
 def _bandwidth(per_byte: float) -> float:

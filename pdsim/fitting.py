@@ -44,12 +44,21 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, int]:
         active.remove(min(negative, key=lambda i: coef[i]))
 
 
-def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray) -> Fit:
-    coef, rank = nonneg_lstsq(x, y)
-    residual = y - x @ coef
-    rms = float(np.sqrt(np.mean(residual**2))) if len(y) else 0.0
-    return Fit(names, tuple(float(c) for c in coef), len(y), rank, rms,
-               float(np.mean(y)) if len(y) else 0.0)
+def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, rounds: int = 3) -> Fit:
+    """Non-negative least squares, refitted without outliers (residual > 5 robust sigmas)."""
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(rounds):
+        coef, rank = nonneg_lstsq(x[keep], y[keep])
+        residual = y - x @ coef
+        sigma = 1.4826 * float(np.median(np.abs(residual[keep]))) if keep.any() else 0.0
+        outliers = np.abs(residual) > 5 * sigma + 1e-12 * np.abs(y).max(initial=0.0)
+        if sigma == 0 or not (outliers & keep).any():
+            break
+        keep &= ~outliers
+    residual = (y - x @ coef)[keep]
+    rms = float(np.sqrt(np.mean(residual**2))) if keep.any() else 0.0
+    return Fit(names, tuple(float(c) for c in coef), int(keep.sum()), rank, rms,
+               float(np.mean(y[keep])) if keep.any() else 0.0)
 
 
 def fit_compute(samples: list[ComputeSample]) -> Fit:
@@ -92,3 +101,34 @@ def is_pipelined(copies: list[CopySample], names: list[str]) -> bool:
 
 def median(values) -> float:
     return float(np.median(values)) if len(values) else 0.0
+
+
+@attrs.frozen
+class FixedCost:
+    span_s: float  # before the gather (wake-up, readiness wait) and after the last stage
+    latency_s: float  # between gather and link, plus the link stages' intercepts
+    rms: float  # residual of the last spans' issue-to-land time, seconds
+
+
+def fit_fixed(copies: list[CopySample], gather: Fit, links, pipelined: bool) -> FixedCost:
+    """The per-span fixed costs around the bandwidth terms (one copy worker per trace)."""
+    pre, gaps, post, lasts, prev_end = [], [], [], [], 0.0
+    for c in copies:
+        g = c.stage("gather")
+        start, end = max(c.issue, prev_end), max(b for _, _, b in c.stages)
+        pre.append((g or c.stages[0][1:])[0] - start)
+        link = [c.stage(n) for n, _ in links if c.stage(n)]
+        if g and link:
+            gaps.append(link[0][0] - g[1])
+        if c.last:
+            post.append(c.land - end)
+            lasts.append((c, start))
+        prev_end = end
+    intercepts = [f.get("intercept_s") for _, f in links] or [0.0]
+    latency = max(0.0, median(gaps)) + (max(intercepts) if pipelined else sum(intercepts))
+    span_s = max(0.0, median(pre)) + max(0.0, median(post)) + gather.get("intercept_s")
+    per_link = [f.get("per_byte_s") for _, f in links] or [0.0]
+    per_byte = gather.get("per_byte_s") + (max(per_link) if pipelined else sum(per_link))
+    errors = [c.land - start - (span_s + latency + per_byte * c.nbytes) for c, start in lasts]
+    rms = float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
+    return FixedCost(span_s, latency, rms)

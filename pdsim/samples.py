@@ -2,8 +2,7 @@
 
 A compute sample pairs a `compute` stage with the `computed` event that closes it (its
 region gives tokens and the layer fraction) and the time gathers overlapped it. A copy
-sample is one span: its bytes, when the copy worker could start it (issue, or the previous
-land of the same producer), its land, and its gather / link stages.
+sample is one span: its bytes, issue and land times, and its gather / link stages.
 """
 
 from __future__ import annotations
@@ -27,9 +26,10 @@ class ComputeSample:
 @attrs.frozen
 class CopySample:
     nbytes: int
-    start: float
+    issue: float
     land: float
     stages: tuple[tuple[str, float, float], ...]  # (name, t, end) in time order
+    last: bool = False  # the request's last span (the engine harvests it at once)
 
     def stage(self, name: str) -> tuple[float, float] | None:
         return next(((a, b) for n, a, b in self.stages if n == name), None)
@@ -42,8 +42,8 @@ class _Reader:
         self.open_compute: dict[str, deque] = defaultdict(deque)
         self.computes: list[tuple[str, object, object]] = []
         self.issues: dict = {}
+        self.span_req: dict = {}
         self.span_stages: dict = defaultdict(list)
-        self.last_land: dict[str, float] = {}
         self.copies: list[tuple[str, CopySample]] = []
         self.gathers: dict[str, list] = defaultdict(list)
 
@@ -58,6 +58,7 @@ class _Reader:
                                   self.open_compute[e.req].popleft(), e))
         elif kind == "issue":
             self.issues[e.span] = e
+            self.span_req[e.span] = e.req
         elif kind == "land":
             self._land(e)
 
@@ -71,12 +72,8 @@ class _Reader:
 
     def _land(self, e) -> None:
         issue = self.issues.pop(e.span, None)
-        if issue is None:
-            return
-        producer = self.producer.get(e.req, "p0")
-        start = max(issue.t, self.last_land.get(producer, 0.0))
-        self.last_land[producer] = e.t
-        self.copies.append((e.span, CopySample(issue.bytes, start, e.t, ())))
+        if issue is not None:
+            self.copies.append((e.span, CopySample(issue.bytes, issue.t, e.t, ())))
 
     def compute_samples(self) -> list[ComputeSample]:
         out = []
@@ -90,8 +87,15 @@ class _Reader:
         return out
 
     def copy_samples(self) -> list[CopySample]:
-        return [attrs.evolve(c, stages=tuple(sorted(self.span_stages[span], key=lambda s: s[1])))
-                for span, c in self.copies if c.nbytes > 0 and self.span_stages[span]]
+        """Spans that moved bytes and reported stages; `last` marks each request's final one."""
+        out, seen = [], set()
+        for span, c in reversed(self.copies):
+            req = self.span_req[span]
+            stages = tuple(sorted(self.span_stages[span], key=lambda s: s[1]))
+            if c.nbytes > 0 and stages:
+                out.append(attrs.evolve(c, stages=stages, last=req not in seen))
+                seen.add(req)
+        return out[::-1]
 
 
 def samples(header, events) -> tuple[list[ComputeSample], list[CopySample]]:
