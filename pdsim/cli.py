@@ -1,4 +1,4 @@
-"""`pdsim run | sweep | explain | timeline`: the simulator's command line.
+"""`pdsim run | sweep | explain | timeline | calibrate`: the simulator's command line.
 
 Bad input is one line on stderr naming the field and the rule, exit 2, and nothing written.
 """
@@ -6,6 +6,7 @@ Bad input is one line on stderr naming the field and the rule, exit 2, and nothi
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from pdref.models import ProfileError
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         return commands[args.command][2](args)
+    except BrokenPipeError:  # e.g. `pdsim run | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except INPUT_ERRORS as e:
         print(f"pdsim {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
