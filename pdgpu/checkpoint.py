@@ -40,6 +40,8 @@ def _read_config(folder: Path) -> dict:
 def _arch(config: dict, where: str) -> str:
     archs = config.get("architectures") or []
     known = [ARCHS[a] for a in archs if a in ARCHS]
+    if not archs and config.get("model_type") in ARCHS.values():
+        known = [config["model_type"]]
     if not known:
         raise CheckpointError(f"{where}: unknown architecture {archs!r} "
                               f"(supported: {', '.join(ARCHS)})")
@@ -177,6 +179,7 @@ def hf_config(spec: ModelSpec) -> dict:
     """The Hugging Face config.json of a spec."""
     config = {
         "architectures": [{v: k for k, v in ARCHS.items()}[spec.arch]],
+        "model_type": spec.arch,
         "num_hidden_layers": spec.layers, "hidden_size": spec.hidden,
         "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
         "head_dim": spec.head_dim, "intermediate_size": spec.intermediate,

@@ -160,3 +160,20 @@ def test_bfloat16_model_runs_and_keeps_float32_rope():
     cache = SourceCache(spec.geometry(8), 4, "cpu", torch.bfloat16)
     h = model.prefill_chunk(torch.arange(12), 0, cache.open(12))
     assert torch.isfinite(model.logits(h).float()).all()
+
+
+@pytest.mark.parametrize("spec", [TINY, LLAMA], ids=["qwen3", "llama3.1"])
+def test_logits_match_hugging_face_transformers(tmp_path, spec):
+    """Same checkpoint, same logits as HF's Qwen3ForCausalLM / LlamaForCausalLM (if installed)."""
+    transformers = pytest.importorskip("transformers")
+    from pdgpu.checkpoint import save_checkpoint
+
+    model = build_model(spec, seed=3)
+    save_checkpoint(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    tokens = torch.randint(0, spec.vocab, (90,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens[None]).logits[0]  # [n, V]
+    got, _ = chunked_logits(model, tokens, chunk=32)
+    assert torch.allclose(got, want, atol=1e-5)
