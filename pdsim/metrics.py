@@ -33,33 +33,36 @@ def single_metrics(result: SimResult) -> dict:
 def workload_metrics(result: SimResult) -> dict:
     """Aggregate metrics of a many-request run: TTFT p50/p99, occupancy, throughput."""
     lives, peak = life_metrics(result.events)
+    cfg = result.cfg
+    makespan = max((life.end_t for life in lives), default=0.0)
+    occupancy, peak_pages = _occupancy(result)
+    out = {"mode": str(cfg.mode), "chunk": cfg.chunk, "max_pending": cfg.max_pending,
+           **dict(cfg.labels), "requests": len(lives), "producers": cfg.producers,
+           "pool_pages": cfg.pool_pages, "bytes": sum(life.bytes for life in lives),
+           "spans": sum(life.spans for life in lives)}
+    out.update(_latencies(result, lives))
+    out.update(_rates(lives, makespan))
+    out.update(pool_occupancy_mean=occupancy, pool_peak_pages=peak_pages,
+               peak_staging_bytes=peak, events=len(result.events))
+    return out
+
+
+def _latencies(result: SimResult, lives) -> dict:
+    """TTFT (arrival to admissible at the decoder), queueing, and the unhidden tail."""
     arrival = {r.req: r.arrival for r in result.requests}
     ttft = np.array([life.ready_t - arrival[life.req] for life in lives])
     wait = np.array([life.reserve_t - arrival[life.req] for life in lives])
-    makespan = max((life.end_t for life in lives), default=0.0)
-    occupancy, peak_pages = _occupancy(result)
-    out = {"mode": str(result.cfg.mode), "chunk": result.cfg.chunk,
-           "max_pending": result.cfg.max_pending, **dict(result.cfg.labels)}
-    out.update(
-        requests=len(lives),
-        producers=result.cfg.producers,
-        pool_pages=result.cfg.pool_pages,
-        bytes=sum(life.bytes for life in lives),
-        spans=sum(life.spans for life in lives),
-        ttft_p50_s=float(np.percentile(ttft, 50)),
-        ttft_p99_s=float(np.percentile(ttft, 99)),
-        queue_wait_p99_s=float(np.percentile(wait, 99)),
-        tail_mean_s=float(np.mean([life.ready_t - life.produced_t for life in lives])),
-        makespan_s=makespan,
-        throughput_rps=len(lives) / makespan if makespan > 0 else 0.0,
-        prefill_tokens_per_sec=sum(life.prompt - life.prefix for life in lives) / makespan
-        if makespan > 0 else 0.0,
-        pool_occupancy_mean=occupancy,
-        pool_peak_pages=peak_pages,
-        peak_staging_bytes=peak,
-        events=len(result.events),
-    )
-    return out
+    return {"ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "queue_wait_p99_s": float(np.percentile(wait, 99)),
+            "tail_mean_s": float(np.mean([life.ready_t - life.produced_t for life in lives]))}
+
+
+def _rates(lives, makespan: float) -> dict:
+    tokens = sum(life.prompt - life.prefix for life in lives)
+    return {"makespan_s": makespan,
+            "throughput_rps": len(lives) / makespan if makespan > 0 else 0.0,
+            "prefill_tokens_per_sec": tokens / makespan if makespan > 0 else 0.0}
 
 
 def _occupancy(result: SimResult) -> tuple[float, int]:

@@ -20,7 +20,7 @@ def _png(fig) -> bytes:
 
 
 def sweep_png(rows: list[dict], title: str = "") -> bytes:
-    """Completion (solid) and tail (dashed) vs chunk size per mode, one panel per prompt."""
+    """Completion (top) and tail (bottom) vs chunk size per mode, one column per prompt."""
     from pdsim.sweep import best_chunks
 
     prompts = sorted({r["prompt"] for r in rows})
@@ -31,23 +31,25 @@ def sweep_png(rows: list[dict], title: str = "") -> bytes:
     fig, axes = plt.subplots(2, len(prompts), figsize=(5.5 * len(prompts), 6.5),
                              squeeze=False, sharex=True)
     for col, prompt in enumerate(prompts):
-        top, bottom = axes[0][col], axes[1][col]
-        for mode, color in MODE_COLORS.items():
-            pts = sorted((r["chunk"], r["handoff_s"], r["tail_s"]) for r in shown
-                         if r["prompt"] == prompt and r["mode"] == mode)
-            if pts:
-                xs = [p[0] for p in pts]
-                top.plot(xs, [p[1] * 1e3 for p in pts], "-o", color=color, label=mode)
-                bottom.plot(xs, [p[2] * 1e3 for p in pts], "--o", color=color, label=mode)
-        b = best[prompt]
-        for ax in (top, bottom):
-            ax.axvline(b["chunk"], color="grey", lw=0.8)
-            ax.set_xscale("log", base=2)
-            ax.legend(fontsize=7)
-        top.set_ylabel("completion (handoff) ms")
-        bottom.set_ylabel("unhidden tail ms")
-        bottom.set_xlabel("chunk (tokens)")
-        top.set_title(f"prompt {prompt}: best {b['mode']} chunk {b['chunk']}", fontsize=9)
+        _sweep_column(axes[0][col], axes[1][col], shown, prompt, best[prompt])
     fig.suptitle(f"{title}  max_pending {first['max_pending']}, "
                  f"bandwidth x{first['bandwidth_scale']:g}", fontsize=8)
     return _png(fig)
+
+
+def _sweep_column(top, bottom, rows: list[dict], prompt: int, best: dict) -> None:
+    for mode, color in MODE_COLORS.items():
+        pts = sorted((r["chunk"], r["handoff_s"], r["tail_s"]) for r in rows
+                     if r["prompt"] == prompt and r["mode"] == mode)
+        if pts:
+            xs = [p[0] for p in pts]
+            top.plot(xs, [p[1] * 1e3 for p in pts], "-o", color=color, label=mode)
+            bottom.plot(xs, [p[2] * 1e3 for p in pts], "--o", color=color, label=mode)
+    for ax in (top, bottom):
+        ax.axvline(best["chunk"], color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    top.set_ylabel("completion (handoff) ms")
+    bottom.set_ylabel("unhidden tail ms")
+    bottom.set_xlabel("chunk (tokens)")
+    top.set_title(f"prompt {prompt}: best {best['mode']} chunk {best['chunk']}", fontsize=9)
