@@ -171,3 +171,19 @@ def test_metrics_report_engine_figures():
     assert 0 < m["check_s"] < m["wall_s"]
     assert m["prefill_s"] <= m["handoff_s"] and m["tail_s"] >= 0
     assert all(m[k] > 0 for k in ("gather_s", "d2h_s", "h2d_s", "copy_s"))
+
+
+def test_copy_bound_link_sets_handoff_and_max_pending_bounds_the_tail():
+    """Copy-bound: handoff >= bytes/link in every mode; chunk's tail is at most ~max_pending
+    spans (the producer blocked), far below whole's tail of every byte."""
+    link = 0.0004  # GB/s: a 16-token tiny span (8 KiB) takes ~20 ms, compute ~1 ms a chunk
+    request = [Request("r", _tokens(128), 0)]
+    runs = {m: _run(m, request, chunk=16, max_pending=2, link_gbps=link).metrics
+            for m in ("whole", "chunk")}
+    total = runs["whole"]["bytes"]
+    span_s = total / 8 / (link * 1e9)
+    for m in runs.values():
+        assert m["handoff_s"] >= total / (link * 1e9) * 0.95
+    assert runs["whole"]["tail_s"] >= 8 * span_s * 0.95
+    assert runs["chunk"]["tail_s"] <= 2 * span_s + 0.5 * span_s
+    assert runs["chunk"]["blocked_s"] > 0
