@@ -124,11 +124,18 @@ class Producer:
         self.worker_free = start + cfg.costs.copy_s(moved)
         self.gathers.append((start + plan[0][1], start + plan[0][2]))
         if cfg.stages:
-            for name, a, b in plan:
-                self.env.at(start + a, self.sim.stage, start + a, job.req, name, b - a, span,
-                            f"{self.name}.{name}")
+            self._schedule_stages(job.req, span, start, plan)
         self.lands.append(self.worker_free)
         self.env.at(self.worker_free, self._land, job, span)
+
+    def _schedule_stages(self, req: str, span: int, start: float, plan) -> None:
+        """Stage events at their start times; stages starting together share one heap event."""
+        groups: dict[float, list] = {}
+        for name, a, b in plan:
+            groups.setdefault(start + a, []).append(
+                ev.Stage(start + a, req, name, start + b, span, f"{self.name}.{name}"))
+        for t, stages in groups.items():
+            self.env.at(t, self.sim.emit_all, stages)
 
     def _land(self, job: Job, span: int) -> None:
         self.sim.emit(ev.Land(self.env.now, job.req, span))

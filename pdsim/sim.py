@@ -66,6 +66,10 @@ class Sim:
     def emit(self, event) -> None:
         self.monitor.emit(event)
 
+    def emit_all(self, events) -> None:
+        for event in events:
+            self.monitor.emit(event)
+
     def stage(self, t, req, name, duration, span, resource) -> None:
         self.monitor.emit(ev.Stage(t, req, name, t + duration, span, resource))
 

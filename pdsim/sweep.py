@@ -150,6 +150,9 @@ def to_csv(rows: list[dict]) -> str:
 def command(args) -> int:
     if args.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.prefix < 0 or args.prefix % args.page_tokens:
+        raise UsageError(f"--prefix must be a multiple of --page-tokens={args.page_tokens} "
+                         f"and >= 0, got {args.prefix}")
     base = base_config(args)
     base = attrs.evolve(base, no_compute=args.no_compute)
     if "layer" in args.modes and base.geometry.recurrent:

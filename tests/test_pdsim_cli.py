@@ -58,6 +58,8 @@ def test_prompts_csv_workload(tmp_path, capsys):
     (["run", "--model", "qwen3-next-80b-a3b", "--mode", "layer"], "CFG-1"),
     (["run", "--prompt", "abc"], "--prompt"),
     (["sweep", "--chunks", "0,64"], "--chunks"),
+    (["sweep", "--prefix", "-16"], "--prefix"),
+    (["sweep", "--modes", "whole,bogus"], "--modes"),
     (["run", "--pool-pages", "2", "--prompt", "4096"], "pool_pages"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, field):
