@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 from pdref.check import check_lines
 from pdref.events import event_to_json, header_to_json
 from pdref.geometry import Geometry
+from pdref.models import MODELS_DIR, load_model
 from pdsim.config import RequestSpec, SimConfig
-from pdsim.costs import Costs
+from pdsim.costs import Costs, costs_for, sim_geometry
 from pdsim.metrics import single_metrics
+from pdsim.profiles import load_hw, load_link
 from pdsim.sim import simulate
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -114,3 +116,22 @@ def test_whole_tail_equals_full_copy_time(run):
     """Whole mode's tail equals its full copy time (nothing overlaps)."""
     m = single_metrics(simulate(*run))
     assert abs(m["tail_s"] - m["copy_busy_s"]) <= 1e-9 * max(1.0, m["handoff_s"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(sorted(p.stem for p in MODELS_DIR.glob("*.toml"))),
+       st.sampled_from(["a100-pcie", "h100-sxm", "h200"]),
+       st.sampled_from(["pcie-gen4", "pcie-gen5", "rdma-200g", "rdma-400g"]),
+       st.sampled_from(["whole", "chunk", "layer"]), st.integers(1, 3000), st.integers(1, 700),
+       st.integers(1, 3))
+def test_shipped_profiles_give_legal_traces(model, hw, link, mode, prompt, chunk, pending):
+    """Every shipped model x hw x link profile simulates to a legal trace (or CFG-1 refusal)."""
+    spec = load_model(model)
+    hw_profile = load_hw(hw)
+    geo = sim_geometry(spec)
+    if mode == "layer" and geo.recurrent:
+        return
+    cfg = SimConfig(geo, costs_for(spec, hw_profile, load_link(link)), mode, chunk,
+                    max_pending=pending, pool_pages=geo.pages_for(prompt))
+    verdict = checked(simulate(cfg, [RequestSpec("r0", 0.0, prompt)]))
+    assert verdict.ok, verdict.text()
