@@ -38,7 +38,7 @@ def build_requests(spec: WorkloadSpec, page_tokens: int) -> list[RequestSpec]:
     rows = _read_csv(spec.prompts_csv) if spec.prompts_csv else None
     count = len(rows) if rows is not None and spec.requests == 1 else spec.requests
     if count < 1:
-        raise WorkloadError(f"requests must be >= 1, got {count}")
+        raise WorkloadError(f"--requests must be >= 1, got {count}")
     prompts = _prompts(spec, rows, count, rng)
     times = _arrivals(spec, rows, count, rng)
     out = []
@@ -54,26 +54,26 @@ def _prompts(spec: WorkloadSpec, rows, count: int, rng) -> list[int]:
     if spec.prompt_range is not None:
         lo, hi = spec.prompt_range
         if not 1 <= lo <= hi:
-            raise WorkloadError(f"prompt-range must be A:B with 1 <= A <= B, got {lo}:{hi}")
+            raise WorkloadError(f"--prompt-range must be A:B with 1 <= A <= B, got {lo}:{hi}")
         return [int(x) for x in rng.integers(lo, hi + 1, size=count)]
     if spec.prompt < 1:
-        raise WorkloadError(f"prompt must be >= 1, got {spec.prompt}")
+        raise WorkloadError(f"--prompt must be >= 1, got {spec.prompt}")
     return [spec.prompt] * count
 
 
 def _arrivals(spec: WorkloadSpec, rows, count: int, rng) -> list[float]:
     if spec.arrivals is not None:
         if len(spec.arrivals) != count or any(not t >= 0 for t in spec.arrivals):
-            raise WorkloadError(f"arrivals must list {count} times >= 0")
+            raise WorkloadError(f"--arrivals must list {count} times >= 0")
         return list(spec.arrivals)
     if rows is not None and all("arrival" in r for r in rows):
         return [rows[i % len(rows)]["arrival"] for i in range(count)]
     if spec.rate is not None:
         if not spec.rate > 0:
-            raise WorkloadError(f"rate must be > 0 requests/s, got {spec.rate}")
+            raise WorkloadError(f"--rate must be > 0 requests/s, got {spec.rate}")
         return list(np.cumsum(rng.exponential(1.0 / spec.rate, size=count)) - 0.0)
     if not spec.interval >= 0:
-        raise WorkloadError(f"interval must be >= 0 s, got {spec.interval}")
+        raise WorkloadError(f"--interval must be >= 0 s, got {spec.interval}")
     return [i * spec.interval for i in range(count)]
 
 
@@ -84,7 +84,7 @@ def _prefix(spec: WorkloadSpec, rows, i: int, prompt: int, page_tokens: int) -> 
         prefix = min(spec.prefix, prompt // page_tokens * page_tokens)
     if prefix < 0 or prefix > prompt or prefix % page_tokens:
         raise WorkloadError(
-            f"prefix must be a multiple of page_tokens={page_tokens} in [0, prompt={prompt}],"
+            f"--prefix must be a multiple of page_tokens={page_tokens} in [0, prompt={prompt}],"
             f" got {prefix}")
     return prefix
 
@@ -94,9 +94,9 @@ def _read_csv(path: str) -> list[dict]:
         with open(Path(path), newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))
     except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise WorkloadError(f"prompts-csv: cannot read {path}: {e}") from None
+        raise WorkloadError(f"--prompts-csv: cannot read {path}: {e}") from None
     if not rows or "prompt" not in rows[0]:
-        raise WorkloadError(f"prompts-csv: {path} needs a header row with a 'prompt' column")
+        raise WorkloadError(f"--prompts-csv: {path} needs a header row with a 'prompt' column")
     return [_row(path, n, row) for n, row in enumerate(rows, 2)]
 
 
@@ -107,8 +107,8 @@ def _row(path: str, line: int, row: dict) -> dict:
             try:
                 out[key] = convert(row[key])
             except ValueError:
-                raise WorkloadError(f"prompts-csv: {path}:{line}: {key} {row[key]!r} is not a "
+                raise WorkloadError(f"--prompts-csv: {path}:{line}: {key} {row[key]!r} is not a "
                                     f"{convert.__name__}") from None
     if out.get("prompt", 0) < 1:
-        raise WorkloadError(f"prompts-csv: {path}:{line}: prompt must be >= 1")
+        raise WorkloadError(f"--prompts-csv: {path}:{line}: prompt must be >= 1")
     return out
