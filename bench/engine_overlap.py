@@ -33,7 +33,7 @@ from pdgpu.workload import EngineConfig, Request
 from pdref.models import load_model
 
 FIGURES = ("prefill_s", "handoff_s", "tail_s", "copy_s", "peak_staging_bytes", "check_frac",
-           "compute_s", "blocked_s", "host_staging_bytes", "source_alloc_bytes")
+           "compute_s", "blocked_s", "host_staging_bytes", "source_alloc_bytes", "threads")
 
 
 def parse_args(argv=None):
@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="override the model dtype")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None,
-                   help="torch compute threads (default 1 on CPU: one core computes, one copies)")
+                   help="torch compute threads (default: the engine's, one core left to copy)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON result to this file")
     return p.parse_args(argv)
@@ -57,7 +57,7 @@ def parse_args(argv=None):
 
 def _configs(args, device: str, link) -> dict[str, EngineConfig]:
     base = EngineConfig("whole", chunk=args.chunk, max_pending=args.max_pending, device=device,
-                        decoder_device=args.decoder_device, link_gbps=link)
+                        decoder_device=args.decoder_device, link_gbps=link, threads=args.threads)
     return {
         "whole": base,
         "chunk": attrs.evolve(base, mode="chunk"),
@@ -139,8 +139,6 @@ def _setup(args):
     """(model, request, device, link) for the arguments."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     link = args.link_gbps if args.link_gbps is not None else (0.2 if device == "cpu" else None)
-    if args.threads or device == "cpu":
-        torch.set_num_threads(args.threads or 1)
     spec = load_model(args.model)
     spec = attrs.evolve(spec, dtype=args.dtype) if args.dtype else spec
     model = build_model(spec, device=device, seed=0)
@@ -157,7 +155,7 @@ def main(argv=None) -> int:
     span = spec.geometry(16).region_bytes((0, spec.layers), (0, min(args.chunk, args.prompt)))
     med, r = medians(rounds), ratios(rounds, span, args.max_pending)
     result = {"model": spec.name, "prompt": args.prompt, "chunk": args.chunk, "device": device,
-              "link_gbps": link, "threads": torch.get_num_threads(), "repeats": args.repeats,
+              "link_gbps": link, "threads": med["chunk"]["threads"], "repeats": args.repeats,
               "median": med, "ratios": r, "spread": spread(rounds), "targets": targets(r),
               "copy_bandwidth": measure_copy_bandwidth(device)}
     print(json.dumps(result) if args.json else _text(result))

@@ -82,6 +82,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retries", type=_int(0), default=2, help="retries after a failed copy")
     p.add_argument("--requests", type=_int(1), default=1,
                    help="serve the prompt this many times back to back (metrics: the last one)")
+    p.add_argument("--threads", type=_int(1),
+                   help="torch compute threads (default: one core fewer than the machine)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -142,7 +144,8 @@ def _config(args, mode: str, device: str, decoder: str) -> EngineConfig:
         mode=mode, chunk=args.chunk, max_pending=args.max_pending, page_tokens=args.page_tokens,
         pool_pages=args.pool_pages, device=device, decoder_device=decoder,
         link_gbps=args.link_gbps, fail_span=args.fail_span, retries=args.retries,
-        debug=getattr(args, "debug", None), keep_kv=args.command == "compare")
+        debug=getattr(args, "debug", None), keep_kv=args.command == "compare",
+        threads=args.threads)
 
 
 def _requests(args, tokens) -> list[Request]:

@@ -13,6 +13,7 @@ overlap with the compute thread is real. Every buffer is allocated once, up fron
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -131,6 +132,22 @@ class CudaBackend(CpuBackend):
 
     def host_buffer(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(elems, dtype=dtype, pin_memory=True)
+
+
+@contextlib.contextmanager
+def compute_threads(device, threads: int | None):
+    """Torch intra-op threads for the run; on a CPU producer by default one core fewer than
+    the machine has, so the copy worker gets a core of its own (at least one either way).
+    Oversubscribed OpenMP teams stall for hundreds of ms on a busy box."""
+    if threads is None and torch.device(device).type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_backend(producer, decoder) -> CpuBackend:

@@ -17,7 +17,7 @@ import time
 import attrs
 import torch
 
-from pdgpu.copier import Copier, CopierConfig, CopyJob, CopyResult
+from pdgpu.copier import Copier, CopierConfig, CopyJob, CopyResult, compute_threads
 from pdgpu.decoder_pool import DecoderPool, Slab
 from pdgpu.model import Transformer
 from pdgpu.recorder import Recorder, engine_metrics
@@ -74,7 +74,9 @@ class Engine:
         cfg = CopierConfig(plan.ring_slots, plan.span_elems, self.config.link_gbps)
         self.copier = Copier(cfg, self.source.kv, self.pool, rec.now)
         try:
-            outcomes, wall = self._serve_all(rec, requests)
+            with compute_threads(self.config.device, self.config.threads):
+                self.threads_used = torch.get_num_threads()
+                outcomes, wall = self._serve_all(rec, requests)
         finally:
             self.copier.close()
         rec.monitor.close()
@@ -92,6 +94,7 @@ class Engine:
 
     def _extra_metrics(self) -> dict:
         return {"link_gbps": self.config.link_gbps, "device": str(self.config.device),
+                "threads": self.threads_used,
                 "staging_alloc_bytes": self.copier.staging_bytes,
                 "host_staging_bytes": self.copier.host_staging_bytes,
                 "source_alloc_bytes": self.copier.source_side_bytes}

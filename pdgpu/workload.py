@@ -37,6 +37,7 @@ class EngineConfig:
     retries: int = 2
     debug: str | None = None  # a protocol-breaking switch of engine.DEBUG_BREAKS
     keep_kv: bool = False  # keep a copy of each request's decoder KV (parity checks)
+    threads: int | None = None  # torch compute threads; None: one core left for the copier
 
 
 @attrs.frozen
@@ -66,6 +67,8 @@ def _check_config(config: EngineConfig) -> None:
         (config.max_pending >= 1, f"max_pending must be >= 1, got {config.max_pending}"),
         (config.page_tokens >= 1, f"page_tokens must be >= 1, got {config.page_tokens}"),
         (config.retries >= 0, f"retries must be >= 0, got {config.retries}"),
+        (config.threads is None or config.threads >= 1,
+         f"threads must be >= 1, got {config.threads}"),
         (config.link_gbps is None or config.link_gbps > 0,
          f"link_gbps must be > 0, got {config.link_gbps}"),
         (config.fail_span is None or config.fail_span >= 0,
