@@ -315,6 +315,17 @@ class Copier:
             time.sleep(remaining)
 
 
+def _best_copy_s(backend: CpuBackend, dst: torch.Tensor, src: torch.Tensor, repeats: int):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with backend.producer_stream():
+            dst.copy_(src, non_blocking=True)
+        backend.sync_producer()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_copy_bandwidth(device, nbytes: int = 256 << 20, repeats: int = 5) -> dict:
     """Best-of-`repeats` GB/s of device->host and host->device copies through the staging
     kind of host memory the copier uses (pinned on CUDA), on a copy stream."""
@@ -322,16 +333,9 @@ def measure_copy_bandwidth(device, nbytes: int = 256 << 20, repeats: int = 5) ->
     backend = make_backend(device, device)
     host = backend.host_buffer(nbytes, torch.uint8)  # [nbytes]
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)  # [nbytes]
-    out = {}
-    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            with backend.producer_stream():
-                dst.copy_(src, non_blocking=True)
-            backend.sync_producer()
-            best = min(best, time.perf_counter() - start)
-        out[f"{name}_gbps"] = nbytes / best / 1e9
-    out["bytes"] = nbytes
-    out["pinned"] = bool(host.is_pinned()) if device.type == "cuda" else False
-    return out
+    return {
+        "d2h_gbps": nbytes / _best_copy_s(backend, host, dev, repeats) / 1e9,
+        "h2d_gbps": nbytes / _best_copy_s(backend, dev, host, repeats) / 1e9,
+        "bytes": nbytes,
+        "pinned": device.type == "cuda" and bool(host.is_pinned()),
+    }

@@ -22,7 +22,7 @@ from pdgpu.decoder_pool import DecoderPool, Slab
 from pdgpu.model import Transformer
 from pdgpu.recorder import Recorder, engine_metrics
 from pdgpu.source_cache import RequestKV, SourceCache
-from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, setup_check
+from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Plan, Request, setup_check
 from pdref import events as ev
 from pdref.events import Mode
 from pdref.plan import Region, plan_chunks, plan_spans
@@ -67,12 +67,8 @@ class Engine:
     def run(self, requests: list[Request]) -> RunResult:
         """Serve the requests back to back; the trace and metrics of the whole run."""
         plan = setup_check(self.model.spec, self.config, requests)  # before any allocation
-        dtype = self.model.model.embed_tokens.weight.dtype
-        self.source = SourceCache(self.geometry, plan.source_pages, self.config.device, dtype)
-        self.pool = DecoderPool(self.geometry, plan.pool_pages, self.config.decoder_device, dtype)
         rec = Recorder(self._header(plan.pool_pages))
-        cfg = CopierConfig(plan.ring_slots, plan.span_elems, self.config.link_gbps)
-        self.copier = Copier(cfg, self.source.kv, self.pool, rec.now)
+        self._allocate(plan, rec)
         try:
             with compute_threads(self.config.device, self.config.threads):
                 self.threads_used = torch.get_num_threads()
@@ -82,6 +78,14 @@ class Engine:
         rec.monitor.close()
         return RunResult(rec.header, tuple(rec.trace()), outcomes,
                          engine_metrics(rec, wall, self._extra_metrics()))
+
+    def _allocate(self, plan: Plan, rec: Recorder) -> None:
+        """Every buffer of the run, once: source cache, decoder pool, the copier's ring."""
+        dtype = self.model.model.embed_tokens.weight.dtype
+        self.source = SourceCache(self.geometry, plan.source_pages, self.config.device, dtype)
+        self.pool = DecoderPool(self.geometry, plan.pool_pages, self.config.decoder_device, dtype)
+        cfg = CopierConfig(plan.ring_slots, plan.span_elems, self.config.link_gbps)
+        self.copier = Copier(cfg, self.source.kv, self.pool, rec.now)
 
     def _header(self, pool_pages: int) -> ev.Header:
         c = self.config
