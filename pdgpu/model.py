@@ -225,6 +225,8 @@ def init_weights(model: Transformer, seed: int) -> None:
 
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int | None = 0):
     """A model of `spec`'s shape in its dtype on `device`; random weights when seed is set."""
+    if spec.arch not in ("qwen3", "llama"):
+        raise ValueError(f"model: arch {spec.arch!r} has no engine implementation (qwen3, llama)")
     with torch.device("meta"):
         model = Transformer(spec)
     model = model.to_empty(device=device)

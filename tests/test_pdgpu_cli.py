@@ -107,3 +107,27 @@ def test_missing_trace_folder_is_bad_input(tmp_path, capsys):
     """A trace path in a folder that does not exist is refused before running."""
     assert main(["run", *SMALL_RUN, "--trace", str(tmp_path / "no" / "t.jsonl")]) == 2
     assert "trace" in capsys.readouterr().err
+
+
+def test_checkpoint_folder_runs_like_the_preset_it_was_saved_from(tmp_path, capsys):
+    """--model DIR (HF layout) gives the same first token as the seeded preset it came from."""
+    from pdgpu.checkpoint import save_checkpoint
+    from pdgpu.model import build_model
+    from pdref.models import load_model
+
+    save_checkpoint(build_model(load_model("tiny"), seed=7), tmp_path / "ckpt")
+    args = ["--tokens", ",".join(str(i * 11 % 256) for i in range(80)), "--chunk", "16", "--json"]
+    assert main(["run", "--model", str(tmp_path / "ckpt"), *args]) == 0
+    from_dir = json.loads(capsys.readouterr().out)
+    assert main(["run", "--model", "tiny", "--seed", "7", *args]) == 0
+    assert json.loads(capsys.readouterr().out)["first_token"] == from_dir["first_token"]
+
+
+def test_bad_checkpoint_folder_is_one_line_exit_2(tmp_path, capsys):
+    """A folder without weights is refused with one line and exit 2."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert main(["run", "--model", str(folder), *SMALL_RUN]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
