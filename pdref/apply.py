@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdref import events as ev
 from pdref.intervals import contains, fmt, is_empty
 from pdref.pool import PoolError
-from pdref.progress import Coverage, LayerProgress
+from pdref.progress import Coverage, LayerProgress, ProgressError
 from pdref.state import Phase, RequestLife, Span, SystemState
 from pdref.violations import Violation
 
@@ -29,7 +29,7 @@ def _live(state: SystemState, event) -> RequestLife:
 
 
 def _put(state: SystemState, life: RequestLife, **changes) -> SystemState:
-    return state.replace(requests=state.requests.set(life.req, life), **changes)
+    return state.with_life(life, **changes)
 
 
 def _adjust_pending(state: SystemState, producer: str, delta: int):
@@ -78,15 +78,14 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
     life = _live(state, event)
     if event.span in state.spans_used:
         raise Violation("REQ-1", f"span id {event.span!r} was used before", event)
-    region = f"{fmt(event.layers)} x {fmt(event.tokens)}"
     if not (contains((0, state.geometry.layers), event.layers)
             and contains(life.suffix, event.tokens)):
-        raise Violation("COV-1", f"span {region} is outside "
+        raise Violation("COV-1", f"span {_region(event)} is outside "
                         f"[0, {state.geometry.layers}) x {fmt(life.suffix)}", event)
     want = state.geometry.region_bytes(event.layers, event.tokens)
     if event.bytes != want:
-        raise Violation("COPY-4", f"span {region} claims {event.bytes} bytes, its KV is {want}",
-                        event)
+        raise Violation("COPY-4", f"span {_region(event)} claims {event.bytes} bytes, "
+                        f"its KV is {want}", event)
     gap = life.held.first_gap(event.layers, event.tokens)
     if gap is not None:
         raise Violation("COPY-1", f"layer {gap[0]} tokens {fmt(gap[1])} are not computed "
@@ -94,8 +93,8 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
     span = Span(event.span, event.layers, event.tokens, event.bytes)
     for other in life.in_flight:
         if span.meets(other):
-            raise Violation("COV-2", f"span {region} overlaps span {other.span!r} in flight",
-                            event)
+            raise Violation("COV-2", f"span {_region(event)} overlaps span {other.span!r} "
+                            "in flight", event)
     if not state.can_issue(life.producer):
         raise Violation("COPY-2", f"producer {life.producer!r} already has "
                         f"{state.max_pending} spans in flight (max_pending)", event)
@@ -104,6 +103,10 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
         pending=_adjust_pending(state, life.producer, 1),
         spans_used=state.spans_used.set(event.span, event.req),
     )
+
+
+def _region(event) -> str:
+    return f"{fmt(event.layers)} x {fmt(event.tokens)}"
 
 
 def _retire(state: SystemState, event) -> tuple[RequestLife, Span]:
@@ -118,13 +121,12 @@ def _retire(state: SystemState, event) -> tuple[RequestLife, Span]:
 
 def apply_land(state: SystemState, event: ev.Land) -> SystemState:
     life, span = _retire(state, event)
-    hit = life.progress.landed.first_overlap(span.layers, span.tokens)
-    if hit is not None:
-        raise Violation("COV-2", f"span {event.span!r} lands on tokens {fmt(hit[1])} of layer "
-                        f"{hit[0]} that already landed", event)
     progress = life.progress
     if not (is_empty(span.layers) or is_empty(span.tokens)):  # an empty span publishes nothing
-        progress = progress.add(span.layers, span.tokens)
+        try:
+            progress = progress.add(span.layers, span.tokens)
+        except ProgressError as e:  # bounds were checked at issue (COV-1): this is overlap
+            raise Violation("COV-2", f"span {event.span!r} cannot land: {e}", event) from None
     return _put(state, life.replace(progress=progress),
                 pending=_adjust_pending(state, life.producer, -1))
 

@@ -67,6 +67,8 @@ class Coverage:
     def union(self, layers: Range, tokens: Range) -> Coverage:
         if is_empty(layers) or is_empty(tokens):
             return self
+        if len(self.sets) == 1 and layers[0] <= 0 and layers[1] >= self.num_layers:
+            return Coverage(self.num_layers, self.starts, (self.sets[0].union(tokens),))
         return self._map(layers, lambda s: s.union(tokens))
 
     def remove_tokens(self, tokens: Range) -> Coverage:
@@ -136,7 +138,8 @@ class LayerProgress:
         hit = self.landed.first_overlap(layers, tokens)
         if hit is not None:
             raise ProgressError(f"tokens {fmt(hit[1])} of layer {hit[0]} already landed")
-        return attrs.evolve(self, landed=self.landed.union(layers, tokens))
+        landed = self.landed.union(layers, tokens)
+        return LayerProgress(self.num_layers, self.prefix, self.prompt, landed, self.finished)
 
     def missing(self) -> tuple[int, Range] | None:
         """The first (layer, tokens) that has not landed, or None when complete."""

@@ -132,6 +132,16 @@ class SystemState:
     def replace(self, **changes) -> SystemState:
         return _replace_state(self, **changes)
 
+    def with_life(self, life: RequestLife, pool=None, pending=None, spans_used=None):
+        """The state with `life` stored (the hot path of every event: no generic replace)."""
+        return SystemState(
+            self.geometry, self.mode, self.max_pending,
+            self.pool if pool is None else pool,
+            self.requests.set(life.req, life),
+            self.pending if pending is None else pending,
+            self.spans_used if spans_used is None else spans_used,
+        )
+
     def open_requests(self) -> list[RequestLife]:
         """Live requests that still hold pages or spans in flight (LIFE-1 at trace end)."""
         return [life for life in self.requests.values() if life.pages or life.in_flight]
