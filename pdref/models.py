@@ -61,8 +61,9 @@ class ModelSpec:
         return DTYPE_BYTES[self.dtype]
 
     def geometry(self, page_tokens: int = 16) -> Geometry:
+        """The KV the handoff carries: of a hybrid, only its attention layers (`kv_layers`)."""
         return Geometry(
-            layers=self.layers,
+            layers=self.get("kv_layers") or self.layers,
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             dtype_bytes=self.dtype_bytes,

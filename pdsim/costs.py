@@ -83,9 +83,7 @@ class Costs:
 
 def sim_geometry(spec: ModelSpec, page_tokens: int = 16) -> Geometry:
     """The KV geometry the handoff carries: only attention layers (`kv_layers`) of a hybrid."""
-    geometry = spec.geometry(page_tokens)
-    kv_layers = spec.get("kv_layers")
-    return attrs.evolve(geometry, layers=kv_layers) if kv_layers else geometry
+    return spec.geometry(page_tokens)
 
 
 def linear_flops_per_token(spec: ModelSpec) -> float:
