@@ -128,8 +128,14 @@ class Engine:
         hidden = warm if last is None else last  # [1, E]
         if rec.failed(request.req):
             return self._abort(rec, att)
+        return self._finish(rec, att, self._first_token(rec, request.req, hidden), attempt)
+
+    def _first_token(self, rec: Recorder, req: str, hidden: torch.Tensor) -> int:
+        """Final norm and LM head on the last position's hidden state [1, E]: greedy token."""
+        start = rec.now()
         token = int(self.model.logits(hidden).argmax(dim=-1)[0])
-        return self._finish(rec, att, token, attempt)
+        rec.stage(req, "head", start, rec.now(), resource="producer")
+        return token
 
     def _warm_prefix(self, src: RequestKV, tokens: torch.Tensor, prefix: int):
         """The producer's prefix cache: K/V of [0, prefix) from an earlier request."""

@@ -16,7 +16,7 @@ from pdref.metrics import run_metrics
 from pdref.monitor import Monitor
 from pdref.violations import Violation
 
-STAGE_NAMES = ("compute", "blocked", "gather", "d2h", "h2d")
+STAGE_NAMES = ("compute", "head", "blocked", "gather", "d2h", "h2d")
 
 
 class Recorder:
