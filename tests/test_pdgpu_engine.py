@@ -174,8 +174,8 @@ def test_metrics_report_engine_figures():
 
 
 def test_copy_bound_link_sets_handoff_and_max_pending_bounds_the_tail():
-    """Copy-bound: handoff >= bytes/link in every mode; chunk's tail is at most ~max_pending
-    spans (the producer blocked), far below whole's tail of every byte."""
+    """Copy-bound: handoff >= bytes/link; chunk's tail is ~max_pending spans (the producer
+    blocked), far below whole's, and grows with the chunk size."""
     link = 0.0004  # GB/s: a 16-token tiny span (8 KiB) takes ~20 ms, compute ~1 ms a chunk
     request = [Request("r", _tokens(128), 0)]
     runs = {m: _run(m, request, chunk=16, max_pending=2, link_gbps=link).metrics
@@ -187,3 +187,5 @@ def test_copy_bound_link_sets_handoff_and_max_pending_bounds_the_tail():
     assert runs["whole"]["tail_s"] >= 8 * span_s * 0.95
     assert runs["chunk"]["tail_s"] <= 2 * span_s + 0.5 * span_s
     assert runs["chunk"]["blocked_s"] > 0
+    coarse = _run("chunk", request, chunk=64, max_pending=2, link_gbps=link).metrics
+    assert coarse["tail_s"] > 1.5 * runs["chunk"]["tail_s"]  # bigger spans, longer tail
