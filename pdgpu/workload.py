@@ -88,6 +88,9 @@ def _check_device(name: str, field: str) -> torch.device:
         raise WorkloadError(f"{field} must be cpu or cuda[:N], got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise WorkloadError(f"{field} is {name!r} but CUDA is not available here")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise WorkloadError(f"{field} is {name!r} but there are only "
+                            f"{torch.cuda.device_count()} CUDA devices")
     return device
 
 
