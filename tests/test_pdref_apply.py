@@ -427,6 +427,9 @@ def test_copy3_cases(base):
     s = apply(s, r.issue(0, (2, 3), (4, 8)))
     assert refused(s, r.reuse((7, 9))) == "COPY-3"
     s = run(s, r.reuse((0, 4)), r.reuse((8, 12)), r.land(0), r.reuse((4, 8)))
+    q = Req("q", first_page=3)
+    s = run(s, q.reserve(), q.computed(), q.issue(1, (1, 1), (0, 12)))  # no layers: reads nothing
+    s = apply(s, q.reuse((0, 12)))
 
 
 def test_copy4_cases(base):
