@@ -12,8 +12,10 @@ Ratios and targets (issue 4):
   chunk tail / one span's copy     <= 1.5   (the unhidden tail is about one span)
   chunk handoff / whole handoff    <= 1.0   (overlap never loses)
   chunked prefill / one-shot       the compute overhead of chunking (reported)
-  chunk peak staging / span bytes  == max_pending (staging bounded by the ring)
+  chunk staging / span bytes       == max_pending (staging bounded by the ring)
   live checks / run time           < 2%
+Also: export only (the copier alone, no compute), whole vs chunked copy of the same bytes,
+and the measured copy bandwidth (pinned on CUDA).
 """
 
 from __future__ import annotations
@@ -22,15 +24,19 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import attrs
 import torch
 
-from pdgpu.copier import measure_copy_bandwidth
+from pdgpu.copier import Copier, CopierConfig, CopyJob, measure_copy_bandwidth
+from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine import Engine
-from pdgpu.model import build_model
+from pdgpu.model import build_model, torch_dtype
+from pdgpu.source_cache import SourceCache
 from pdgpu.workload import EngineConfig, Request
 from pdref.models import load_model
+from pdref.plan import plan_spans
 
 FIGURES = ("prefill_s", "handoff_s", "tail_s", "copy_s", "peak_staging_bytes", "check_frac",
            "compute_s", "blocked_s", "host_staging_bytes", "source_alloc_bytes", "threads")
@@ -118,6 +124,41 @@ def ratios(rounds: list[dict], span_bytes: int, max_pending: int) -> dict:
     }
 
 
+def _export_s(copier: Copier, spans, src, slab, max_pending: int) -> float:
+    """Wall time to copy every span with at most max_pending in flight (no compute)."""
+    start = time.perf_counter()
+    for i, region in enumerate(spans):
+        if copier.in_flight >= max_pending:
+            copier.wait()
+        copier.submit(CopyJob(i, "x", region.layers, region.tokens, src.slots, slab,
+                              copier.mark_ready()))
+    copier.drain()
+    return time.perf_counter() - start
+
+
+def export_only(spec, args, device: str, decoder: str) -> dict:
+    """Copier alone over a filled source cache: whole vs chunked export of the same bytes
+    (the brief: with no compute to hide behind, per-span overheads make chunks slower)."""
+    geometry = spec.geometry(16)
+    pages, dtype = geometry.pages_for(args.prompt), torch_dtype(spec)
+    source = SourceCache(geometry, pages, device, dtype)
+    pool = DecoderPool(geometry, pages, decoder, dtype)
+    src = source.open(args.prompt)
+    slab = pool.slab(src.pages, 0, args.prompt)
+    out = {}
+    for mode in ("whole", "chunk"):
+        spans = plan_spans(mode, geometry, args.prompt, 0, args.chunk)
+        elems = max(r.bytes(geometry) for r in spans) // geometry.dtype_bytes
+        copier = Copier(CopierConfig(args.max_pending, elems), source.kv, pool, time.perf_counter)
+        try:
+            out[f"export_{mode}_s"] = min(_export_s(copier, spans, src, slab, args.max_pending)
+                                          for _ in range(3))
+        finally:
+            copier.close()
+    out["export_chunk_over_whole"] = out["export_chunk_s"] / out["export_whole_s"]
+    return out
+
+
 def targets(r: dict) -> dict:
     return {
         "chunk tail <= 1.5 x one span's copy": r["chunk_tail_over_span_copy"] <= 1.5,
@@ -157,7 +198,8 @@ def main(argv=None) -> int:
     result = {"model": spec.name, "prompt": args.prompt, "chunk": args.chunk, "device": device,
               "link_gbps": link, "threads": med["chunk"]["threads"], "repeats": args.repeats,
               "median": med, "ratios": r, "spread": spread(rounds), "targets": targets(r),
-              "copy_bandwidth": measure_copy_bandwidth(device)}
+              "copy_bandwidth": measure_copy_bandwidth(device),
+              "export_only": export_only(spec, args, device, args.decoder_device)}
     print(json.dumps(result) if args.json else _text(result))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
@@ -175,6 +217,7 @@ def _text(result: dict) -> str:
     lines += [f"{key:>28}: {lo:.4f} .. {hi:.4f} (min .. max over rounds)"
               for key, (lo, hi) in result["spread"].items()]
     lines += [f"  [{'ok' if ok else 'MISS'}] {name}" for name, ok in result["targets"].items()]
+    lines += [f"{key:>28}: {value:.4f}" for key, value in result["export_only"].items()]
     lines.append(f"copy bandwidth ({'pinned' if bw['pinned'] else 'pageable'}): "
                  f"d2h {bw['d2h_gbps']:.2f} GB/s, h2d {bw['h2d_gbps']:.2f} GB/s")
     return "\n".join(lines)
