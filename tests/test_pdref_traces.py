@@ -20,6 +20,8 @@ from pdref.violations import CODES
 PT = 4
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+EACH = settings(SETTINGS, max_examples=25)  # for tests parametrized by event kind or edit
+KINDS = sorted(ev.EVENT_TYPES)
 
 
 @st.composite
@@ -137,15 +139,15 @@ def verdict(objs):
     return result
 
 
-@SETTINGS
-@given(legal_traces(), st.data())
-def test_duplicated_event(trace, data):
+@pytest.mark.parametrize("kind", KINDS)
+@EACH
+@given(trace=legal_traces(), data=st.data())
+def test_duplicated_event(kind, trace, data):
     """A duplicated event: idempotent kinds stay legal, the others break a certain rule."""
     objs = to_objs(*trace)
-    i = pick(data, objs, set(ev.EVENT_TYPES))
+    i = pick(data, objs, {kind})
     if i is None:
         return
-    kind = objs[i]["kind"]
     mutant = objs[:i + 1] + [copy.deepcopy(objs[i])] + objs[i + 1:]
     result = verdict(mutant)
     want = {"reserve": "REQ-1", "issue": "REQ-1", "land": "REQ-1", "fail": "REQ-1",
@@ -156,22 +158,21 @@ def test_duplicated_event(trace, data):
         assert result.ok, result.text()
 
 
-@SETTINGS
-@given(legal_traces(), st.data())
-def test_deleted_event(trace, data):
+@pytest.mark.parametrize("kind", KINDS)
+@EACH
+@given(trace=legal_traces(), data=st.data())
+def test_deleted_event(kind, trace, data):
     """A deleted event is legal or refused; where the broken rule is certain, with its code."""
     objs = to_objs(*trace)
-    i = pick(data, objs, set(ev.EVENT_TYPES))
+    i = pick(data, objs, {kind})
     if i is None:
         return
-    o = objs[i]
     mutant = objs[:i] + objs[i + 1:]
     result = verdict(mutant)
 
     def line_of(j):  # line of old index j > i in the mutant
         return j if j is not None else None
 
-    kind = o["kind"]
     if kind == "reserve":
         j = later(objs, i, lambda x: x["kind"] != "stage")
         assert (result.code, result.line) == ("REQ-1", line_of(j)), result.text()
@@ -193,7 +194,14 @@ def test_deleted_event(trace, data):
     elif kind == "release":
         if objs[lives(objs)[i]]["pages"]:
             assert result.code in ("LIFE-1", "SLAB-1"), result.text()
-    elif kind == "stage":
+    elif kind == "issue":
+        j = later(objs, i, lambda x: x["kind"] in ("land", "fail")
+                  and x["span"] == objs[i]["span"])
+        if j is None:  # cancelled by an abort
+            assert result.ok, result.text()
+        else:
+            assert (result.code, result.line) == ("REQ-1", line_of(j)), result.text()
+    elif kind in ("stage", "reuse"):  # informational; or: more source KV held is never worse
         assert result.ok, result.text()
 
 
@@ -219,18 +227,20 @@ def test_swapped_adjacent_events(trace, data):
             assert result.code == "TRACE-2"
 
 
-@SETTINGS
-@given(legal_traces(), st.data())
-def test_changed_field(trace, data):
+EDITS = ["t-back", "stage-end", "req", "issue-bytes", "issue-layers", "issue-tokens", "land-span",
+         "prefix", "pages-drop", "pages-extra", "pages-outside", "pages-dup", "pages-held",
+         "shrink-span"]
+
+
+@pytest.mark.parametrize("edit", EDITS)
+@EACH
+@given(trace=legal_traces(), data=st.data())
+def test_changed_field(edit, trace, data):
     """One field changed so that a certain rule breaks: refused with that code at that line."""
     objs = to_objs(*trace)
     header = objs[0]
     layers = header["geometry"]["layers"]
     m = copy.deepcopy(objs)
-    edits = ["t-back", "stage-end", "req", "issue-bytes", "issue-layers", "issue-tokens",
-             "land-span", "prefix", "pages-drop", "pages-extra", "pages-outside", "pages-dup",
-             "pages-held", "shrink-span"]
-    edit = data.draw(st.sampled_from(edits))
     owner = lives(objs)
     held = {}  # pages held by live slabs before each index
     held_at = {}
