@@ -395,6 +395,7 @@ BAD_EVENT_LINES = {
     "short range": '{"kind":"reuse","t":1,"req":"r","tokens":[0]}',
     "long range": '{"kind":"reuse","t":1,"req":"r","tokens":[0,1,2]}',
     "range a > b": '{"kind":"reuse","t":1,"req":"r","tokens":[4,2]}',
+    "range a = b + 1": '{"kind":"computed","t":1,"req":"r","layers":[1,0],"tokens":[0,8]}',
     "negative range": '{"kind":"reuse","t":1,"req":"r","tokens":[-1,2]}',
     "pages not a list": '{"kind":"reserve","t":1,"req":"q","prompt":4,"prefix":0,"pages":3}',
     "error not a string": '{"kind":"fail","t":1,"req":"r","span":1,"error":5}',
