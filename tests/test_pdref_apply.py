@@ -150,8 +150,7 @@ def test_partition_lands_and_admits_in_any_order(case, max_pending, data):
 
 @given(partitions(nonempty=True), st.data())
 def test_overlapping_span_is_refused(case, data):
-    """A span overlapping landed tokens is refused at land, one overlapping a span in flight
-    at issue, both with COV-2."""
+    """Overlapping landed tokens is COV-2 at land; overlapping a span in flight, at issue."""
     num_layers, prompt, prefix, rects = case
     r, s = start(num_layers, prompt, prefix)
     k = data.draw(st.integers(1, len(rects)))

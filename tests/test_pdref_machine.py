@@ -42,6 +42,8 @@ def inside(outer, r) -> bool:
 
 
 class Life:
+    """One life of a request in the simple model."""
+
     def __init__(self, producer, prompt, prefix, pages):
         self.producer, self.prompt, self.prefix, self.pages = producer, prompt, prefix, pages
         self.computed: set = set()
@@ -53,6 +55,8 @@ class Life:
 
 
 class Simple:
+    """The second model: pages, lives and spans as plain sets and dicts."""
+
     def __init__(self, layers, pool_pages, max_pending, bpt):
         self.layers, self.pool_pages = layers, pool_pages
         self.max_pending, self.bpt = max_pending, bpt
@@ -199,6 +203,8 @@ ranges = st.tuples(small, small)
 
 
 class ApplyVsSimple(RuleBasedStateMachine):
+    """pdref's `apply` and the simple model side by side: same verdicts, same state."""
+
     reqs = Bundle("reqs")
     spans = Bundle("spans")  # (req, span id) of every span ever accepted
 
@@ -253,6 +259,7 @@ class ApplyVsSimple(RuleBasedStateMachine):
     @rule(target=reqs, req=st.sampled_from(NAMES), data=st.data(),
           how=st.sampled_from(["alloc", "alloc", "alloc", "random"]))
     def reserve(self, req, data, how):
+        """A reservation: mostly the lowest free pages, sometimes any ids, prompt or prefix."""
         shape = data.draw(st.sampled_from(["ok"] * 8 + ["no prompt", "any prefix"]), "shape")
         prompt = 0 if shape == "no prompt" else data.draw(st.integers(1, MAX_PROMPT), "prompt")
         if shape == "any prefix":
@@ -272,6 +279,7 @@ class ApplyVsSimple(RuleBasedStateMachine):
     @precondition(lambda self: self.model.lives)
     @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
     def computed(self, other, data):
+        """The producer computed a region: often all of it, else a mostly-inside range."""
         req = self.pick(data, other)
         life = self.model.lives.get(req)
         if life is not None and data.draw(st.booleans(), "all"):
@@ -284,16 +292,19 @@ class ApplyVsSimple(RuleBasedStateMachine):
     @precondition(lambda self: self.model.lives)
     @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
     def produced(self, other, data):
+        """The producer finished a request's prefill."""
         self.do(ev.Produced(0.0, self.pick(data, other), 1))
 
     @precondition(lambda self: self.model.lives)
     @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
     def admit(self, other, data):
+        """Admit a request, ready or not."""
         self.do(ev.Admit(0.0, self.pick(data, other)))
 
     @precondition(lambda self: any(self.model.can_admit(r) for r in self.model.lives))
     @rule(data=st.data())
     def admit_ready(self, data):
+        """Admit a request both models call admissible: it must be accepted."""
         req = data.draw(st.sampled_from(sorted(r for r in self.model.lives
                                                if self.model.can_admit(r))))
         assert self.state.can_admit(req)
@@ -302,16 +313,19 @@ class ApplyVsSimple(RuleBasedStateMachine):
     @precondition(lambda self: self.model.lives)
     @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
     def release(self, other, data):
+        """Release a request, admitted or not."""
         self.do(ev.Release(0.0, self.pick(data, other)))
 
     @precondition(lambda self: self.model.lives)
     @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
     def abort(self, other, data):
+        """Abort a request in any phase."""
         self.do(ev.Abort(0.0, self.pick(data, other), "x"))
 
     @precondition(lambda self: self.model.lives)
     @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
     def reuse(self, other, data):
+        """Free source KV for some tokens, sometimes under a span in flight."""
         req = self.pick(data, other)
         life = self.model.lives.get(req)
         tokens = self.rng_in(data, 0, life.prompt if life else MAX_PROMPT)
@@ -355,6 +369,7 @@ class ApplyVsSimple(RuleBasedStateMachine):
     @rule(target=spans, other=st.sampled_from(NAMES) | reqs, data=st.data(),
           old=st.none() | st.none() | spans, extra_bytes=st.sampled_from([0, 0, 0, 0, 1]))
     def issue(self, other, data, old, extra_bytes):
+        """Issue a mostly-inside span, sometimes with a used id or wrong bytes."""
         req = self.pick(data, other)
         life = self.model.lives.get(req)
         layers = self.rng_in(data, 0, self.L)
@@ -410,11 +425,13 @@ class ApplyVsSimple(RuleBasedStateMachine):
 
     @rule(pair=spans, other=st.none() | reqs)
     def land(self, pair, other):
+        """Land any span ever accepted, sometimes naming another request."""
         self.do(ev.Land(0.0, other or pair[0], pair[1]))
 
     @precondition(lambda self: any(life.flying for life in self.model.lives.values()))
     @rule(data=st.data())
     def land_in_flight(self, data):
+        """Land a span that is in flight."""
         pairs = sorted(((r, s) for r, life in self.model.lives.items() for s in life.flying),
                        key=str)
         req, span = data.draw(st.sampled_from(pairs))
@@ -422,6 +439,7 @@ class ApplyVsSimple(RuleBasedStateMachine):
 
     @rule(pair=spans, other=st.none() | reqs)
     def fail(self, pair, other):
+        """Fail any span ever accepted, sometimes naming another request."""
         self.do(ev.Fail(0.0, other or pair[0], pair[1], "e"))
 
     @invariant()

@@ -208,8 +208,7 @@ def test_deleted_event(kind, trace, data):
 @SETTINGS
 @given(legal_traces(), st.data())
 def test_swapped_adjacent_events(trace, data):
-    """Two adjacent events swapped: legal or refused with a contract code, never a crash;
-    events of the same request never commute past their own order when it matters."""
+    """Two adjacent events swapped: a verdict; causally ordered pairs and t going back refused."""
     objs = to_objs(*trace)
     if len(objs) < 3:
         return
