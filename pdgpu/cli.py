@@ -240,3 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"pdgpu: engine error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # e.g. the trace cannot be written: nothing half-written stays
+        print(f"pdgpu: error: {e}", file=sys.stderr)
+        return 2
