@@ -142,6 +142,7 @@ class Engine:
         hidden = None
         for a, b in plan_chunks(prefix, 0, self.config.chunk):
             hidden = self.model.prefill_chunk(tokens[a:b], a, src)[-1:]  # [1, E]
+        self.copier.mark_ready()  # done on the device too before the timed part starts
         return hidden
 
     def _compute(self, rec: Recorder, att: Attempt):
