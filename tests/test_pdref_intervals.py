@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from pdref.intervals import IntervalSet, contains, intersect, is_empty, length, overlaps
 
-N = 48
+N = 24
 points = st.integers(0, N)
 ranges = st.tuples(points, points)  # a > b allowed: an empty range
 range_lists = st.lists(ranges, max_size=8)
@@ -98,6 +98,19 @@ def test_covers(rs, r):
     """covers(r) is true exactly when every point of r is in the set."""
     s, model = build(rs)
     assert s.covers(r) == (pts(r) <= model)
+
+
+@given(range_lists, st.data())
+def test_queries_at_run_edges(rs, data):
+    """Ranges that start or end next to a stored run's edges get exact answers."""
+    s, model = build(rs)
+    edges = sorted({e + d for a, b in s for e in (a, b) for d in (-1, 0, 1) if e + d >= 0} | {0})
+    r = (data.draw(st.sampled_from(edges)), data.draw(st.sampled_from(edges)))
+    assert s.covers(r) == (pts(r) <= model)
+    assert (s.first_gap(r) is None) == (pts(r) <= model)
+    assert (s.first_overlap(r) is None) == (not pts(r) & model)
+    assert set_of(s.union(r)) == model | pts(r)
+    assert set_of(s.difference(r)) == model - pts(r)
 
 
 @given(range_lists, ranges)
