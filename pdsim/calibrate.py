@@ -1,10 +1,11 @@
 """`pdsim calibrate TRACE... -o PROFILE.toml`: fit the cost model from traces' stage events.
 
-Compute terms (per chunk, per token, per attention pair, contention) come from `compute`
-stages; gather and link bandwidths from the copy stages; the per-span fixed cost and link
-latency from what is left of each span's issue-to-land time. The profile written is an hw
-profile (with its link inline) that `pdsim run --hw PROFILE.toml` accepts with the traces'
-model; each figure is printed with its fit's residual.
+Compute terms (per chunk, per token, per attention pair, contention) come from every trace's
+`compute` stages; gather and link bandwidths from the copy stages; the per-span fixed cost
+and link latency from what is left of each span's issue-to-land time. Copies of traces whose
+link was paced (header `link_gbps`) are left out of the copy fits when unpaced ones exist.
+The profile written is an hw profile (with its link inline) that `pdsim run --hw
+PROFILE.toml` accepts with the traces' model; each figure is printed with its residual.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from pathlib import Path
 import attrs
 
 from pdref.trace import read_trace
-from pdsim.fitting import Fit, fit_compute, fit_fixed, fit_stage, is_pipelined, link_stage_names
+from pdsim.fitting import (
+    Fit,
+    fit_compute,
+    fit_fixed,
+    fit_stage,
+    is_pipelined,
+    link_stage_names,
+    median,
+)
 from pdsim.options import UsageError
 from pdsim.profiles import load_hw
 from pdsim.report import write_atomic
@@ -34,34 +43,38 @@ class Calibration:
     latency_s: float
     span_s: float
     copy_rms: float
+    head_s: float
     traces: tuple[str, ...]
 
 
-def read_samples(paths: list[str]):
-    computes, copies, models = [], [], set()
+def read_samples(paths: list[str], skip_warmup: bool = True):
+    computes, copies, heads, models = [], [], [], set()
     for path in paths:
         items = [item for _, item in read_trace(path)]
         header, events = items[0], items[1:]
         models.add(header.get("model"))
-        c, k = samples(header, events)
-        computes += c
-        copies += k
+        got = samples(header, events, skip_warmup)
+        computes += got.computes
+        copies += got.copies
+        heads += got.heads
     if len(models) > 1:
         raise UsageError(f"TRACE: traces name different models: {sorted(map(str, models))}")
-    return computes, copies, models.pop()
+    return computes, copies, heads, models.pop()
 
 
-def calibrate(paths: list[str]) -> Calibration:
-    computes, copies, model = read_samples(paths)
+def calibrate(paths: list[str], skip_warmup: bool = True) -> Calibration:
+    """Fit every term; with `skip_warmup`, a trace's first request (of several) is left out."""
+    computes, copies, heads, model = read_samples(paths, skip_warmup)
     if not computes and not copies:
         raise UsageError("TRACE: no compute or copy stage events to fit")
+    copies = [c for c in copies if not c.paced] or copies  # paced links hide the raw one
     names = link_stage_names(copies)
     links = tuple((n, fit_stage(copies, n)) for n in names)
     pipelined = is_pipelined(copies, names)
     gather = fit_stage(copies, "gather")
     fixed = fit_fixed(copies, gather, links, pipelined)
     return Calibration(model, fit_compute(computes), gather, links, pipelined,
-                       fixed.latency_s, fixed.span_s, fixed.rms, tuple(paths))
+                       fixed.latency_s, fixed.span_s, fixed.rms, median(heads), tuple(paths))
 
 
 def _bandwidth(per_byte: float) -> float:
@@ -92,6 +105,7 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         f"token_s = {c.get('token_s')!r}",
         f"pair_s = {c.get('pair_s')!r}",
         f"chunk_s = {c.get('chunk_s')!r}",
+        f"head_s = {cal.head_s!r}  # median of the traces' `head` stages",
         "", "[link]",
         f"name = {json.dumps(name + '-link')}",
         f"pipelined = {'true' if cal.pipelined else 'false'}",
@@ -114,7 +128,8 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
     out += [(f"{n}_bandwidth", _bandwidth(f.get("per_byte_s")), "B/s", f.rms)
             for n, f in cal.links]
     out += [("latency_s", cal.latency_s, "s", cal.copy_rms), ("span_s", cal.span_s, "s",
-                                                               cal.copy_rms)]
+                                                               cal.copy_rms),
+            ("head_s", cal.head_s, "s", 0.0)]
     return out
 
 
@@ -124,6 +139,8 @@ def add_args(p) -> None:
     p.add_argument("--hw", default="a100-pcie",
                    help="base profile for the figures traces cannot give (peak flops, HBM)")
     p.add_argument("--name", default=None, help="profile name (default: the output's stem)")
+    p.add_argument("--keep-warmup", action="store_true",
+                   help="fit a trace's first request too (default: left out when there are more)")
     p.add_argument("--json", action="store_true")
 
 
@@ -132,7 +149,7 @@ def command(args) -> int:
 
     base = load_hw(args.hw)
     try:
-        cal = calibrate(args.traces)
+        cal = calibrate(args.traces, skip_warmup=not args.keep_warmup)
     except Violation as v:
         raise UsageError(f"TRACE: not a legal trace: {v.code} {v.message}") from None
     name = args.name or Path(args.output).stem

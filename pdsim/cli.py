@@ -1,4 +1,4 @@
-"""`pdsim run | sweep | explain | timeline | calibrate`: the simulator's command line.
+"""`pdsim run|sweep|explain|timeline|calibrate|validate|demo`: the simulator's command line.
 
 Bad input is one line on stderr naming the field and the rule, exit 2, and nothing written.
 """
@@ -31,7 +31,7 @@ def cmd_run(args) -> int:
 
 
 def _commands():
-    from pdsim import calibrate, explain, sweep, timeline
+    from pdsim import calibrate, demo, explain, sweep, timeline, validate
 
     return {
         "run": ("simulate one run or workload; print metrics", _run_args, cmd_run),
@@ -43,6 +43,10 @@ def _commands():
                      timeline.add_args, timeline.command),
         "calibrate": ("fit a hw profile from traces' stage events",
                       calibrate.add_args, calibrate.command),
+        "validate": ("run the engine over a grid, calibrate on part, predict the rest",
+                     validate.add_args, validate.command),
+        "demo": ("the main job: engine, calibration, prediction, sweeps, checks, report",
+                 demo.add_args, demo.command),
     }
 
 

@@ -2,6 +2,7 @@
 
 compute(chunk [a, b))  = chunk_s + token_s * (b - a) + pair_s * sum_{i=a}^{b-1} (i + 1)
 copy(span of n bytes)  = span_s + gather_byte_s * n + link_latency_s + link_byte_s * n
+head (the first token's LM head, after the last chunk) = head_s (calibrated profiles only)
 While a gather overlaps a compute chunk, the chunk runs slower by `contention` times the
 overlapped time. `pdsim calibrate` fits these same terms from engine traces.
 """
@@ -34,6 +35,7 @@ class Costs:
     pipelined: bool = True
     contention: float = attrs.field(default=0.0, validator=_non_negative)
     decode_token_s: float = attrs.field(default=0.0, validator=_non_negative)
+    head_s: float = attrs.field(default=0.0, validator=_non_negative)  # first token's LM head
     state_bytes: int = 0
 
     @property
@@ -120,4 +122,5 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
         contention=hw.contention,
         decode_token_s=weights / hw.hbm_bandwidth,
         state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),
+        head_s=over.head_s or 0.0,  # shipped GPU profiles: absorbed in their efficiency
     )

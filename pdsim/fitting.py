@@ -120,8 +120,8 @@ def fit_fixed(copies: list[CopySample], gather: Fit, links, pipelined: bool) -> 
         link = [c.stage(n) for n, _ in links if c.stage(n)]
         if g and link:
             gaps.append(link[0][0] - g[1])
-        if c.last:
-            post.append(c.land - end)
+        if c.last:  # an engine harvests the last span after `produced`, not before
+            post.append(c.land - (max(end, c.produced) if c.land >= c.produced else end))
             lasts.append((c, start))
         prev_end = end
     intercepts = [f.get("intercept_s") for _, f in links] or [0.0]

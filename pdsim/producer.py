@@ -1,6 +1,8 @@
 """The producer process: runs a request's compute steps and feeds its copy worker.
 
 After each step it emits `computed`, then issues the spans that step made ready, one by one;
+after the last step the first token's LM head (`head_s`) runs before `produced` (in whole
+mode the copy starts after it, in chunk and layer modes the last copies overlap it);
 when `Monitor.can_issue` says the producer already has max_pending spans in flight, the
 producer blocks (no further compute) until a span lands. The single copy worker serves spans
 in issue order: fixed cost, gather (which slows overlapping compute), then the link.
@@ -13,6 +15,7 @@ from collections import deque
 import attrs
 
 from pdref import events as ev
+from pdref.events import Mode
 from pdref.plan import Region
 from pdsim.config import RequestSpec
 from pdsim.steps import Step, copied_bytes, plan_steps
@@ -81,10 +84,28 @@ class Producer:
         now = self.env.now
         self.sim.emit(ev.Computed(now, job.req, step.layers, step.tokens))
         job.index += 1
-        if job.index == len(job.steps):
+        last = job.index == len(job.steps)
+        if last and not self._head_s():
             self._produce(job)
         job.ready.extend(step.spans)
+        if last and self._head_s() and self.sim.cfg.mode is Mode.WHOLE:
+            self._run_head(job, self._issue_ready)  # the whole copy starts after `produced`
+            return
         self._issue_ready(job)
+
+    def _head_s(self) -> float:
+        return 0.0 if self.sim.cfg.no_compute else self.sim.cfg.costs.head_s
+
+    def _run_head(self, job: Job, then) -> None:
+        """The first token's LM head (after the last step, before `produced`), then `then`."""
+        head = self._head_s()
+        if self.sim.cfg.stages:
+            self.sim.stage(self.env.now, job.req, "head", head, None, f"{self.name}.compute")
+        self.env.after(head, self._head_done, job, then)
+
+    def _head_done(self, job: Job, then) -> None:
+        self._produce(job)
+        then(job)
 
     def _produce(self, job: Job) -> None:
         job.produced = True
@@ -107,6 +128,9 @@ class Producer:
             self.sim.stage(self.env.now, job.req, "blocked", wait, None, f"{self.name}.compute")
 
     def _finish(self, job: Job) -> None:
+        if not job.produced and self._head_s():
+            self._run_head(job, self._finish)  # chunk/layer: the last copies overlap the head
+            return
         if not job.produced:
             self._produce(job)
         self.job = None

@@ -57,6 +57,7 @@ class ComputeOverride:
     token_s: float | None = None
     pair_s: float | None = None
     chunk_s: float | None = None
+    head_s: float | None = None  # the first token's LM head, once per request
 
 
 @attrs.frozen

@@ -30,14 +30,16 @@ class CopySample:
     land: float
     stages: tuple[tuple[str, float, float], ...]  # (name, t, end) in time order
     last: bool = False  # the request's last span (the engine harvests it at once)
+    produced: float = 0.0  # when its request's prefill finished (`produced`)
+    paced: bool = False  # the trace's link was paced (header `link_gbps`): not the raw link
 
     def stage(self, name: str) -> tuple[float, float] | None:
         return next(((a, b) for n, a, b in self.stages if n == name), None)
 
 
 class _Reader:
-    def __init__(self, layers: int, chunk: int | None) -> None:
-        self.layers, self.chunk = layers, chunk
+    def __init__(self, layers: int, chunk: int | None, paced: bool = False) -> None:
+        self.layers, self.chunk, self.paced = layers, chunk, paced
         self.producer: dict[str, str] = {}
         self.open_compute: dict[str, deque] = defaultdict(deque)
         self.computes: list[tuple[str, object, object]] = []
@@ -46,6 +48,8 @@ class _Reader:
         self.span_stages: dict = defaultdict(list)
         self.copies: list[tuple[str, CopySample]] = []
         self.gathers: dict[str, list] = defaultdict(list)
+        self.heads: list[float] = []  # durations of `head` stages (the first token's LM head)
+        self.produced: dict[str, float] = {}
 
     def feed(self, e) -> None:
         kind = e.kind
@@ -61,10 +65,14 @@ class _Reader:
             self.span_req[e.span] = e.req
         elif kind == "land":
             self._land(e)
+        elif kind == "produced":
+            self.produced[e.req] = e.t
 
     def _stage(self, e) -> None:
         if e.name == "compute":
             self.open_compute[e.req].append(e)
+        elif e.name == "head":
+            self.heads.append(e.end - e.t)
         elif e.span is not None:
             self.span_stages[e.span].append((e.name, e.t, e.end))
             if e.name == "gather":
@@ -93,15 +101,29 @@ class _Reader:
             req = self.span_req[span]
             stages = tuple(sorted(self.span_stages[span], key=lambda s: s[1]))
             if c.nbytes > 0 and stages:
-                out.append(attrs.evolve(c, stages=stages, last=req not in seen))
+                out.append(attrs.evolve(c, stages=stages, last=req not in seen,
+                                        paced=self.paced, produced=self.produced.get(req, 0.0)))
                 seen.add(req)
         return out[::-1]
 
 
-def samples(header, events) -> tuple[list[ComputeSample], list[CopySample]]:
-    """Compute and copy samples of one trace (events in trace order)."""
+@attrs.frozen
+class TraceSamples:
+    computes: list[ComputeSample]
+    copies: list[CopySample]
+    heads: list[float]
+
+
+def samples(header, events, skip_warmup: bool = True) -> TraceSamples:
+    """Samples of one trace (events in trace order). With several requests, the first is the
+    engine's warm-up (cold buffers, first-touch page faults) and is left out."""
     chunk = header.get("chunk")
-    reader = _Reader(header.geometry.layers, chunk if isinstance(chunk, int) else None)
+    reader = _Reader(header.geometry.layers, chunk if isinstance(chunk, int) else None,
+                     paced=bool(header.get("link_gbps")))
+    events = list(events)
+    reqs = list(dict.fromkeys(e.req for e in events if e.kind == "reserve"))
+    skip = reqs[0] if skip_warmup and len(reqs) > 1 else None
     for e in events:
-        reader.feed(e)
-    return reader.compute_samples(), reader.copy_samples()
+        if skip is None or e.req != skip:
+            reader.feed(e)
+    return TraceSamples(reader.compute_samples(), reader.copy_samples(), reader.heads)

@@ -1,0 +1,194 @@
+"""`pdsim demo [--out DIR]`: the project's main job, end to end, with no required argument.
+
+1. the engine (CUDA if present, else CPU) runs one prompt in every mode at two chunk sizes,
+   checked live by pdref, with KV and first-token parity against whole mode;
+2. `pdsim calibrate` fits a profile of this device from those traces;
+3. the simulator predicts the same runs: measured vs predicted, side by side;
+4. a chunk-size sweep in the simulator for this device and for qwen3-0.6b on a100-pcie and h200;
+5. every trace (engine and simulated) is checked by `pdref check`;
+6. everything lands in one folder with a report.md linking the PNGs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import attrs
+from tqdm import tqdm
+
+from pdref.check import check_file
+from pdref.models import load_model
+from pdsim.calibrate import calibrate, figures, profile_toml
+from pdsim.demo_report import comparison_table, report_md, trace_table
+from pdsim.engine_runs import EnginePoint, Measured, run_point
+from pdsim.options import UsageError
+from pdsim.predict import predict, simulate_point
+from pdsim.profiles import load_hw
+from pdsim.report import write_atomic, write_json, write_trace
+from pdsim.sweep import Point, best_chunks, run_sweep
+
+SWEEP_CHUNKS = (64, 128, 256, 512, 1024, 2048)
+REFERENCE = (("qwen3-0.6b", "a100-pcie"), ("qwen3-0.6b", "h200"))
+REFERENCE_PROMPT = 8192
+
+
+@attrs.frozen
+class DemoConfig:
+    """What the demo runs (defaults keep it under 3 minutes on a 2-core CPU)."""
+
+    out: Path
+    model: str = "small"
+    prompt: int = 1024
+    chunks: tuple[int, ...] = (128, 512)
+    requests: int = 2
+    device: str | None = None
+    progress: bool = True
+
+
+def say(text: str) -> None:
+    print(f"== {text}", flush=True)
+
+
+def engine_step(cfg: DemoConfig) -> list[tuple[EnginePoint, Measured]]:
+    """Every mode at every chunk size on the engine; traces under out/engine/."""
+    points = [EnginePoint(cfg.prompt, c) for c in cfg.chunks]
+    done = []
+    bar = tqdm(points, desc="engine", unit="run", disable=not cfg.progress, file=sys.stderr)
+    for point in bar:
+        bar.set_postfix_str(f"chunk {point.chunk}")
+        trace_dir = cfg.out / "engine" / f"chunk{point.chunk}"
+        done += [(point, m) for m in run_point(point, cfg.model, trace_dir, cfg.requests,
+                                               cfg.device)]
+    return done
+
+
+def calibrate_step(cfg: DemoConfig, runs) -> Path:
+    cal = calibrate([m.trace for _, m in runs])
+    path = cfg.out / "profile.toml"
+    write_atomic(path, profile_toml(cal, load_hw("a100-pcie"), f"{cfg.model}-this-device"))
+    for name, value, unit, rms in figures(cal):
+        print(f"  {name:18} {value:12.5g} {unit:8} rms residual {rms:.2e} s")
+    return path
+
+
+def predict_step(cfg: DemoConfig, runs, profile: Path) -> list[tuple[Measured, dict]]:
+    """Simulate each engine run with the calibrated profile; write the simulated traces."""
+    spec = load_model(cfg.model)
+    pairs = []
+    for point, m in runs:
+        pairs.append((m, predict(spec, str(profile), point, m.mode)))
+        result = simulate_point(spec, str(profile), point, m.mode)
+        write_trace(str(cfg.out / "sim" / f"chunk{point.chunk}-{m.mode}.jsonl"), result)
+    return pairs
+
+
+def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
+    """Chunk sweeps: this device (calibrated) and the reference GPUs; one PNG each."""
+    from pdsim.plots import sweep_png
+
+    cases = [(cfg.model, str(profile), cfg.prompt, "this-device")]
+    cases += [(m, hw, REFERENCE_PROMPT, f"{m}-{hw}") for m, hw in REFERENCE]
+    out = []
+    for model, hw, prompt, label in cases:
+        base = base_sim_config(model, hw)
+        chunks = tuple(c for c in SWEEP_CHUNKS if c <= prompt)
+        points = [Point(mode, prompt, c, 2, 1.0) for mode in ("whole", "chunk", "layer")
+                  for c in chunks]
+        rows = run_sweep(base, points, jobs=2, progress=cfg.progress)
+        png = f"sweep-{label}.png"
+        write_atomic(cfg.out / png, sweep_png(rows, title=f"{model} on {Path(hw).stem}"))
+        out.append({"label": label, "model": model, "hw": Path(hw).stem, "prompt": prompt,
+                    "png": png, "rows": rows, "best": best_chunks(rows)[prompt]})
+    return out
+
+
+def base_sim_config(model: str, hw: str):
+    from pdsim.config import SimConfig
+    from pdsim.costs import costs_for, sim_geometry
+    from pdsim.profiles import link_of
+
+    spec, profile = load_model(model), load_hw(hw)
+    costs = costs_for(spec, profile, link_of(profile))
+    return SimConfig(sim_geometry(spec), costs, "whole", 256,
+                     labels=(("model", spec.name), ("hw", profile.name)))
+
+
+def check_step(cfg: DemoConfig) -> list:
+    traces = sorted(cfg.out.glob("engine/*/*.jsonl")) + sorted(cfg.out.glob("sim/*.jsonl"))
+    return [check_file(t) for t in traces]
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    """The whole demo; returns what report.md and summary.json hold."""
+    start = time.perf_counter()
+    (cfg.out / "sim").mkdir(parents=True, exist_ok=True)
+    say(f"engine: {cfg.model}, prompt {cfg.prompt}, chunks {cfg.chunks}, every mode, "
+        f"{cfg.requests} requests each, live pdref checks, parity against whole")
+    runs = engine_step(cfg)
+    say("calibrate: fit this device's cost model from the engine's stage events")
+    profile = calibrate_step(cfg, runs)
+    say("predict: the simulator replays the same runs on the calibrated profile")
+    pairs = predict_step(cfg, runs, profile)
+    print(comparison_table(pairs))
+    say("sweep: chunk size in the simulator (this device, and qwen3-0.6b on a100-pcie, h200)")
+    sweeps = sweep_step(cfg, profile)
+    say("pdref check: every trace")
+    checks = check_step(cfg)
+    print(trace_table(checks, cfg.out))
+    result = {"config": {k: str(v) if isinstance(v, Path) else v
+                         for k, v in attrs.asdict(cfg).items()},
+              "pairs": pairs, "sweeps": sweeps, "checks": checks,
+              "wall_s": time.perf_counter() - start}
+    write_atomic(cfg.out / "report.md", report_md(result, cfg.out))
+    write_json(cfg.out / "summary.json", summary_json(result))
+    return result
+
+
+def summary_json(result: dict) -> dict:
+    return {"wall_s": result["wall_s"], "config": result["config"],
+            "runs": [{"mode": m.mode, "trace": m.trace, "parity": m.parity,
+                      "measured": {"handoff_s": m.handoff_s, "tail_s": m.tail_s,
+                                   "peak_staging_bytes": m.peak_staging_bytes},
+                      "predicted": {k: p[k] for k in ("handoff_s", "tail_s",
+                                                      "peak_staging_bytes")}}
+                     for m, p in result["pairs"]],
+            "best_chunk": {s["label"]: s["best"] for s in result["sweeps"]},
+            "checks": [c.to_json() for c in result["checks"]]}
+
+
+def add_args(p) -> None:
+    p.add_argument("--out", default="demo-out", help="output folder (default %(default)s)")
+    p.add_argument("--model", default="small", help="engine and simulator model preset")
+    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--chunks", default="128,512", help="engine chunk sizes, comma separated")
+    p.add_argument("--requests", type=int, default=2, help="requests per engine run")
+    p.add_argument("--device", default=None, help="engine device (default: cuda if any)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _config(args) -> DemoConfig:
+    try:
+        chunks = tuple(int(c) for c in args.chunks.split(",") if c.strip())
+    except ValueError:
+        chunks = ()
+    if not chunks or min(chunks) < 1:
+        raise UsageError(f"--chunks must be comma-separated integers >= 1, got {args.chunks!r}")
+    for flag, value in (("--prompt", args.prompt), ("--requests", args.requests)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    load_model(args.model)
+    return DemoConfig(Path(args.out), args.model, args.prompt, chunks, args.requests,
+                      args.device, not args.quiet)
+
+
+def command(args) -> int:
+    cfg = _config(args)
+    result = run_demo(cfg)
+    bad = [c for c in result["checks"] if not c.ok]
+    parity = all(m.parity for m, _ in result["pairs"])
+    say(f"done in {result['wall_s']:.0f} s: {cfg.out / 'report.md'}"
+        + ("" if parity else "; PARITY FAILED") + (f"; {len(bad)} trace(s) refused" if bad
+                                                   else ""))
+    return 0 if parity and not bad else 1

@@ -1,0 +1,100 @@
+"""The real engine, run as a subprocess (`python -m pdgpu compare`): pdsim never imports pdgpu.
+
+One `EnginePoint` is one engine configuration; `run_point` runs every mode of it on one prompt
+(`--requests R` back to back, whole first: the parity baseline), writes one trace per mode,
+and reads back per-mode measurements: the median over the trace's request lives of handoff,
+tail and prefill (each life timed from its own `reserve`), plus the trace's peak staging.
+With several lives the first is left out: it is the engine's warm-up (its copies run on
+cold staging buffers, 2-5x slower; `pdsim calibrate` leaves it out the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+
+from pdref.metrics import life_metrics
+from pdref.trace import read_trace
+
+
+class EngineRunError(RuntimeError):
+    """The engine subprocess failed (not a parity failure: that is reported, not raised)."""
+
+
+@attrs.frozen
+class EnginePoint:
+    """One engine configuration (every mode of it runs on the same prompt)."""
+
+    prompt: int
+    chunk: int
+    max_pending: int = 2
+    prefix: int = 0
+    link_gbps: float | None = None
+
+    @property
+    def name(self) -> str:
+        link = f"-link{self.link_gbps:g}" if self.link_gbps else ""
+        return f"p{self.prompt}-c{self.chunk}-m{self.max_pending}-x{self.prefix}{link}"
+
+
+@attrs.frozen
+class Measured:
+    """One mode of one point as the engine ran it."""
+
+    mode: str
+    trace: str
+    handoff_s: float
+    tail_s: float
+    prefill_s: float
+    peak_staging_bytes: int
+    first_token: int | None
+    parity: bool
+
+
+def engine_argv(point: EnginePoint, model: str, trace_dir: Path, requests: int,
+                device: str | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "pdgpu", "compare", "--model", model,
+            "--prompt", str(point.prompt), "--chunk", str(point.chunk),
+            "--max-pending", str(point.max_pending), "--prefix", str(point.prefix),
+            "--requests", str(requests), "--trace-dir", str(trace_dir), "--json"]
+    if point.link_gbps:
+        argv += ["--link-gbps", repr(point.link_gbps)]
+    if device:
+        argv += ["--device", device]
+    return argv
+
+
+def run_point(point: EnginePoint, model: str, trace_dir: Path, requests: int = 2,
+              device: str | None = None) -> list[Measured]:
+    """Run the engine on one point; one Measured per mode (whole, chunk, layer)."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(engine_argv(point, model, trace_dir, requests, device),
+                          capture_output=True, text=True)
+    if proc.returncode not in (0, 1) or not proc.stdout.strip():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EngineRunError(f"engine on {point.name}: exit {proc.returncode}: {last}")
+    summary = json.loads(proc.stdout)
+    return [measure(trace_dir / f"{mode}.jsonl", mode, entry)
+            for mode, entry in summary.items()]
+
+
+def measure(trace: Path, mode: str, entry: dict) -> Measured:
+    """Median per-life timings of one engine trace, with the compare's parity verdict."""
+    lives, peak = life_metrics(item for _, item in list(read_trace(trace))[1:])
+    done = [life for life in lives if life.ready_t is not None and life.outcome == "released"]
+    done = done[1:] if len(done) > 1 else done  # the first is the engine's warm-up
+    if not done:
+        raise EngineRunError(f"{trace}: no request life was admitted")
+    parity = entry.get("parity", {})
+    return Measured(
+        mode=mode, trace=str(trace),
+        handoff_s=statistics.median(life.ready_t - life.reserve_t for life in done),
+        tail_s=statistics.median(life.ready_t - life.produced_t for life in done),
+        prefill_s=statistics.median(life.produced_t - life.reserve_t for life in done),
+        peak_staging_bytes=peak, first_token=entry["metrics"].get("first_token"),
+        parity=bool(parity.get("kv_equal")) and bool(parity.get("token_equal")))

@@ -1,0 +1,45 @@
+"""pdsim demo: engine runs, calibration, predictions, sweeps, checks, report in one folder."""
+
+import json
+import re
+import time
+
+import pytest
+
+from pdsim.cli import main
+
+
+def test_demo_tiny_end_to_end(tmp_path, capsys):
+    """A tiny demo writes a report whose PNG links exist, every trace legal, parity ok."""
+    out = tmp_path / "demo"
+    code = main(["demo", "--out", str(out), "--model", "tiny", "--prompt", "128",
+                 "--chunks", "32,64", "--requests", "1", "--quiet"])
+    assert code == 0
+    report = (out / "report.md").read_text()
+    links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report)
+    assert len(links) == 3 and all((out / p).read_bytes()[:4] == b"\x89PNG" for p in links)
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["runs"]) == 6 and all(r["parity"] for r in summary["runs"])
+    assert len(summary["checks"]) == 12 and all(c["ok"] for c in summary["checks"])
+    assert (out / "profile.toml").exists()
+    printed = capsys.readouterr().out
+    assert "handoff ms" in printed and "predicted" in printed
+
+
+@pytest.mark.parametrize("argv, flag", [(["--chunks", "0"], "--chunks"),
+                                        (["--prompt", "0"], "--prompt"),
+                                        (["--model", "no-such-model"], "no-such-model")])
+def test_demo_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, flag):
+    """Bad demo options are one line naming the field, exit 2, no output folder."""
+    assert main(["demo", "--out", str(tmp_path / "d"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.slow
+def test_default_demo_under_three_minutes(tmp_path):
+    """The default demo (no options but --out) finishes within 3 minutes with exit 0."""
+    start = time.perf_counter()
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--quiet"]) == 0
+    assert time.perf_counter() - start < 180

@@ -1,0 +1,100 @@
+"""pdsim validate: engine grid -> calibrate -> predict held-out; errors, table, PNG, JSON."""
+
+import json
+
+import attrs
+import pytest
+
+from pdref.models import load_model
+from pdsim.cli import main
+from pdsim.costs import Costs
+from pdsim.engine_runs import EnginePoint, measure
+from pdsim.predict import paced, predict, simulate_point
+from pdsim.report import write_trace
+from pdsim.validate import GRIDS, Row, summary
+
+
+def _costs(h2d_byte_s: float) -> Costs:
+    return Costs(token_s=1e-4, pair_s=0.0, chunk_s=1e-3, span_s=1e-4, gather_byte_s=1e-10,
+                 link_stages=(("d2h", 1e-10), ("h2d", h2d_byte_s)), link_latency_s=0.0)
+
+
+def test_paced_slows_h2d_to_the_link_rate():
+    """A paced run's h2d stage runs at link_gbps; a slower fitted rate is kept."""
+    fast, slow = paced(_costs(1e-10), 0.5), paced(_costs(1e-8), 0.5)
+    assert dict(fast.link_stages)["h2d"] == pytest.approx(2e-9)
+    assert dict(slow.link_stages)["h2d"] == 1e-8
+    assert dict(fast.link_stages)["d2h"] == 1e-10
+    assert paced(_costs(1e-10), None) == _costs(1e-10)
+
+
+def test_measure_matches_pdref_metrics_on_a_simulated_trace(tmp_path):
+    """measure() of a one-request trace gives pdref's handoff, tail and staging."""
+    spec, point = load_model("tiny"), EnginePoint(256, 64, prefix=32)
+    result = simulate_point(spec, "a100-pcie", point, "chunk")
+    write_trace(str(tmp_path / "t.jsonl"), result)
+    m = measure(tmp_path / "t.jsonl", "chunk", {"metrics": {}, "parity": {
+        "kv_equal": True, "token_equal": True}})
+    expected = predict(spec, "a100-pcie", point, "chunk")
+    assert m.handoff_s == pytest.approx(expected["handoff_s"])
+    assert m.tail_s == pytest.approx(expected["tail_s"])
+    assert m.peak_staging_bytes == expected["peak_staging_bytes"] and m.parity
+
+
+def test_summary_is_over_held_out_rows_only():
+    """Median and worst errors count the held-out rows, not the training rows."""
+    from pdsim.engine_runs import Measured
+
+    def row(role, meas, pred):
+        m = Measured("whole", "t", meas, 0.01, meas - 0.01, 0, None, True)
+        return Row(EnginePoint(64, 32), role, m, {"handoff_s": pred, "tail_s": 0.01,
+                                                  "peak_staging_bytes": 0})
+
+    rows = [row("test", 1.0, 1.1), row("test", 1.0, 0.98), row("train", 1.0, 3.0)]
+    s = summary(rows)
+    assert s["n"] == 2 and s["worst_handoff_err_pct"] == pytest.approx(10.0)
+    assert s["median_handoff_err_pct"] == pytest.approx(6.0)
+    assert s["median_tail_err_pct"] == 0.0
+
+
+def test_grids_hold_out_points_and_cover_every_role():
+    """Every grid has training and held-out points, none in both."""
+    for grid in GRIDS.values():
+        train = {p for p, r in grid if r == "train"}
+        test = {p for p, r in grid if r == "test"}
+        assert train and test and not train & test
+
+
+def test_quick_grid_end_to_end(tmp_path, capsys):
+    """The quick grid on the tiny engine: one JSON object, every config, a PNG and a profile."""
+    code = main(["validate", "--model", "tiny", "--grid", "quick", "--requests", "1",
+                 "--out", str(tmp_path), "--json", "--quiet"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["configs"]) == 3 * len(GRIDS["quick"])
+    for key in ("median_handoff_err_pct", "worst_handoff_err_pct", "median_tail_err_pct"):
+        assert 0 <= out[key] < float("inf")
+    assert all(c["parity"] for c in out["configs"])
+    assert (tmp_path / "validation.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["run", "--hw", str(tmp_path / "profile.toml"), "--model", "tiny",
+                 "--prompt", "128", "--chunk", "32", "--json"]) == 0
+
+
+def test_bad_requests_is_one_line_exit_2(tmp_path, capsys):
+    """--requests 0 is refused with one line naming the flag, exit 2, nothing written."""
+    assert main(["validate", "--requests", "0", "--out", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err
+    assert "--requests" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "v").exists()
+
+
+def test_row_error_is_relative_to_measured():
+    """handoff_err_pct is |predicted/measured - 1| in percent."""
+    from pdsim.engine_runs import Measured
+
+    m = Measured("chunk", "t", 2.0, 0.002, 1.998, 0, None, True)
+    r = Row(EnginePoint(64, 32), "test", m, {"handoff_s": 1.5, "tail_s": 0.003,
+                                             "peak_staging_bytes": 0})
+    assert r.handoff_err_pct == pytest.approx(25.0)
+    assert r.tail_err_pct == pytest.approx(25.0)  # 1 ms of max(2 ms, 4 ms)
+    assert attrs.asdict(r.point)["prompt"] == 64
