@@ -68,10 +68,11 @@ def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
             and contains((0, life.prompt), event.tokens)):
         raise Violation("PROD-1", f"computed {fmt(event.layers)} x {fmt(event.tokens)} is outside "
                         f"[0, {state.geometry.layers}) x [0, {life.prompt})", event)
-    return _put(state, life.replace(
-        computed=life.computed.union(event.layers, event.tokens),
-        held=life.held.union(event.layers, event.tokens),
-    ))
+    computed = life.computed.union(event.layers, event.tokens)
+    # Until the first reuse, held and computed are the same value: extend it once.
+    held = computed if life.held is life.computed else life.held.union(event.layers,
+                                                                        event.tokens)
+    return _put(state, life.replace(computed=computed, held=held))
 
 
 def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
@@ -109,31 +110,30 @@ def _region(event) -> str:
     return f"{fmt(event.layers)} x {fmt(event.tokens)}"
 
 
-def _retire(state: SystemState, event) -> tuple[RequestLife, Span]:
-    """The live request and its in-flight span named by a land/fail event."""
+def _retire(state: SystemState, event) -> tuple[tuple[Span, ...], RequestLife, Span]:
+    """(the other spans in flight, the live request, its span) named by a land/fail event."""
     life = _live(state, event)
     span = life.find_span(event.span)
     if span is None:
         raise Violation("REQ-1", f"span {event.span!r} is not in flight for {event.req!r}", event)
-    rest = tuple(s for s in life.in_flight if s is not span)
-    return life.replace(in_flight=rest), span
+    return tuple(s for s in life.in_flight if s is not span), life, span
 
 
 def apply_land(state: SystemState, event: ev.Land) -> SystemState:
-    life, span = _retire(state, event)
+    rest, life, span = _retire(state, event)
     progress = life.progress
     if not (is_empty(span.layers) or is_empty(span.tokens)):  # an empty span publishes nothing
         try:
             progress = progress.add(span.layers, span.tokens)
         except ProgressError as e:  # bounds were checked at issue (COV-1): this is overlap
             raise Violation("COV-2", f"span {event.span!r} cannot land: {e}", event) from None
-    return _put(state, life.replace(progress=progress),
+    return _put(state, life.replace(progress=progress, in_flight=rest),
                 pending=_adjust_pending(state, life.producer, -1))
 
 
 def apply_fail(state: SystemState, event: ev.Fail) -> SystemState:
-    life, _ = _retire(state, event)
-    return _put(state, life.replace(failed=True),
+    rest, life, _ = _retire(state, event)
+    return _put(state, life.replace(failed=True, in_flight=rest),
                 pending=_adjust_pending(state, life.producer, -1))
 
 
