@@ -41,8 +41,8 @@ class DemoConfig:
     out: Path
     model: str = "small"
     prompt: int = 1024
-    chunks: tuple[int, ...] = (128, 512)
-    requests: int = 2
+    chunks: tuple[int, ...] = (128, 256, 512)
+    requests: int = 3
     device: str | None = None
     progress: bool = True
 
@@ -88,19 +88,23 @@ def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
     """Chunk sweeps: this device (calibrated) and the reference GPUs; one PNG each."""
     from pdsim.plots import sweep_png
 
-    cases = [(cfg.model, str(profile), cfg.prompt, "this-device")]
-    cases += [(m, hw, REFERENCE_PROMPT, f"{m}-{hw}") for m, hw in REFERENCE]
+    cases = [(cfg.model, str(profile), cfg.prompt, "this-device", "this device (calibrated)")]
+    cases += [(m, hw, REFERENCE_PROMPT, f"{m}-{hw}", hw) for m, hw in REFERENCE]
     out = []
-    for model, hw, prompt, label in cases:
+    for model, hw, prompt, label, hw_name in cases:
         base = base_sim_config(model, hw)
         chunks = tuple(c for c in SWEEP_CHUNKS if c <= prompt)
         points = [Point(mode, prompt, c, 2, 1.0) for mode in ("whole", "chunk", "layer")
                   for c in chunks]
         rows = run_sweep(base, points, jobs=2, progress=cfg.progress)
         png = f"sweep-{label}.png"
-        write_atomic(cfg.out / png, sweep_png(rows, title=f"{model} on {Path(hw).stem}"))
-        out.append({"label": label, "model": model, "hw": Path(hw).stem, "prompt": prompt,
-                    "png": png, "rows": rows, "best": best_chunks(rows)[prompt]})
+        write_atomic(cfg.out / png, sweep_png(rows, title=f"{model} on {hw_name}"))
+        best = best_chunks(rows)[prompt]
+        print(f"  {model} on {hw_name}, prompt {prompt}: best {best['mode']} chunk "
+              f"{best['chunk']}: handoff {best['handoff_s'] * 1e3:.1f} ms, tail "
+              f"{best['tail_s'] * 1e3:.2f} ms -> {png}")
+        out.append({"label": label, "model": model, "hw": hw_name, "prompt": prompt,
+                    "png": png, "rows": rows, "best": best})
     return out
 
 
@@ -162,8 +166,9 @@ def add_args(p) -> None:
     p.add_argument("--out", default="demo-out", help="output folder (default %(default)s)")
     p.add_argument("--model", default="small", help="engine and simulator model preset")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
-    p.add_argument("--chunks", default="128,512", help="engine chunk sizes, comma separated")
-    p.add_argument("--requests", type=int, default=2, help="requests per engine run")
+    p.add_argument("--chunks", default="128,256,512", help="engine chunk sizes, comma separated")
+    p.add_argument("--requests", type=int, default=3,
+                   help="requests per engine run (the first is warm-up, left out)")
     p.add_argument("--device", default=None, help="engine device (default: cuda if any)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 

@@ -74,10 +74,13 @@ def report_md(result: dict, out: Path) -> str:
         "# pdhandoff demo", "",
         f"Engine: model `{cfg['model']}`, prompt {cfg['prompt']}, chunks {cfg['chunks']}, "
         f"device {cfg['device'] or 'default (cuda if present, else cpu)'}, "
-        f"{cfg['requests']} requests per run (timings: median over them). "
+        f"{cfg['requests']} requests per run (timings: median over all but the first, "
+        "the engine's warm-up). "
         f"Wall time {result['wall_s']:.0f} s.", "",
         "## Engine vs simulator (calibrated from these traces: `profile.toml`)", "",
-        f"KV and first-token parity against whole mode: {'ok' if parity else 'FAILED'}.", "",
+        f"KV and first-token parity against whole mode: {'ok' if parity else 'FAILED'}. "
+        "These predictions are in-sample (the profile was fitted from these runs); "
+        "`pdsim validate` predicts held-out runs.", "",
         _markdown(comparison_rows(result["pairs"])), "",
         "## Chunk-size sweeps (simulator)", "", *sweep_lines(result["sweeps"]),
         f"## Trace checks (`pdref check`): {'all legal' if ok else 'VIOLATIONS'}", "",

@@ -7,6 +7,7 @@ import pytest
 
 from pdref.models import load_model
 from pdsim.cli import main
+from pdsim.config import RequestSpec
 from pdsim.costs import Costs
 from pdsim.engine_runs import EnginePoint, measure
 from pdsim.predict import paced, predict, simulate_point
@@ -98,3 +99,27 @@ def test_row_error_is_relative_to_measured():
     assert r.handoff_err_pct == pytest.approx(25.0)
     assert r.tail_err_pct == pytest.approx(25.0)  # 1 ms of max(2 ms, 4 ms)
     assert attrs.asdict(r.point)["prompt"] == 64
+
+
+def test_head_and_warmup_recovered_from_sim_traces(tmp_path):
+    """head_s is recovered from two-request sim traces; the copy overlaps it in chunk mode."""
+    from pdsim.calibrate import calibrate
+    from pdsim.config import SimConfig
+    from pdsim.costs import costs_for, sim_geometry
+    from pdsim.profiles import link_of, load_hw
+    from pdsim.sim import simulate
+
+    spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
+    costs = attrs.evolve(costs_for(spec, hw, link_of(hw)), head_s=0.004)
+    paths = []
+    for mode in ("chunk", "whole"):
+        cfg = SimConfig(sim_geometry(spec), costs, mode, 256, pool_pages=1024,
+                        labels=(("model", spec.name),))
+        result = simulate(cfg, [RequestSpec(f"r{i}", 0.0, 2048, 0) for i in range(2)])
+        write_trace(str(tmp_path / f"{mode}.jsonl"), result)
+        paths.append(str(tmp_path / f"{mode}.jsonl"))
+    cal = calibrate(paths)
+    assert cal.head_s == pytest.approx(0.004)
+    assert cal.span_s == pytest.approx(costs.span_s, rel=0.01)
+    chunk = predict(spec, "a100-pcie", EnginePoint(2048, 256), "chunk")
+    assert chunk["tail_s"] > 0  # a100-pcie has no head: the last copy is unhidden
