@@ -87,7 +87,7 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
     lines = [
         f"# Calibrated by `pdsim calibrate` from {len(cal.traces)} trace(s): "
         + ", ".join(Path(p).name for p in cal.traces),
-        f"# compute fit: {c.samples} samples, rank {c.rank}/4, rms residual {c.rms:.3e} s "
+        f"# compute fit: {c.samples} samples, rank {c.rank}/5, rms residual {c.rms:.3e} s "
         f"({100 * c.rel_rms:.2f}%); copy fixed-cost rms residual {cal.copy_rms:.3e} s",
         f"# peak_flops, hbm_bandwidth, efficiency: from base profile {base.name!r} (not fitted)",
         f"name = {json.dumps(name)}",
@@ -104,6 +104,7 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         "", "[compute]",
         f"token_s = {c.get('token_s')!r}",
         f"pair_s = {c.get('pair_s')!r}",
+        f"masked_pair_s = {c.get('masked_pair_s')!r}",
         f"chunk_s = {c.get('chunk_s')!r}",
         f"head_s = {cal.head_s!r}  # median of the traces' `head` stages",
         "", "[link]",
@@ -122,7 +123,8 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
     """(name, value, unit, rms residual of its fit in seconds)."""
     c = cal.compute
     out = [(n, c.get(n), u, c.rms) for n, u in (("chunk_s", "s/chunk"), ("token_s", "s/token"),
-                                                 ("pair_s", "s/pair"), ("contention", "x"))]
+                                                 ("pair_s", "s/pair"), ("masked_pair_s", "s/pair"),
+                                                 ("contention", "x"))]
     out.append(("gather_bandwidth", _bandwidth(cal.gather.get("per_byte_s")), "B/s",
                 cal.gather.rms))
     out += [(f"{n}_bandwidth", _bandwidth(f.get("per_byte_s")), "B/s", f.rms)

@@ -55,6 +55,8 @@ def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, rounds: int = 3) -
         if sigma == 0 or not (outliers & keep).any():
             break
         keep &= ~outliers
+    negligible = np.abs(x).max(axis=0, initial=0.0) * coef < 1e-9 * np.abs(y).max(initial=0.0)
+    coef[negligible] = 0.0  # below the data's float resolution: rounding noise, not a term
     residual = (y - x @ coef)[keep]
     rms = float(np.sqrt(np.mean(residual**2))) if keep.any() else 0.0
     return Fit(names, tuple(float(c) for c in coef), int(keep.sum()), rank, rms,
@@ -62,15 +64,17 @@ def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, rounds: int = 3) -
 
 
 def fit_compute(samples: list[ComputeSample]) -> Fit:
-    """duration = f * (chunk_s * chunks + token_s * n + pair_s * pairs) + contention * overlap."""
+    """duration = f * (chunk_s * chunks + token_s * n + pair_s * pairs
+    + masked_pair_s * masked) + contention * overlap."""
     rows = []
     for s in samples:
         a, b = s.tokens
         pairs = (b * (b + 1) - a * (a + 1)) / 2
-        rows.append([s.fraction * s.chunks, s.fraction * (b - a), s.fraction * pairs, s.overlap])
-    x = np.array(rows, dtype=float).reshape(-1, 4)
+        rows.append([s.fraction * s.chunks, s.fraction * (b - a), s.fraction * pairs, s.overlap,
+                     s.fraction * s.masked])
+    x = np.array(rows, dtype=float).reshape(-1, 5)
     y = np.array([s.duration for s in samples], dtype=float)
-    return fit(("chunk_s", "token_s", "pair_s", "contention"), x, y)
+    return fit(("chunk_s", "token_s", "pair_s", "contention", "masked_pair_s"), x, y)
 
 
 def fit_stage(copies: list[CopySample], name: str) -> Fit:

@@ -58,6 +58,7 @@ class ComputeOverride:
     pair_s: float | None = None
     chunk_s: float | None = None
     head_s: float | None = None  # the first token's LM head, once per request
+    masked_pair_s: float | None = None  # per masked-out pair of a dense chunk attention
 
 
 @attrs.frozen

@@ -21,6 +21,7 @@ class ComputeSample:
     tokens: tuple[int, int]
     chunks: int  # prefill chunks the region spans (a layer-major step runs every chunk)
     overlap: float  # seconds of gathers (same producer) inside the stage
+    masked: float = 0.0  # masked-out pairs of its chunks' attention: sum of n (n - 1) / 2
 
 
 @attrs.frozen
@@ -91,8 +92,14 @@ class _Reader:
             n = length(done.tokens)
             chunks = -(-n // self.chunk) if self.chunk else 1
             out.append(ComputeSample(stage.end - stage.t, length(done.layers) / self.layers,
-                                     done.tokens, chunks, overlap))
+                                     done.tokens, chunks, overlap, self._masked(n)))
         return out
+
+    def _masked(self, n: int) -> float:
+        """Masked pairs of n tokens cut into chunks of `chunk` (the last one shorter)."""
+        size = self.chunk or n
+        full, rest = divmod(n, size)
+        return full * size * (size - 1) / 2 + rest * (rest - 1) / 2
 
     def copy_samples(self) -> list[CopySample]:
         """Spans that moved bytes and reported stages; `last` marks each request's final one."""
