@@ -47,7 +47,7 @@ class _Tracker:
         self.live: dict[str, LifeMetrics] = {}
         self.first_seen: dict[str, float] = {}
         self.done: list[LifeMetrics] = []
-        self.in_flight: dict[object, int] = {}
+        self.in_flight: dict[object, tuple[str, int]] = {}  # span -> (req, bytes)
         self.staging = 0
         self.peak_staging = 0
 
@@ -63,13 +63,13 @@ class _Tracker:
         getattr(self, f"on_{e.kind}", lambda *_: None)(life, e)
 
     def _retire(self, span) -> int:
-        size = self.in_flight.pop(span, 0)
+        _, size = self.in_flight.pop(span, ("", 0))
         self.staging -= size
         return size
 
     def on_issue(self, life: LifeMetrics, e) -> None:
         life.spans += 1
-        self.in_flight[e.span] = e.bytes
+        self.in_flight[e.span] = (e.req, e.bytes)
         self.staging += e.bytes
         self.peak_staging = max(self.peak_staging, self.staging)
 
@@ -92,6 +92,8 @@ class _Tracker:
         self._end(life, e, "released")
 
     def on_abort(self, life: LifeMetrics, e) -> None:
+        for span in [s for s, (req, _) in self.in_flight.items() if req == e.req]:
+            self._retire(span)  # an abort cancels the request's spans in flight
         self._end(life, e, "aborted")
 
     def _end(self, life: LifeMetrics, e, outcome: str) -> None:

@@ -1,0 +1,79 @@
+"""The imperative helper both shells drive the protocol through."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdref import events as ev
+from pdref.geometry import Geometry
+from pdref.monitor import Monitor
+from pdref.violations import Violation
+
+GEO = Geometry(layers=2, kv_heads=1, head_dim=4, dtype_bytes=2, page_tokens=4)
+
+
+def monitor(**kw) -> tuple[Monitor, list]:
+    sunk: list = []
+    header = ev.Header("test", ev.Mode.CHUNK, GEO, kw.get("pool", 4), kw.get("pending", 1))
+    return Monitor(header, sunk.append), sunk
+
+
+def test_refused_event_leaves_state_and_sink_untouched():
+    """An illegal event raises its code; the state and the trace are as before it."""
+    m, sunk = monitor()
+    m.reserve(0.0, "a", 8, 0)
+    before = m.state
+    with pytest.raises(Violation) as err:
+        m.emit(ev.Issue(0.1, "a", 0, (0, 2), (0, 8), 256))
+    assert err.value.code == "COPY-1"
+    assert m.state is before and len(sunk) == 1
+
+
+def test_reserve_allocates_lowest_free_pages_and_reuses_returned_ones():
+    """Pages come lowest first; an aborted slab's pages are handed out again."""
+    m, _ = monitor()
+    assert m.reserve(0.0, "a", 8, 0) == (0, 1)
+    assert m.reserve(0.0, "b", 4, 0) == (2,)
+    m.emit(ev.Abort(0.1, "a", "test"))
+    assert m.free_pages == 3
+    assert m.reserve(0.2, "c", 12, 0) == (0, 1, 3)
+
+
+def test_queries_follow_the_state():
+    """can_reserve, can_issue, pending and can_admit change as events land."""
+    m, _ = monitor(pending=1)
+    assert m.can_reserve(16, 0) and not m.can_reserve(17, 0)
+    m.reserve(0.0, "a", 4, 0)
+    m.emit(ev.Computed(0.1, "a", (0, 2), (0, 4)))
+    m.emit(ev.Issue(0.1, "a", 0, (0, 2), (0, 4), 128))
+    assert not m.can_issue() and m.pending() == 1 and not m.can_admit("a")
+    m.emit(ev.Produced(0.2, "a", 9))
+    assert not m.can_admit("a")
+    m.emit(ev.Land(0.3, "a", 0))
+    assert m.can_issue() and m.can_admit("a")
+
+
+def test_time_going_back_is_refused_live():
+    """The monitor refuses an event stamped before the previous one (TRACE-2)."""
+    m, _ = monitor()
+    m.reserve(1.0, "a", 4, 0)
+    with pytest.raises(Violation) as err:
+        m.emit(ev.Computed(0.5, "a", (0, 2), (0, 4)))
+    assert err.value.code == "TRACE-2"
+
+
+def test_close_reports_what_is_still_held():
+    """close() is LIFE-1 while a request holds pages; fine once it is released."""
+    m, _ = monitor()
+    m.reserve(0.0, "a", 4, 0)
+    with pytest.raises(Violation, match="LIFE-1"):
+        m.close()
+    m.emit(ev.Abort(0.1, "a", "done"))
+    m.close()
+
+
+def test_layer_mode_of_recurrent_model_refused_at_construction():
+    """A Monitor for layer mode on a recurrent geometry cannot be made (CFG-1)."""
+    recurrent = Geometry(layers=2, kv_heads=1, head_dim=4, dtype_bytes=2, recurrent=True)
+    with pytest.raises(Violation, match="CFG-1"):
+        Monitor(ev.Header("test", ev.Mode.LAYER, recurrent, 4, 1))
