@@ -92,9 +92,12 @@ def run_point(point: EnginePoint, model: str, trace_dir: Path, requests: int = 2
 
 def measure(trace: Path, mode: str, entry: dict) -> Measured:
     """Median per-life timings of one engine trace, with the compare's parity verdict."""
-    lives, peak = life_metrics(item for _, item in list(read_trace(trace))[1:])
+    events = [item for _, item in list(read_trace(trace))[1:]]
+    lives, peak = life_metrics(events)
     done = [life for life in lives if life.ready_t is not None and life.outcome == "released"]
-    done = done[1:] if len(done) > 1 else done  # the first is the engine's warm-up
+    if len(done) > 1:  # the first is the engine's warm-up
+        peak = peak_staging(events, skip=done[0].req)
+        done = done[1:]
     if not done:
         raise EngineRunError(f"{trace}: no request life was admitted")
     parity = entry.get("parity", {})
@@ -105,3 +108,18 @@ def measure(trace: Path, mode: str, entry: dict) -> Measured:
         prefill_s=statistics.median(life.produced_t - life.reserve_t for life in done),
         peak_staging_bytes=peak, first_token=entry["metrics"].get("first_token"),
         parity=bool(parity.get("kv_equal")) and bool(parity.get("token_equal")))
+
+
+def peak_staging(events, skip: str) -> int:
+    """The most bytes in flight at once, spans of request `skip` left out."""
+    flying: dict = {}  # span -> (req, bytes)
+    peak = 0
+    for e in events:
+        if e.kind == "issue" and e.req != skip:
+            flying[e.span] = (e.req, e.bytes)
+            peak = max(peak, sum(n for _, n in flying.values()))
+        elif e.kind in ("land", "fail"):
+            flying.pop(e.span, None)
+        elif e.kind == "abort":  # its spans in flight are cancelled
+            flying = {k: v for k, v in flying.items() if v[0] != e.req}
+    return peak

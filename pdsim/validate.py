@@ -115,7 +115,7 @@ def summary(rows: list[Row], role: str = "test") -> dict:
             "median_tail_err_ms": statistics.median(1e3 * r.tail_err_s for r in chosen)}
 
 
-def validate(model: str, grid_name: str, out: Path, requests: int = 3,
+def validate(model: str, grid_name: str, out: Path, requests: int = 4,
              device: str | None = None, progress: bool = True) -> tuple[list[Row], dict]:
     out.mkdir(parents=True, exist_ok=True)
     runs = run_grid(GRIDS[grid_name], model, out, requests, device, progress)
@@ -157,7 +157,7 @@ def format_summary(result: dict) -> str:
 def add_args(p) -> None:
     p.add_argument("--model", default="small", help="model preset both shells load")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default")
-    p.add_argument("--requests", type=int, default=3,
+    p.add_argument("--requests", type=int, default=4,
                    help="requests per engine run (timings: median over all but the first)")
     p.add_argument("--device", default=None, help="engine device (default: cuda if any)")
     p.add_argument("--out", default="validate-out", help="folder for traces, profile, PNG")

@@ -101,8 +101,8 @@ def test_row_error_is_relative_to_measured():
     assert attrs.asdict(r.point)["prompt"] == 64
 
 
-def test_head_and_warmup_recovered_from_sim_traces(tmp_path):
-    """head_s is recovered from two-request sim traces; the copy overlaps it in chunk mode."""
+def test_head_masked_pairs_and_warmup_recovered_from_sim_traces(tmp_path):
+    """head_s and masked_pair_s are recovered within 1% from two-request sim traces."""
     from pdsim.calibrate import calibrate
     from pdsim.config import SimConfig
     from pdsim.costs import costs_for, sim_geometry
@@ -110,16 +110,18 @@ def test_head_and_warmup_recovered_from_sim_traces(tmp_path):
     from pdsim.sim import simulate
 
     spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
-    costs = attrs.evolve(costs_for(spec, hw, link_of(hw)), head_s=0.004)
+    base = costs_for(spec, hw, link_of(hw))
+    costs = attrs.evolve(base, head_s=0.004, masked_pair_s=base.pair_s * 0.7)
     paths = []
-    for mode in ("chunk", "whole"):
-        cfg = SimConfig(sim_geometry(spec), costs, mode, 256, pool_pages=1024,
+    for mode, chunk, prompt in (("chunk", 256, 3000), ("whole", 512, 2000),
+                                ("layer", 384, 1500), ("chunk", 128, 1000)):
+        cfg = SimConfig(sim_geometry(spec), costs, mode, chunk, pool_pages=1024,
                         labels=(("model", spec.name),))
-        result = simulate(cfg, [RequestSpec(f"r{i}", 0.0, 2048, 0) for i in range(2)])
-        write_trace(str(tmp_path / f"{mode}.jsonl"), result)
-        paths.append(str(tmp_path / f"{mode}.jsonl"))
+        result = simulate(cfg, [RequestSpec(f"r{i}", 0.0, prompt, 16) for i in range(2)])
+        paths.append(str(tmp_path / f"{mode}{chunk}.jsonl"))
+        write_trace(paths[-1], result)
     cal = calibrate(paths)
     assert cal.head_s == pytest.approx(0.004)
+    assert cal.compute.get("masked_pair_s") == pytest.approx(costs.masked_pair_s, rel=0.01)
+    assert cal.compute.get("pair_s") == pytest.approx(costs.pair_s, rel=0.01)
     assert cal.span_s == pytest.approx(costs.span_s, rel=0.01)
-    chunk = predict(spec, "a100-pcie", EnginePoint(2048, 256), "chunk")
-    assert chunk["tail_s"] > 0  # a100-pcie has no head: the last copy is unhidden
