@@ -18,7 +18,7 @@ import attrs
 from pdref.trace import read_trace
 from pdsim.fitting import (
     Fit,
-    fit_compute,
+    fit_attention,
     fit_fixed,
     fit_stage,
     is_pipelined,
@@ -44,18 +44,19 @@ class Calibration:
     span_s: float
     copy_rms: float
     head_s: float
+    dense_attention: bool
     traces: tuple[str, ...]
 
 
 def read_samples(paths: list[str], skip_warmup: bool = True):
     computes, copies, heads, models = [], [], [], set()
-    for path in paths:
+    for index, path in enumerate(paths):
         items = [item for _, item in read_trace(path)]
         header, events = items[0], items[1:]
         models.add(header.get("model"))
         got = samples(header, events, skip_warmup)
         computes += got.computes
-        copies += got.copies
+        copies += [attrs.evolve(c, trace=index) for c in got.copies]
         heads += got.heads
     if len(models) > 1:
         raise UsageError(f"TRACE: traces name different models: {sorted(map(str, models))}")
@@ -73,8 +74,9 @@ def calibrate(paths: list[str], skip_warmup: bool = True) -> Calibration:
     pipelined = is_pipelined(copies, names)
     gather = fit_stage(copies, "gather")
     fixed = fit_fixed(copies, gather, links, pipelined)
-    return Calibration(model, fit_compute(computes), gather, links, pipelined,
-                       fixed.latency_s, fixed.span_s, fixed.rms, median(heads), tuple(paths))
+    compute, dense = fit_attention(computes)
+    return Calibration(model, compute, gather, links, pipelined, fixed.latency_s, fixed.span_s,
+                       fixed.rms, median(heads), dense, tuple(paths))
 
 
 def _bandwidth(per_byte: float) -> float:
@@ -87,7 +89,7 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
     lines = [
         f"# Calibrated by `pdsim calibrate` from {len(cal.traces)} trace(s): "
         + ", ".join(Path(p).name for p in cal.traces),
-        f"# compute fit: {c.samples} samples, rank {c.rank}/5, rms residual {c.rms:.3e} s "
+        f"# compute fit: {c.samples} samples, rank {c.rank}/4, rms residual {c.rms:.3e} s "
         f"({100 * c.rel_rms:.2f}%); copy fixed-cost rms residual {cal.copy_rms:.3e} s",
         f"# peak_flops, hbm_bandwidth, efficiency: from base profile {base.name!r} (not fitted)",
         f"name = {json.dumps(name)}",
@@ -104,7 +106,8 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         "", "[compute]",
         f"token_s = {c.get('token_s')!r}",
         f"pair_s = {c.get('pair_s')!r}",
-        f"masked_pair_s = {c.get('masked_pair_s')!r}",
+        f"dense_attention = {'true' if cal.dense_attention else 'false'}"
+        "  # the better fit: pairs of a chunk [a, b) are n * b (true) or the causal triangle",
         f"chunk_s = {c.get('chunk_s')!r}",
         f"head_s = {cal.head_s!r}  # median of the traces' `head` stages",
         "", "[link]",
@@ -123,8 +126,7 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
     """(name, value, unit, rms residual of its fit in seconds)."""
     c = cal.compute
     out = [(n, c.get(n), u, c.rms) for n, u in (("chunk_s", "s/chunk"), ("token_s", "s/token"),
-                                                 ("pair_s", "s/pair"), ("masked_pair_s", "s/pair"),
-                                                 ("contention", "x"))]
+                                                 ("pair_s", "s/pair"), ("contention", "x"))]
     out.append(("gather_bandwidth", _bandwidth(cal.gather.get("per_byte_s")), "B/s",
                 cal.gather.rms))
     out += [(f"{n}_bandwidth", _bandwidth(f.get("per_byte_s")), "B/s", f.rms)
@@ -158,10 +160,12 @@ def command(args) -> int:
     write_atomic(args.output, profile_toml(cal, base, name))
     rows = figures(cal)
     if args.json:
-        print(json.dumps({"model": cal.model, "pipelined": cal.pipelined, "figures": {
+        print(json.dumps({"model": cal.model, "pipelined": cal.pipelined,
+                          "dense_attention": cal.dense_attention, "figures": {
             n: {"value": v, "unit": u, "rms_residual_s": r} for n, v, u, r in rows}}))
     else:
         for n, v, u, r in rows:
             print(f"{n:18} {v:12.5g} {u:8} rms residual {r:.3e} s")
+        print(f"{'dense_attention':18} {str(cal.dense_attention).lower():>12} (the better fit)")
         print(f"wrote {args.output} (use: pdsim run --hw {args.output} --model {cal.model})")
     return 0

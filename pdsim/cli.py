@@ -11,12 +11,13 @@ import sys
 
 from pdref.models import ProfileError
 from pdref.plan import PlanError
+from pdsim.engine_runs import EngineRunError
 from pdsim.metrics import single_metrics, workload_metrics
 from pdsim.options import Parser, UsageError, add_run_options, run_setup
 from pdsim.report import format_metrics, write_trace
 from pdsim.sim import simulate
 
-EXIT_OK, EXIT_USAGE = 0, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 INPUT_ERRORS = (UsageError, ProfileError, PlanError, ValueError, OSError)
 
 
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except INPUT_ERRORS as e:
         print(f"pdsim {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
+    except EngineRunError as e:  # validate / demo: the engine subprocess failed
+        print(f"pdsim {args.command}: engine error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAIL
 
 
 def _one_line(error: Exception) -> str:

@@ -1,9 +1,8 @@
 """The cost model: a small set of named linear terms, derived from a model and hardware profile.
 
 compute(chunk [a, b))  = chunk_s + token_s * (b - a) + pair_s * sum_{i=a}^{b-1} (i + 1)
-                         + masked_pair_s * n (n - 1) / 2, n = b - a (an engine that runs a
-                         chunk's attention as a dense masked n x b rectangle also pays for
-                         the masked-out triangle; calibrated profiles only)
+  with dense_attention: pair_s * n * b instead (an engine that runs a chunk's attention as
+  a dense masked n x b rectangle pays for the masked-out pairs too; calibrated profiles only)
 copy(span of n bytes)  = span_s + gather_byte_s * n + link_latency_s + link_byte_s * n
 head (the first token's LM head, after the last chunk) = head_s (calibrated profiles only)
 While a gather overlaps a compute chunk, the chunk runs slower by `contention` times the
@@ -39,7 +38,7 @@ class Costs:
     contention: float = attrs.field(default=0.0, validator=_non_negative)
     decode_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     head_s: float = attrs.field(default=0.0, validator=_non_negative)  # first token's LM head
-    masked_pair_s: float = attrs.field(default=0.0, validator=_non_negative)
+    dense_attention: bool = False  # pairs of a chunk [a, b): n * b, not the causal triangle
     state_bytes: int = 0
 
     @property
@@ -51,10 +50,8 @@ class Costs:
         """Time of one prefill chunk over prompt positions [a, b), with context [0, b)."""
         a, b = tokens
         n = max(b - a, 0)
-        pairs = (b * (b + 1) - a * (a + 1)) // 2 if n else 0
-        masked = n * (n - 1) // 2
-        return (self.chunk_s + self.token_s * n + self.pair_s * pairs
-                + self.masked_pair_s * masked)
+        pairs = attention_pairs(a, b, self.dense_attention)
+        return self.chunk_s + self.token_s * n + self.pair_s * pairs
 
     def gather_s(self, nbytes: int) -> float:
         return self.gather_byte_s * nbytes
@@ -84,10 +81,17 @@ class Costs:
             self,
             token_s=self.token_s / compute,
             pair_s=self.pair_s / compute,
-            masked_pair_s=self.masked_pair_s / compute,
             gather_byte_s=self.gather_byte_s / bandwidth,
             link_stages=tuple((n, s / bandwidth) for n, s in self.link_stages),
         )
+
+
+def attention_pairs(a: int, b: int, dense: bool = False) -> int:
+    """(query, key) pairs of a chunk [a, b) over context [0, b): causal triangle or rectangle."""
+    n = max(b - a, 0)
+    if not n:
+        return 0
+    return n * b if dense else (b * (b + 1) - a * (a + 1)) // 2
 
 
 def sim_geometry(spec: ModelSpec, page_tokens: int = 16) -> Geometry:
@@ -130,5 +134,5 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
         decode_token_s=weights / hw.hbm_bandwidth,
         state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),
         head_s=over.head_s or 0.0,  # shipped GPU profiles: absorbed in their efficiency
-        masked_pair_s=over.masked_pair_s or 0.0,
+        dense_attention=bool(over.dense_attention),
     )

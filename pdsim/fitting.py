@@ -55,26 +55,31 @@ def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, rounds: int = 3) -
         if sigma == 0 or not (outliers & keep).any():
             break
         keep &= ~outliers
-    negligible = np.abs(x).max(axis=0, initial=0.0) * coef < 1e-9 * np.abs(y).max(initial=0.0)
-    coef[negligible] = 0.0  # below the data's float resolution: rounding noise, not a term
     residual = (y - x @ coef)[keep]
     rms = float(np.sqrt(np.mean(residual**2))) if keep.any() else 0.0
     return Fit(names, tuple(float(c) for c in coef), int(keep.sum()), rank, rms,
                float(np.mean(y[keep])) if keep.any() else 0.0)
 
 
-def fit_compute(samples: list[ComputeSample]) -> Fit:
-    """duration = f * (chunk_s * chunks + token_s * n + pair_s * pairs
-    + masked_pair_s * masked) + contention * overlap."""
+def fit_compute(samples: list[ComputeSample], dense: bool = False) -> Fit:
+    """duration = f * (chunk_s * chunks + token_s * n + pair_s * pairs) + contention * overlap;
+    pairs: the causal triangle, or with `dense` the masked rectangle (triangle + masked)."""
     rows = []
     for s in samples:
         a, b = s.tokens
-        pairs = (b * (b + 1) - a * (a + 1)) / 2
-        rows.append([s.fraction * s.chunks, s.fraction * (b - a), s.fraction * pairs, s.overlap,
-                     s.fraction * s.masked])
-    x = np.array(rows, dtype=float).reshape(-1, 5)
+        pairs = (b * (b + 1) - a * (a + 1)) / 2 + (s.masked if dense else 0.0)
+        rows.append([s.fraction * s.chunks, s.fraction * (b - a), s.fraction * pairs, s.overlap])
+    x = np.array(rows, dtype=float).reshape(-1, 4)
     y = np.array([s.duration for s in samples], dtype=float)
-    return fit(("chunk_s", "token_s", "pair_s", "contention", "masked_pair_s"), x, y)
+    return fit(("chunk_s", "token_s", "pair_s", "contention"), x, y)
+
+
+def fit_attention(samples: list[ComputeSample]) -> tuple[Fit, bool]:
+    """The better of the causal and the dense attention model (smaller rms residual)."""
+    causal, dense = fit_compute(samples), fit_compute(samples, dense=True)
+    if dense.rms < causal.rms * (1 - 1e-6) and dense.samples >= causal.samples:
+        return dense, True
+    return causal, False
 
 
 def fit_stage(copies: list[CopySample], name: str) -> Fit:
@@ -116,8 +121,10 @@ class FixedCost:
 
 def fit_fixed(copies: list[CopySample], gather: Fit, links, pipelined: bool) -> FixedCost:
     """The per-span fixed costs around the bandwidth terms (one copy worker per trace)."""
-    pre, gaps, post, lasts, prev_end = [], [], [], [], 0.0
+    pre, gaps, post, lasts, prev_end, trace = [], [], [], [], 0.0, None
     for c in copies:
+        if c.trace != trace:  # a new clock: the worker starts free
+            prev_end, trace = 0.0, c.trace
         g = c.stage("gather")
         start, end = max(c.issue, prev_end), max(b for _, _, b in c.stages)
         pre.append((g or c.stages[0][1:])[0] - start)

@@ -58,7 +58,7 @@ class ComputeOverride:
     pair_s: float | None = None
     chunk_s: float | None = None
     head_s: float | None = None  # the first token's LM head, once per request
-    masked_pair_s: float | None = None  # per masked-out pair of a dense chunk attention
+    dense_attention: bool | None = None  # a chunk's attention is a dense masked rectangle
 
 
 @attrs.frozen
@@ -109,7 +109,11 @@ def hw_from_dict(data: dict, default_name: str, where: str) -> HwProfile:
     try:
         compute = ComputeOverride(**data.get("compute", {}))
         for key, value in attrs.asdict(compute).items():
-            if value is not None:
+            if key == "dense_attention":
+                if value is not None and not isinstance(value, bool):
+                    raise ValueError(f"field 'dense_attention' must be true or false, got "
+                                     f"{value!r}")
+            elif value is not None:
                 _non_negative(None, attrs.fields_dict(ComputeOverride)[key], value)
         return HwProfile(**fields, compute=compute)
     except (TypeError, ValueError) as e:

@@ -21,7 +21,7 @@ class ComputeSample:
     tokens: tuple[int, int]
     chunks: int  # prefill chunks the region spans (a layer-major step runs every chunk)
     overlap: float  # seconds of gathers (same producer) inside the stage
-    masked: float = 0.0  # masked-out pairs of its chunks' attention: sum of n (n - 1) / 2
+    masked: float = 0.0  # masked-out pairs of its chunks (dense attention): sum n (n - 1) / 2
 
 
 @attrs.frozen
@@ -32,6 +32,7 @@ class CopySample:
     stages: tuple[tuple[str, float, float], ...]  # (name, t, end) in time order
     last: bool = False  # the request's last span (the engine harvests it at once)
     produced: float = 0.0  # when its request's prefill finished (`produced`)
+    trace: int = 0  # which trace it came from (each trace has its own clock)
     paced: bool = False  # the trace's link was paced (header `link_gbps`): not the raw link
 
     def stage(self, name: str) -> tuple[float, float] | None:

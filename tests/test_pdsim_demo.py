@@ -43,3 +43,13 @@ def test_default_demo_under_three_minutes(tmp_path):
     start = time.perf_counter()
     assert main(["demo", "--out", str(tmp_path / "demo"), "--quiet"]) == 0
     assert time.perf_counter() - start < 180
+
+
+def test_engine_failure_is_one_line_exit_1(tmp_path, capsys):
+    """An engine that refuses its device is reported in one line naming it, exit 1."""
+    code = main(["demo", "--out", str(tmp_path / "d"), "--model", "tiny", "--prompt", "64",
+                 "--chunks", "32", "--requests", "1", "--device", "no-such-device", "--quiet"])
+    assert code == 1
+    err = capsys.readouterr().err.strip()
+    assert "engine error" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "d" / "report.md").exists()

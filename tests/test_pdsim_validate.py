@@ -101,8 +101,9 @@ def test_row_error_is_relative_to_measured():
     assert attrs.asdict(r.point)["prompt"] == 64
 
 
-def test_head_masked_pairs_and_warmup_recovered_from_sim_traces(tmp_path):
-    """head_s and masked_pair_s are recovered within 1% from two-request sim traces."""
+@pytest.mark.parametrize("dense", [False, True])
+def test_head_and_attention_shape_recovered_from_sim_traces(tmp_path, dense):
+    """head_s, pair_s and the attention shape (causal or dense) are recovered from sim traces."""
     from pdsim.calibrate import calibrate
     from pdsim.config import SimConfig
     from pdsim.costs import costs_for, sim_geometry
@@ -111,7 +112,7 @@ def test_head_masked_pairs_and_warmup_recovered_from_sim_traces(tmp_path):
 
     spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
     base = costs_for(spec, hw, link_of(hw))
-    costs = attrs.evolve(base, head_s=0.004, masked_pair_s=base.pair_s * 0.7)
+    costs = attrs.evolve(base, head_s=0.004, dense_attention=dense)
     paths = []
     for mode, chunk, prompt in (("chunk", 256, 3000), ("whole", 512, 2000),
                                 ("layer", 384, 1500), ("chunk", 128, 1000)):
@@ -122,6 +123,6 @@ def test_head_masked_pairs_and_warmup_recovered_from_sim_traces(tmp_path):
         write_trace(paths[-1], result)
     cal = calibrate(paths)
     assert cal.head_s == pytest.approx(0.004)
-    assert cal.compute.get("masked_pair_s") == pytest.approx(costs.masked_pair_s, rel=0.01)
+    assert cal.dense_attention is dense
     assert cal.compute.get("pair_s") == pytest.approx(costs.pair_s, rel=0.01)
     assert cal.span_s == pytest.approx(costs.span_s, rel=0.01)
