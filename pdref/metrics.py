@@ -110,14 +110,17 @@ def life_metrics(events: Iterable) -> tuple[list[LifeMetrics], int]:
 
 
 def run_metrics(header: ev.Header, events: Iterable, report_token: bool = True) -> dict:
-    """DESIGN.md's metrics of a one-request run, times measured from the run start (t = 0).
+    """DESIGN.md's metrics of a run, for its last request that produced.
 
-    The request's last life that produced is the one reported, so a run that failed and
-    retried counts the retry in its times. `report_token=False` for the simulator.
+    Times run from that request's first event (so a failed life and its retry both count,
+    and earlier requests of a back-to-back run do not); in a one-request run that is the
+    run start. `peak_staging_bytes` is trace-wide. `report_token=False` for the simulator.
     """
     lives, peak = life_metrics(events)
     produced = [life for life in lives if life.produced_t is not None]
     final = produced[-1] if produced else (lives[-1] if lives else None)
+    mine = [life for life in lives if final and life.req == final.req]
+    start = min((life.start for life in mine), default=0.0)
     ready = final.ready_t if final else None
     prefill = final.produced_t if final else None
     return {
@@ -127,12 +130,12 @@ def run_metrics(header: ev.Header, events: Iterable, report_token: bool = True) 
         "chunk": header.get("chunk"),
         "max_pending": header.max_pending,
         "bytes": final.bytes if final else 0,
-        "spans": sum(life.spans for life in lives),
-        "prefill_s": prefill,
-        "handoff_s": ready,
+        "spans": sum(life.spans for life in mine),
+        "prefill_s": None if prefill is None else prefill - start,
+        "handoff_s": None if ready is None else ready - start,
         "tail_s": None if ready is None else ready - prefill,
         "peak_staging_bytes": peak,
         "first_token": final.first_token if (final and report_token) else None,
-        "failed_spans": sum(life.failed_spans for life in lives),
-        "lives": len(lives),
+        "failed_spans": sum(life.failed_spans for life in mine),
+        "lives": len(mine),
     }

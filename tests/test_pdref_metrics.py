@@ -14,7 +14,7 @@ B = 16  # bytes of one token on one layer
 
 
 def one_run(fail_first: bool = False) -> list:
-    """A hand-made two-chunk run: prefill ends at 0.5, the last span lands at 0.8."""
+    """A hand-made two-chunk run from 0.2: prefill ends at 0.5, the last span lands at 0.8."""
     out = []
     if fail_first:
         out += [ev.Reserve(0.0, "r", 8, 0, (0, 1)), ev.Computed(0.1, "r", (0, 2), (0, 8)),
@@ -32,8 +32,8 @@ def one_run(fail_first: bool = False) -> list:
 
 def test_run_metrics_of_a_hand_made_run():
     """prefill, handoff, tail, bytes, spans and peak staging follow DESIGN.md's definitions."""
-    m = run_metrics(HEADER, one_run())
-    assert m["prefill_s"] == 0.5 and m["handoff_s"] == 0.8
+    m = run_metrics(HEADER, one_run())  # times count from the request's reserve at 0.2
+    assert abs(m["prefill_s"] - 0.3) < 1e-12 and abs(m["handoff_s"] - 0.6) < 1e-12
     assert abs(m["tail_s"] - 0.3) < 1e-12
     assert m["bytes"] == 16 * B and m["spans"] == 2
     assert m["peak_staging_bytes"] == 16 * B  # both spans in flight between 0.5 and 0.6
@@ -41,7 +41,7 @@ def test_run_metrics_of_a_hand_made_run():
 
 
 def test_run_metrics_count_a_retry_from_the_run_start():
-    """After a failed life, the retried life is reported, timed from t = 0."""
+    """After a failed life, the retried life is reported, timed from the first life's start."""
     m = run_metrics(HEADER, one_run(fail_first=True))
     assert m["lives"] == 2 and m["failed_spans"] == 1
     assert m["handoff_s"] == 0.8 and m["bytes"] == 16 * B and m["spans"] == 3
@@ -73,3 +73,16 @@ def test_life_metrics_of_synthetic_traffic_are_consistent():
     for life in lives:
         if life.produced_t is not None:
             assert life.start <= life.produced_t <= life.ready_t
+
+
+def test_back_to_back_requests_are_timed_from_their_own_start():
+    """The reported request's times start at its own first event, not at the run start."""
+    first = [ev.Reserve(0.0, "a", 4, 0, (0,)), ev.Computed(0.1, "a", (0, 2), (0, 4)),
+             ev.Issue(0.1, "a", 10, (0, 2), (0, 4), 8 * B), ev.Land(0.2, "a", 10),
+             ev.Produced(0.2, "a", 1), ev.Admit(0.2, "a"), ev.Release(0.3, "a")]
+    second = [ev.Reserve(5.0, "b", 4, 0, (0,)), ev.Computed(5.5, "b", (0, 2), (0, 4)),
+              ev.Issue(5.5, "b", 11, (0, 2), (0, 4), 8 * B), ev.Produced(5.5, "b", 2),
+              ev.Land(5.75, "b", 11)]
+    m = run_metrics(HEADER, first + second)
+    assert m["prefill_s"] == 0.5 and m["handoff_s"] == 0.75 and m["tail_s"] == 0.25
+    assert m["spans"] == 1 and m["lives"] == 1 and m["first_token"] == 2
