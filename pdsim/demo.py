@@ -100,7 +100,7 @@ def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
         png = f"sweep-{label}.png"
         write_atomic(cfg.out / png, sweep_png(rows, title=f"{model} on {hw_name}"))
         best = best_chunks(rows)[prompt]
-        print(f"  {model} on {hw_name}, prompt {prompt}: best {best['mode']} chunk "
+        print(f"  {model} on {hw_name}, prompt {prompt}: best: mode {best['mode']}, chunk "
               f"{best['chunk']}: handoff {best['handoff_s'] * 1e3:.1f} ms, tail "
               f"{best['tail_s'] * 1e3:.2f} ms -> {png}")
         out.append({"label": label, "model": model, "hw": hw_name, "prompt": prompt,
