@@ -52,4 +52,4 @@ def _sweep_column(top, bottom, rows: list[dict], prompt: int, best: dict) -> Non
     top.set_ylabel("completion (handoff) ms")
     bottom.set_ylabel("unhidden tail ms")
     bottom.set_xlabel("chunk (tokens)")
-    top.set_title(f"prompt {prompt}: best {best['mode']} chunk {best['chunk']}", fontsize=9)
+    top.set_title(f"prompt {prompt}: best: mode {best['mode']}, chunk {best['chunk']}", fontsize=9)
