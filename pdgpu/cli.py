@@ -84,6 +84,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="serve the prompt this many times back to back (metrics: the last one)")
     p.add_argument("--threads", type=_int(1),
                    help="torch compute threads (default: one core fewer than the machine)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="no warm-up before t = 0: the first request runs on cold buffers")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -145,7 +147,7 @@ def _config(args, mode: str, device: str, decoder: str) -> EngineConfig:
         pool_pages=args.pool_pages, device=device, decoder_device=decoder,
         link_gbps=args.link_gbps, fail_span=args.fail_span, retries=args.retries,
         debug=getattr(args, "debug", None), keep_kv=args.command == "compare",
-        threads=args.threads)
+        threads=args.threads, warmup=args.warmup)
 
 
 def _requests(args, tokens) -> list[Request]:

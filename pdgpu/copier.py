@@ -242,6 +242,21 @@ class Copier:
         """Block until nothing is in flight; every result."""
         return [self.wait() for _ in range(self.in_flight)]
 
+    def warm_up(self, jobs: list[CopyJob]) -> None:
+        """Before t = 0: run throwaway jobs on the worker (one per ring slot: every staging
+        buffer first-touched, copy kernels loaded), then zero the decoder pool on the import
+        stream (every page touched, nothing of the warm-up left). Nothing is reported."""
+        if len(jobs) > len(self._free):
+            raise RuntimeError("copier: warm-up needs at most one job per free staging slot")
+        for job in jobs:
+            self.submit(job)
+        errors = [r.error for r in self.drain() if r.error is not None]
+        with self.backend.decoder_stream():
+            self.pool.kv.zero_()
+        self.backend.sync_decoder()
+        if errors:
+            raise RuntimeError(f"copier: warm-up copy failed: {errors[0]}")
+
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join()

@@ -1,5 +1,9 @@
 """The engine: prefill a request on the producer, hand its KV to the decoder, checked live.
 
+Before t = 0 (unless `warmup` is off): one throwaway chunk of prefill and the head, and one
+copy through every staging slot into the decoder pool, on the run's devices and threads; then
+the source pages go back and both caches are zeroed. Nothing of it is traced or checked.
+
 Per request (one at a time, back to back on the same source pages):
   schedule  reserve a decoder slab through pdref, plan chunks and spans (pdref.plan)
   run       compute chunk by chunk (layer by layer in layer mode), emit `computed`, issue
@@ -17,6 +21,7 @@ import time
 import attrs
 import torch
 
+from pdgpu import host
 from pdgpu.copier import Copier, CopierConfig, CopyJob, CopyResult, compute_threads
 from pdgpu.decoder_pool import DecoderPool, Slab
 from pdgpu.model import Transformer
@@ -67,11 +72,13 @@ class Engine:
     def run(self, requests: list[Request]) -> RunResult:
         """Serve the requests back to back; the trace and metrics of the whole run."""
         plan = setup_check(self.model.spec, self.config, requests)  # before any allocation
+        host.keep_freed_memory()
         rec = Recorder(self._header(plan.pool_pages))
         self._allocate(plan, rec)
         try:
             with compute_threads(self.config.device, self.config.threads):
                 self.threads_used = torch.get_num_threads()
+                self.warmup_s = self._warm_up(requests) if self.config.warmup else None
                 outcomes, wall = self._serve_all(rec, requests)
         finally:
             self.copier.close()
@@ -98,10 +105,45 @@ class Engine:
 
     def _extra_metrics(self) -> dict:
         return {"link_gbps": self.config.link_gbps, "device": str(self.config.device),
-                "threads": self.threads_used,
+                "threads": self.threads_used, "warmup_s": self.warmup_s,
                 "staging_alloc_bytes": self.copier.staging_bytes,
                 "host_staging_bytes": self.copier.host_staging_bytes,
                 "source_alloc_bytes": self.copier.source_side_bytes}
+
+    def _warm_up(self, requests: list[Request]) -> float:
+        """Before t = 0: prefill one chunk (and the head) of the request with the largest
+        span into its source pages, copy that span once through every staging slot into the
+        decoder pool, give the pages back and zero both caches. Seconds it took."""
+        start = time.perf_counter()
+        request = max(requests, key=self._largest_region_elems)
+        src = self.source.open(request.prompt)
+        tokens = torch.tensor(request.tokens[:self.config.chunk], dtype=torch.int64,
+                              device=self.config.device)
+        if len(tokens):
+            hidden = self.model.prefill_chunk(tokens, 0, src)[-1:]  # [1, E]
+            self.model.logits(hidden)
+        ready = self.copier.mark_ready()
+        region = max(self._plan_spans(request), key=self._region_elems, default=None)
+        if region is not None:
+            pages = tuple(range(self.geometry.pages_for(request.prompt - request.prefix)))
+            slab = self.pool.slab(pages, request.prefix, request.prompt)
+            self.copier.warm_up([CopyJob(-1 - i, "warm-up", region.layers, region.tokens,
+                                         src.slots, slab, ready)
+                                 for i in range(self.copier.config.slots)])
+        self.source.close(src)
+        self.source.kv.zero_()  # on the compute stream, before the first request's prefill
+        self.copier.mark_ready()
+        return time.perf_counter() - start
+
+    def _region_elems(self, region: Region) -> int:
+        return region.bytes(self.geometry) // self.geometry.dtype_bytes
+
+    def _largest_region_elems(self, request: Request) -> int:
+        return max(map(self._region_elems, self._plan_spans(request)), default=0)
+
+    def _plan_spans(self, request: Request) -> list[Region]:
+        return plan_spans(self.config.mode, self.geometry, request.prompt, request.prefix,
+                          self.config.chunk)
 
     def _serve_all(self, rec: Recorder, requests: list[Request]):
         outcomes = tuple(self._serve(rec, r, first=i == 0) for i, r in enumerate(requests))
@@ -151,8 +193,7 @@ class Engine:
         return self._compute_chunks(rec, att)
 
     def _spans(self, att: Attempt) -> list[Region]:
-        r = att.request
-        return plan_spans(self.config.mode, self.geometry, r.prompt, r.prefix, self.config.chunk)
+        return self._plan_spans(att.request)
 
     def _compute_chunks(self, rec: Recorder, att: Attempt):
         """Chunk-major prefill; in chunk mode each chunk's span goes out as it is done."""

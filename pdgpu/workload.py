@@ -38,6 +38,7 @@ class EngineConfig:
     debug: str | None = None  # a protocol-breaking switch of engine.DEBUG_BREAKS
     keep_kv: bool = False  # keep a copy of each request's decoder KV (parity checks)
     threads: int | None = None  # torch compute threads; None: one core left for the copier
+    warmup: bool = True  # before t = 0: touch every copy-path buffer, prefill one chunk
 
 
 @attrs.frozen

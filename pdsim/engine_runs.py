@@ -4,14 +4,14 @@ One `EnginePoint` is one engine configuration; `run_point` runs every mode of it
 (`--requests R` back to back, whole first: the parity baseline), writes one trace per mode,
 and reads back per-mode measurements: the median over the trace's request lives of handoff,
 tail and prefill (each life timed from its own `reserve`), plus the trace's peak staging.
-With several lives the first is left out: it is the engine's warm-up (its copies run on
-cold staging buffers, 2-5x slower; `pdsim calibrate` leaves it out the same way).
+With several lives the first is left out, as `pdsim calibrate` does. The engine warms its own
+buffers before t = 0 and keeps freed memory (`pdgpu.host`), so that first life is no longer
+2-5x slow on its copies, but it alone runs right after the warm-up's single chunk.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -21,11 +21,6 @@ import attrs
 
 from pdref.metrics import life_metrics
 from pdref.trace import read_trace
-
-# glibc returns large freed blocks to the OS at once, so every prefill chunk's attention
-# buffers page-fault afresh until its heuristics adapt: the first engine of a process (whole
-# mode, in `compare`) measured ~20% slower. Keeping freed memory is what a serving process does.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 class EngineRunError(RuntimeError):
@@ -79,9 +74,8 @@ def run_point(point: EnginePoint, model: str, trace_dir: Path, requests: int = 2
               device: str | None = None) -> list[Measured]:
     """Run the engine on one point; one Measured per mode (whole, chunk, layer)."""
     trace_dir.mkdir(parents=True, exist_ok=True)
-    env = {**ALLOCATOR_ENV, **os.environ}  # a user's own setting wins
     proc = subprocess.run(engine_argv(point, model, trace_dir, requests, device),
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True)
     if proc.returncode not in (0, 1) or not proc.stdout.strip():
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise EngineRunError(f"engine on {point.name}: exit {proc.returncode}: {last}")

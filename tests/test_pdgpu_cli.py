@@ -131,3 +131,19 @@ def test_bad_checkpoint_folder_is_one_line_exit_2(tmp_path, capsys):
     assert main(["run", "--model", str(folder), *SMALL_RUN]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_no_warmup_flag_gives_cold_numbers_and_the_same_results(tmp_path, capsys):
+    """`--no-warmup` on run and compare: no warm-up time, same first token, traces check ok."""
+    trace = tmp_path / "cold.jsonl"
+    assert main(["run", *SMALL_RUN, "--json", "--no-warmup", "--trace", str(trace)]) == 0
+    cold = json.loads(capsys.readouterr().out)
+    assert main(["run", *SMALL_RUN, "--json"]) == 0
+    warm = json.loads(capsys.readouterr().out)
+    assert cold["warmup_s"] is None and warm["warmup_s"] > 0
+    assert cold["first_token"] == warm["first_token"]
+    assert check_file(trace).ok
+    assert main(["compare", *SMALL_RUN, "--no-warmup", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert all(s["metrics"]["warmup_s"] is None for s in summary.values())
+    assert all(s["parity"] == {"kv_equal": True, "token_equal": True} for s in summary.values())

@@ -8,8 +8,9 @@ import torch
 
 from pdgpu.engine import Engine, EngineError
 from pdgpu.model import build_model
+from pdgpu.recorder import Recorder
 from pdgpu.source_cache import SourceCache
-from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError
+from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
 from pdref import events as ev
 from pdref.check import check_lines
 from pdref.models import load_model
@@ -189,3 +190,37 @@ def test_copy_bound_link_sets_handoff_and_max_pending_bounds_the_tail():
     assert runs["chunk"]["blocked_s"] > 0
     coarse = _run("chunk", request, chunk=64, max_pending=2, link_gbps=link).metrics
     assert coarse["tail_s"] > 1.5 * runs["chunk"]["tail_s"]  # bigger spans, longer tail
+
+
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+def test_warm_up_leaves_results_identical_and_the_trace_starts_at_zero(mode):
+    """The warm-up (one chunk of prefill, one copy per staging slot) changes no result: same
+    first token and decoder KV as a cold run, the pool and source caches zeroed again, its
+    pages given back; the warmed trace starts with a reserve at t >= 0 and checks ok."""
+    requests = [Request("a", _tokens(100, seed=4), 16), Request("b", _tokens(90, seed=5), 0)]
+    cold = _run(mode, requests, chunk=24, max_pending=2, warmup=False)
+    engine = Engine(MODELS["qwen3"], EngineConfig(mode, chunk=24, max_pending=2, keep_kv=True))
+    warm = engine.run(requests)
+    for a, b in zip(warm.outcomes, cold.outcomes, strict=True):
+        assert a.first_token == b.first_token and torch.equal(a.kv, b.kv)
+    assert warm.metrics["warmup_s"] > 0 and cold.metrics["warmup_s"] is None
+    assert warm.events[0].kind == "reserve" and warm.events[0].t >= 0
+    assert all(e.t >= 0 for e in warm.events)
+    assert [e.kind for e in warm.events].count("reserve") == 2  # nothing of the warm-up
+    assert min(e.span for e in warm.events if e.kind == "issue") == 0
+    assert _check(warm).ok
+    assert engine.source.pool.allocate(1)[1] == (0,)  # every source page given back
+
+
+def test_warm_up_zeroes_the_caches_it_used():
+    """After the warm-up alone, the decoder pool and the source cache hold zeros again."""
+    engine = Engine(MODELS["qwen3"], EngineConfig("whole", chunk=32))
+    request = Request("r", _tokens(64), 0)
+    plan = setup_check(MODELS["qwen3"].spec, engine.config, [request])
+    engine._allocate(plan, Recorder(engine._header(plan.pool_pages)))
+    try:
+        engine._warm_up([request])
+    finally:
+        engine.copier.close()
+    assert not engine.pool.kv.any() and not engine.source.kv.any()
+    assert all(ring.host.abs().sum() > 0 for ring in engine.copier.rings)  # touched
