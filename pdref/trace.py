@@ -47,12 +47,18 @@ def _str(v, name):
 
 
 def _name(v, name):
+    if type(v) is str and v:
+        return v
     if not _str(v, name):
         raise _Bad(f"field {name!r} must be a non-empty string")
     return v
 
 
 def _range(v, name):
+    if type(v) is list and len(v) == 2:  # fast path for the well-formed case
+        a, b = v
+        if type(a) is int and type(b) is int and 0 <= a <= b < MAX_INT:
+            return (a, b)
     if type(v) is not list or len(v) != 2:
         raise _Bad(f"field {name!r} must be a two-element array [a, b], got {v!r}")
     a, b = _int(v[0], name), _int(v[1], name)
@@ -64,7 +70,10 @@ def _range(v, name):
 def _pages(v, name):
     if type(v) is not list:
         raise _Bad(f"field {name!r} must be an array of page ids, got {v!r}")
-    return tuple(_int(p, name) for p in v)
+    if v and not (all(type(p) is int for p in v) and 0 <= min(v) and max(v) < MAX_INT):
+        for p in v:
+            _int(p, name)  # names the first bad id
+    return tuple(v)
 
 
 def _span(v, name):
