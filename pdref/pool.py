@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import attrs
 
 from pdref.intervals import IntervalSet
@@ -17,13 +19,11 @@ def page_runs(pages: tuple[int, ...]) -> list[tuple[int, int]]:
         range(pages[0], pages[-1] + 1)
     ):
         return [(pages[0], pages[-1] + 1)]  # the allocator's usual answer: one ascending run
-    runs: list[tuple[int, int]] = []
-    for page in sorted(pages):
-        if runs and runs[-1][1] == page:
-            runs[-1] = (runs[-1][0], page + 1)
-        else:
-            runs.append((page, page + 1))
-    return runs
+    ordered = sorted(pages)
+    # A run ends wherever the next id is not the next integer.
+    cuts = [i for i, (a, b) in enumerate(pairwise(ordered), 1) if b != a + 1]
+    bounds = [0, *cuts, len(ordered)]
+    return [(ordered[i], ordered[j - 1] + 1) for i, j in pairwise(bounds) if j > i]
 
 
 @attrs.frozen
