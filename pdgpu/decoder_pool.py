@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from pdgpu.source_cache import token_slots
+from pdgpu.source_cache import paged_kv, token_slots
 from pdref.geometry import Geometry
 from pdref.intervals import Range
 
@@ -31,9 +31,7 @@ class DecoderPool:
     def __init__(self, geometry: Geometry, pool_pages: int, device, dtype: torch.dtype) -> None:
         self.geometry = geometry
         self.device = torch.device(device)
-        shape = (geometry.layers, 2, pool_pages * geometry.page_tokens, geometry.kv_heads,
-                 geometry.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, 2, S, KVH, D]
+        self.kv = paged_kv(geometry, pool_pages, self.device, dtype)  # [L, 2, S, KVH, D]
 
     def slab(self, pages: tuple[int, ...], prefix: int, prompt: int) -> Slab:
         slots = token_slots(pages, self.geometry.page_tokens, prompt - prefix, self.device)

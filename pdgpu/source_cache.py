@@ -16,6 +16,13 @@ from pdref.intervals import Range
 from pdref.pool import Pool
 
 
+def paged_kv(geometry: Geometry, pages: int, device: torch.device, dtype) -> torch.Tensor:
+    """Zeroed K/V for `pages` pages of every layer -> [L, 2, pages * page_tokens, KVH, D]."""
+    shape = (geometry.layers, 2, pages * geometry.page_tokens, geometry.kv_heads,
+             geometry.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def token_slots(pages: tuple[int, ...], page_tokens: int, tokens: int, device) -> torch.Tensor:
     """Flat slot of each of `tokens` positions laid out over `pages` -> [tokens] int64."""
     page_ids = torch.tensor(pages, dtype=torch.int64)  # [P]
@@ -48,9 +55,7 @@ class SourceCache:
     def __init__(self, geometry: Geometry, pages: int, device, dtype: torch.dtype) -> None:
         self.geometry = geometry
         self.device = torch.device(device)
-        shape = (geometry.layers, 2, pages * geometry.page_tokens, geometry.kv_heads,
-                 geometry.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, 2, S, KVH, D]
+        self.kv = paged_kv(geometry, pages, self.device, dtype)  # [L, 2, S, KVH, D]
         self.pool = Pool(pages)
 
     @property
