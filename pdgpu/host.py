@@ -10,6 +10,7 @@ page-fault afresh until its dynamic thresholds adapt: the first engine of a proc
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 
 M_TRIM_THRESHOLD = -1  # malloc.h
@@ -17,22 +18,15 @@ M_MMAP_THRESHOLD = -3
 TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB free at the top of the heap
 MMAP_THRESHOLD = 32 << 20  # below it, from the kept heap (256 MiB measured no better)
 
-_applied: dict | None = None
-
-
+@functools.cache  # the setting is process-wide: once is enough
 def keep_freed_memory() -> dict:
     """Set glibc's trim and mmap thresholds (once per process); {name: accepted} or {}."""
-    global _applied
-    if _applied is not None:
-        return _applied
-    _applied = {}
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return _applied
+        return {}
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
-        return _applied
+        return {}
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    _applied = {"trim_threshold": bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)),
-                "mmap_threshold": bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))}
-    return _applied
+    return {"trim_threshold": bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)),
+            "mmap_threshold": bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))}
