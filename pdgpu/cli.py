@@ -157,9 +157,11 @@ def _requests(args, tokens) -> list[Request]:
 def _check_out_path(path: str | None, what: str, is_dir: bool = False) -> None:
     if path is None:
         return
-    folder = Path(path) if is_dir else Path(path).resolve().parent
+    folder = Path(path).resolve() if is_dir else Path(path).resolve().parent
+    if is_dir:  # made when the traces are written; its nearest existing ancestor must be a folder
+        folder = next(p for p in (folder, *folder.parents) if p.exists())
     if not folder.is_dir():
-        raise BadInput(f"{what}: folder {folder} does not exist")
+        raise BadInput(f"{what}: {folder} is not an existing folder")
 
 
 def write_trace(result: RunResult, path: str | Path) -> None:
@@ -223,6 +225,7 @@ def cmd_compare(args) -> int:
     configs = {m: _config(args, m, device, decoder) for m in modes}
     report = compare_modes(model, configs, _requests(args, tokens))
     if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
         for mode, result in report.results.items():
             write_trace(result, Path(args.trace_dir) / f"{mode}.jsonl")
     print(json.dumps(report.summary(), default=str) if args.json else compare_table(report))

@@ -147,3 +147,19 @@ def test_no_warmup_flag_gives_cold_numbers_and_the_same_results(tmp_path, capsys
     summary = json.loads(capsys.readouterr().out)
     assert all(s["metrics"]["warmup_s"] is None for s in summary.values())
     assert all(s["parity"] == {"kv_equal": True, "token_equal": True} for s in summary.values())
+
+
+def test_compare_makes_a_missing_trace_dir(tmp_path):
+    """`--trace-dir` that does not exist yet is created, and every mode's trace lands in it."""
+    folder = tmp_path / "new" / "traces"
+    assert main(["compare", *SMALL_RUN, "--trace-dir", str(folder)]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["chunk.jsonl", "layer.jsonl",
+                                                        "whole.jsonl"]
+
+
+def test_trace_dir_under_a_file_is_refused(tmp_path, capsys):
+    """A `--trace-dir` below a plain file is one clear line and exit 2."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["compare", *SMALL_RUN, "--trace-dir", str(blocker / "traces")]) == 2
+    assert "trace-dir" in capsys.readouterr().err
