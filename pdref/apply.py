@@ -28,10 +28,6 @@ def _live(state: SystemState, event) -> RequestLife:
     return life
 
 
-def _put(state: SystemState, life: RequestLife, **changes) -> SystemState:
-    return state.with_life(life, **changes)
-
-
 def _adjust_pending(state: SystemState, producer: str, delta: int):
     return state.pending.set(producer, state.pending.get(producer, 0) + delta)
 
@@ -59,7 +55,7 @@ def apply_reserve(state: SystemState, event: ev.Reserve) -> SystemState:
         pages=event.pages, progress=LayerProgress(layers, event.prefix, event.prompt),
         computed=Coverage(layers), held=Coverage(layers),
     )
-    return _put(state, life, pool=pool)
+    return state.with_life(life, pool=pool)
 
 
 def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
@@ -72,7 +68,7 @@ def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
     # Until the first reuse, held and computed are the same value: extend it once.
     held = computed if life.held is life.computed else life.held.union(event.layers,
                                                                         event.tokens)
-    return _put(state, life.replace(computed=computed, held=held))
+    return state.with_life(life.replace(computed=computed, held=held))
 
 
 def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
@@ -99,8 +95,8 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
     if not state.can_issue(life.producer):
         raise Violation("COPY-2", f"producer {life.producer!r} already has "
                         f"{state.max_pending} spans in flight (max_pending)", event)
-    return _put(
-        state, life.replace(in_flight=life.in_flight + (span,)),
+    return state.with_life(
+        life.replace(in_flight=life.in_flight + (span,)),
         pending=_adjust_pending(state, life.producer, 1),
         spans_used=state.spans_used.set(event.span, event.req),
     )
@@ -127,14 +123,14 @@ def apply_land(state: SystemState, event: ev.Land) -> SystemState:
             progress = progress.add(span.layers, span.tokens)
         except ProgressError as e:  # bounds were checked at issue (COV-1): this is overlap
             raise Violation("COV-2", f"span {event.span!r} cannot land: {e}", event) from None
-    return _put(state, life.replace(progress=progress, in_flight=rest),
-                pending=_adjust_pending(state, life.producer, -1))
+    return state.with_life(life.replace(progress=progress, in_flight=rest),
+                           pending=_adjust_pending(state, life.producer, -1))
 
 
 def apply_fail(state: SystemState, event: ev.Fail) -> SystemState:
     rest, life, _ = _retire(state, event)
-    return _put(state, life.replace(failed=True, in_flight=rest),
-                pending=_adjust_pending(state, life.producer, -1))
+    return state.with_life(life.replace(failed=True, in_flight=rest),
+                           pending=_adjust_pending(state, life.producer, -1))
 
 
 def apply_reuse(state: SystemState, event: ev.Reuse) -> SystemState:
@@ -143,7 +139,7 @@ def apply_reuse(state: SystemState, event: ev.Reuse) -> SystemState:
         if span.reads(event.tokens):
             raise Violation("COPY-3", f"reuse of tokens {fmt(event.tokens)} while span "
                             f"{span.span!r} in flight reads {fmt(span.tokens)}", event)
-    return _put(state, life.replace(held=life.held.remove_tokens(event.tokens)))
+    return state.with_life(life.replace(held=life.held.remove_tokens(event.tokens)))
 
 
 def apply_produced(state: SystemState, event: ev.Produced) -> SystemState:
@@ -154,7 +150,7 @@ def apply_produced(state: SystemState, event: ev.Produced) -> SystemState:
     if gap is not None:
         raise Violation("PROD-1", f"produced before layer {gap[0]} computed tokens "
                         f"{fmt(gap[1])}", event)
-    return _put(state, life.replace(phase=Phase.PRODUCED))
+    return state.with_life(life.replace(phase=Phase.PRODUCED))
 
 
 def apply_admit(state: SystemState, event: ev.Admit) -> SystemState:
@@ -171,7 +167,7 @@ def apply_admit(state: SystemState, event: ev.Admit) -> SystemState:
     if life.phase is not Phase.PRODUCED:
         raise Violation("ADM-1", f"admit before produced for {event.req!r}", event)
     done = life.replace(phase=Phase.ADMITTED, progress=life.progress.finish())
-    return _put(state, done)
+    return state.with_life(done)
 
 
 def _end_life(state: SystemState, life: RequestLife) -> SystemState:

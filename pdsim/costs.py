@@ -15,29 +15,24 @@ import attrs
 
 from pdref.geometry import Geometry
 from pdref.models import ModelSpec
-from pdsim.profiles import HwProfile, LinkProfile
-
-
-def _non_negative(_inst, attribute, value) -> None:
-    if not value >= 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+from pdsim.profiles import HwProfile, LinkProfile, non_negative
 
 
 @attrs.frozen
 class Costs:
     """Every timing term the simulator uses, in seconds (per item, per byte or per pair)."""
 
-    token_s: float = attrs.field(validator=_non_negative)
-    pair_s: float = attrs.field(validator=_non_negative)
-    chunk_s: float = attrs.field(validator=_non_negative)
-    span_s: float = attrs.field(validator=_non_negative)
-    gather_byte_s: float = attrs.field(validator=_non_negative)
+    token_s: float = attrs.field(validator=non_negative)
+    pair_s: float = attrs.field(validator=non_negative)
+    chunk_s: float = attrs.field(validator=non_negative)
+    span_s: float = attrs.field(validator=non_negative)
+    gather_byte_s: float = attrs.field(validator=non_negative)
     link_stages: tuple[tuple[str, float], ...]  # (stage name, seconds per byte)
-    link_latency_s: float = attrs.field(validator=_non_negative)
+    link_latency_s: float = attrs.field(validator=non_negative)
     pipelined: bool = True
-    contention: float = attrs.field(default=0.0, validator=_non_negative)
-    decode_token_s: float = attrs.field(default=0.0, validator=_non_negative)
-    head_s: float = attrs.field(default=0.0, validator=_non_negative)  # first token's LM head
+    contention: float = attrs.field(default=0.0, validator=non_negative)
+    decode_token_s: float = attrs.field(default=0.0, validator=non_negative)
+    head_s: float = attrs.field(default=0.0, validator=non_negative)  # first token's LM head
     dense_attention: bool = False  # pairs of a chunk [a, b): n * b, not the causal triangle
     state_bytes: int = 0
 

@@ -20,7 +20,7 @@ def _positive(_inst, attribute, value) -> None:
         raise ValueError(f"field {attribute.name!r} must be a number > 0, got {value!r}")
 
 
-def _non_negative(_inst, attribute, value) -> None:
+def non_negative(_inst, attribute, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ValueError(f"field {attribute.name!r} must be a number >= 0, got {value!r}")
 
@@ -45,7 +45,7 @@ class LinkProfile:
 
     name: str
     stages: tuple[Stage, ...] = attrs.field(validator=attrs.validators.min_len(1))
-    latency_s: float = attrs.field(default=0.0, validator=_non_negative)
+    latency_s: float = attrs.field(default=0.0, validator=non_negative)
     pipelined: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     source: str = ""
 
@@ -71,10 +71,10 @@ class HwProfile:
     peak_flops: float = attrs.field(validator=_positive)
     hbm_bandwidth: float = attrs.field(validator=_positive)
     efficiency: float = attrs.field(validator=_fraction)
-    chunk_s: float = attrs.field(validator=_non_negative)
+    chunk_s: float = attrs.field(validator=non_negative)
     gather_bandwidth: float = attrs.field(validator=_positive)
-    span_s: float = attrs.field(validator=_non_negative)
-    contention: float = attrs.field(validator=_non_negative)
+    span_s: float = attrs.field(validator=non_negative)
+    contention: float = attrs.field(validator=non_negative)
     compute: ComputeOverride = ComputeOverride()
     source: str = ""
     model: str = ""  # the model a calibrated [compute] table was fitted for
@@ -114,7 +114,7 @@ def hw_from_dict(data: dict, default_name: str, where: str) -> HwProfile:
                     raise ValueError(f"field 'dense_attention' must be true or false, got "
                                      f"{value!r}")
             elif value is not None:
-                _non_negative(None, attrs.fields_dict(ComputeOverride)[key], value)
+                non_negative(None, attrs.fields_dict(ComputeOverride)[key], value)
         return HwProfile(**fields, compute=compute)
     except (TypeError, ValueError) as e:
         raise ProfileError(f"{where}: {_short(e)}") from None
