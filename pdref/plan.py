@@ -1,4 +1,5 @@
-"""The span plan of each mode: which regions are sent, in what order. Both shells call this."""
+"""The span plan of each mode (which regions are sent, in what order) and the step schedule
+(which compute steps run, and the spans each makes ready). Both shells iterate these."""
 
 from __future__ import annotations
 
@@ -64,3 +65,37 @@ def plan_spans(mode: Mode, geometry: Geometry, prompt: int, prefix: int, chunk: 
     if geometry.recurrent:
         raise PlanError("mode layer is refused for a recurrent model (CFG-1)")
     return [Region((layer, layer + 1), suffix) for layer in range(geometry.layers)]
+
+
+@attrs.frozen
+class Step:
+    """One compute step of a request's prefill: the region it computes, and the spans that
+    are ready to issue once it is done (their regions are computed by then)."""
+
+    layers: Range
+    tokens: Range
+    spans: tuple[Region, ...] = ()
+
+
+def plan_steps(mode: Mode, geometry: Geometry, prompt: int, prefix: int, chunk: int,
+               compute: bool = True) -> list[Step]:
+    """The producer's steps for one request, in order; empty when the suffix is empty.
+
+    whole: one step per chunk (every layer), the whole span ready after the last. chunk: one
+    step per chunk, its span ready after it. layer: layer-major prefill, one step per layer
+    over the whole suffix, its span ready after it. `compute=False` (export only): one step
+    that fills the whole suffix at once and makes every span of the mode ready.
+    """
+    mode = Mode(mode)
+    chunks = plan_chunks(prompt, prefix, chunk)
+    spans = plan_spans(mode, geometry, prompt, prefix, chunk)
+    every = (0, geometry.layers)
+    if not chunks:
+        return []
+    if not compute:
+        return [Step(every, (prefix, prompt), tuple(spans))]
+    if mode is Mode.CHUNK:
+        return [Step(every, t, (s,)) for t, s in zip(chunks, spans, strict=True)]
+    if mode is Mode.WHOLE:
+        return [Step(every, t) for t in chunks[:-1]] + [Step(every, chunks[-1], tuple(spans))]
+    return [Step(s.layers, s.tokens, (s,)) for s in spans]

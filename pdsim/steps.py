@@ -1,18 +1,19 @@
 """A request's work on the producer: compute steps, and the spans each step makes ready.
 
-Spans come from `pdref.plan.plan_spans` (the one span plan both shells use); this module only
-decides *when* each becomes ready. whole: all after the last chunk. chunk: span k after
-chunk k. layer: prefill runs layer-major (as pdgpu does): layer l over every chunk of the
-suffix, then layer l's span is ready; each layer step costs 1/L of the whole prefill.
+The steps and the spans each makes ready come from `pdref.plan.plan_steps` (the one schedule
+both shells iterate); this module adds their base durations. whole: all after the last
+chunk. chunk: span k after chunk k. layer: prefill runs layer-major (as pdgpu does): layer l
+over every chunk of the suffix, then layer l's span is ready; each layer step costs 1/L of
+the whole prefill.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from pdref.events import Mode
+from pdref import plan
 from pdref.intervals import Range
-from pdref.plan import Region, plan_chunks, plan_spans
+from pdref.plan import Region
 from pdsim.config import RequestSpec, SimConfig
 
 
@@ -27,22 +28,21 @@ class Step:
 
 
 def plan_steps(cfg: SimConfig, request: RequestSpec) -> list[Step]:
-    """The producer's steps for one request, in order (empty when prefix == prompt)."""
-    chunks = plan_chunks(request.prompt, request.prefix, cfg.chunk)
-    spans = plan_spans(cfg.mode, cfg.geometry, request.prompt, request.prefix, cfg.chunk)
-    if not chunks:
-        return []
-    everything = (0, cfg.geometry.layers)
+    """The producer's steps for one request (`pdref.plan.plan_steps`), with their costs."""
+    steps = plan.plan_steps(cfg.mode, cfg.geometry, request.prompt, request.prefix, cfg.chunk,
+                            compute=not cfg.no_compute)
     if cfg.no_compute:
-        return [Step(everything, (request.prefix, request.prompt), 0.0, tuple(spans))]
-    cost = [cfg.costs.compute_s(tokens) for tokens in chunks]
-    if cfg.mode is Mode.CHUNK:
-        return [Step(everything, t, c, (s,)) for t, c, s in zip(chunks, cost, spans, strict=True)]
-    if cfg.mode is Mode.WHOLE:
-        steps = [Step(everything, t, c) for t, c in zip(chunks[:-1], cost[:-1], strict=True)]
-        return steps + [Step(everything, chunks[-1], cost[-1], tuple(spans))]
-    per_layer = sum(cost) / cfg.geometry.layers
-    return [Step(s.layers, s.tokens, per_layer, (s,)) for s in spans]
+        return [Step(s.layers, s.tokens, 0.0, s.spans) for s in steps]
+    chunks = plan.plan_chunks(request.prompt, request.prefix, cfg.chunk)
+    per_layer = sum(cfg.costs.compute_s(t) for t in chunks) / cfg.geometry.layers
+    return [Step(s.layers, s.tokens, _step_cost(cfg, s, per_layer), s.spans) for s in steps]
+
+
+def _step_cost(cfg: SimConfig, step: plan.Step, per_layer: float) -> float:
+    """A step over every layer costs its chunk; a layer step 1/L of the whole prefill."""
+    if step.layers == (0, cfg.geometry.layers):
+        return cfg.costs.compute_s(step.tokens)
+    return per_layer * (step.layers[1] - step.layers[0])
 
 
 def span_copy_s(cfg: SimConfig, nbytes: int, last: bool) -> float:
