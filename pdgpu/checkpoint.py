@@ -14,16 +14,16 @@ import attrs
 import torch
 from safetensors import safe_open
 
+from pdgpu.hf_config import CheckpointError, hf_config, spec_from_config
 from pdgpu.model import Transformer, build_model
-from pdref.models import ModelSpec, ProfileError, RopeScaling, model_from_dict
+from pdref.models import ModelSpec
 
-ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+__all__ = ["CheckpointError", "hf_config", "inspect_checkpoint", "load_checkpoint",
+           "save_checkpoint", "spec_from_config"]
+
+
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; one line naming what is wrong."""
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 
 
 def _read_config(folder: Path) -> dict:
@@ -35,59 +35,6 @@ def _read_config(folder: Path) -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: config must be a JSON object")
     return config
-
-
-def _arch(config: dict, where: str) -> str:
-    archs = config.get("architectures") or []
-    known = [ARCHS[a] for a in archs if a in ARCHS]
-    if not archs and config.get("model_type") in ARCHS.values():
-        known = [config["model_type"]]
-    if not known:
-        raise CheckpointError(f"{where}: unknown architecture {archs!r} "
-                              f"(supported: {', '.join(ARCHS)})")
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise CheckpointError(f"{where}: attention_bias / mlp_bias are not supported")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{where}: hidden_act must be silu, got {act!r}")
-    return known[0]
-
-
-def _rope_scaling(config: dict, where: str) -> RopeScaling | None:
-    s = config.get("rope_scaling")
-    if not s:
-        return None
-    if s.get("rope_type", s.get("type")) != "llama3":
-        raise CheckpointError(f"{where}: rope_scaling type {s.get('rope_type')!r} is not "
-                              "supported (only llama3)")
-    return RopeScaling(float(s["factor"]), float(s["low_freq_factor"]),
-                       float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))
-
-
-def spec_from_config(config: dict, name: str, where: str) -> ModelSpec:
-    """The ModelSpec a Hugging Face config.json describes."""
-    arch = _arch(config, where)
-    heads = config.get("num_attention_heads")
-    fields = {
-        "name": name, "arch": arch, "layers": config.get("num_hidden_layers"),
-        "hidden": config.get("hidden_size"), "heads": heads,
-        "kv_heads": config.get("num_key_value_heads", heads),
-        "head_dim": config.get("head_dim") or _div(config.get("hidden_size"), heads),
-        "intermediate": config.get("intermediate_size"), "vocab": config.get("vocab_size"),
-        "dtype": DTYPES.get(config.get("torch_dtype", config.get("dtype")), "float32"),
-        "rope_theta": float(config.get("rope_theta", 10000.0)),
-        "rms_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-    }
-    try:
-        spec = model_from_dict(fields, default_name=name, where=where)
-    except (ProfileError, KeyError, TypeError) as e:
-        raise CheckpointError(str(e)) from None
-    return attrs.evolve(spec, rope_scaling=_rope_scaling(config, where))
-
-
-def _div(a, b):
-    return a // b if isinstance(a, int) and isinstance(b, int) and b else None
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -111,6 +58,16 @@ def _headers(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
     return found
+
+
+def check_head_dim(spec: ModelSpec, found: dict, where: str) -> None:
+    """A head_dim the query projection contradicts is named as such, not as a bad tensor."""
+    if Q_PROJ not in found:
+        return
+    rows = found[Q_PROJ][1][0]
+    if rows != spec.heads * spec.head_dim:
+        raise CheckpointError(f"{where}: field 'head_dim' {spec.head_dim} contradicts "
+                              f"{Q_PROJ} with {rows} rows ({spec.heads} heads)")
 
 
 def check_tensors(spec: ModelSpec, found: dict, folder: Path) -> None:
@@ -137,8 +94,11 @@ def inspect_checkpoint(folder: str | Path) -> ModelSpec:
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder")
-    spec = spec_from_config(_read_config(folder), folder.name, str(folder / "config.json"))
-    check_tensors(spec, _headers(folder), folder)
+    where = str(folder / "config.json")
+    spec = spec_from_config(_read_config(folder), folder.name, where)
+    found = _headers(folder)
+    check_head_dim(spec, found, where)
+    check_tensors(spec, found, folder)
     return spec
 
 
@@ -174,23 +134,3 @@ def save_checkpoint(model: Transformer, folder: str | Path) -> None:
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"))
 
-
-def hf_config(spec: ModelSpec) -> dict:
-    """The Hugging Face config.json of a spec."""
-    config = {
-        "architectures": [{v: k for k, v in ARCHS.items()}[spec.arch]],
-        "model_type": spec.arch,
-        "num_hidden_layers": spec.layers, "hidden_size": spec.hidden,
-        "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim, "intermediate_size": spec.intermediate,
-        "vocab_size": spec.vocab, "torch_dtype": spec.dtype, "rope_theta": spec.rope_theta,
-        "rms_norm_eps": spec.rms_eps, "tie_word_embeddings": spec.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False,
-    }
-    s = spec.rope_scaling
-    if s is not None:
-        config["rope_scaling"] = {
-            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position}
-    return config
