@@ -14,6 +14,8 @@ from pdsim.costs import costs_for, sim_geometry
 from pdsim.profiles import link_of, load_hw
 from pdsim.workload import WorkloadSpec, build_requests
 
+DEFAULT_PROMPT = 8192
+
 
 class UsageError(Exception):
     """Bad command-line input: one line naming the field and the rule; exit 2."""
@@ -56,25 +58,54 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """DESIGN.md's workload options plus the simulator's own."""
     add_model_options(p)
-    p.add_argument("--prompt", type=int, default=8192)
-    p.add_argument("--prefix", type=int, default=0)
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--mode", choices=[m.value for m in Mode], default="whole")
-    p.add_argument("--max-pending", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", type=int, default=None,
+                   help=f"prompt tokens per request (default: {DEFAULT_PROMPT})")
+    p.add_argument("--prefix", type=int, default=None,
+                   help="tokens the decoder already holds, a multiple of --page-tokens "
+                        "(default: 0, or the CSV's prefix column)")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default="whole",
+                   help="handoff: whole = one copy after prefill, chunk = a copy per prefill "
+                        "chunk, layer = a copy per layer of the whole suffix")
+    p.add_argument("--max-pending", type=int, default=2,
+                   help="copy spans in flight (staging buffers) per producer")
+    p.add_argument("--seed", type=int, default=0, help="seed of Poisson arrivals and drawn prompts")
     p.add_argument("--no-compute", action="store_true",
                    help="export-only what-if: the copy path alone")
     p.add_argument("--payload", type=int, default=None,
-                   help="with --no-compute: payload bytes (sets the prompt length)")
-    p.add_argument("--pool-pages", type=int, default=None)
-    p.add_argument("--producers", type=int, default=1)
-    p.add_argument("--requests", type=int, default=1)
+                   help="with --no-compute: payload bytes, rounded up to whole tokens "
+                        "(sets the prompt length)")
+    p.add_argument("--pool-pages", type=int, default=None,
+                   help="decoder pool pages (default: every request at once; 16 of the "
+                        "largest for more than 16 requests)")
+    p.add_argument("--producers", type=int, default=1, help="prefill devices")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests (default: one per CSV row or --arrivals time, else 1)")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
-    p.add_argument("--interval", type=float, default=0.0, help="fixed arrival spacing, s")
-    p.add_argument("--arrivals", type=_times, default=None, help="fixed arrival times, s")
-    p.add_argument("--prompt-range", type=_range, default=None, help="uniform prompts A:B")
-    p.add_argument("--prompts-csv", default=None, help="CSV with prompt[,arrival,prefix]")
+    p.add_argument("--interval", type=float, default=None,
+                   help="fixed arrival spacing, s (default: all arrive at t = 0)")
+    p.add_argument("--arrivals", type=_times, default=None,
+                   help="fixed arrival times, s, comma separated")
+    p.add_argument("--prompt-range", type=_range, default=None,
+                   help="uniform random prompts in A:B (tokens)")
+    p.add_argument("--prompts-csv", default=None,
+                   help="CSV with a prompt column; optional arrival and prefix columns")
     p.add_argument("--output-tokens", type=int, default=0, help="decode length per request")
+
+
+def _prompt(args, cfg: SimConfig) -> int:
+    """The fixed prompt length; two options that both set the prompts are refused."""
+    given = [flag for flag, value in (("--prompt", args.prompt), ("--payload", args.payload),
+                                      ("--prompt-range", args.prompt_range),
+                                      ("--prompts-csv", args.prompts_csv)) if value is not None]
+    if len(given) > 1:
+        raise UsageError(f"prompts: give one of --prompt, --payload, --prompt-range, "
+                         f"--prompts-csv, got {' and '.join(given)}")
+    if args.payload is not None and not args.no_compute:
+        raise UsageError("--payload needs --no-compute (it sizes an export-only run)")
+    if args.payload is not None:
+        return -(-args.payload // cfg.geometry.bytes_per_token)
+    return DEFAULT_PROMPT if args.prompt is None else args.prompt
 
 
 def _check_positive(args, *names: str) -> None:
@@ -105,9 +136,7 @@ def run_setup(args) -> tuple[SimConfig, list[RequestSpec]]:
     _check_positive(args, "chunk", "max_pending", "producers", "requests", "pool_pages",
                     "payload")
     cfg = base_config(args)
-    prompt = args.prompt
-    if args.payload is not None:
-        prompt = -(-args.payload // cfg.geometry.bytes_per_token)
+    prompt = _prompt(args, cfg)
     spec = WorkloadSpec(args.requests, prompt, args.prefix, args.prompt_range,
                         args.prompts_csv, args.rate, args.interval, args.arrivals, args.seed)
     requests = build_requests(spec, cfg.geometry.page_tokens)

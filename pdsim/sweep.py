@@ -94,9 +94,8 @@ def evaluate(base: SimConfig, point: Point, prefix: int = 0) -> dict:
     """Simulate one grid point (no stage events: metrics only)."""
     cfg = attrs.evolve(base, mode=point.mode, chunk=point.chunk, max_pending=point.max_pending,
                        costs=base.costs.scaled(bandwidth=point.bandwidth_scale), stages=False)
-    pre = min(prefix, point.prompt // cfg.geometry.page_tokens * cfg.geometry.page_tokens)
-    cfg = attrs.evolve(cfg, pool_pages=max(1, cfg.geometry.pages_for(point.prompt - pre)))
-    m = single_metrics(simulate(cfg, [RequestSpec("r0", 0.0, point.prompt, pre)]))
+    cfg = attrs.evolve(cfg, pool_pages=max(1, cfg.geometry.pages_for(point.prompt - prefix)))
+    m = single_metrics(simulate(cfg, [RequestSpec("r0", 0.0, point.prompt, prefix)]))
     m["bandwidth_scale"] = point.bandwidth_scale
     return {k: m[k] for k in COLUMNS}
 
@@ -153,6 +152,9 @@ def command(args) -> int:
     if args.prefix < 0 or args.prefix % args.page_tokens:
         raise UsageError(f"--prefix must be a multiple of --page-tokens={args.page_tokens} "
                          f"and >= 0, got {args.prefix}")
+    if args.prefix > min(args.prompts):
+        raise UsageError(f"--prefix {args.prefix} must be <= every --prompts value "
+                         f"(smallest {min(args.prompts)})")
     base = base_config(args)
     base = attrs.evolve(base, no_compute=args.no_compute)
     if "layer" in args.modes and base.geometry.recurrent:

@@ -21,13 +21,13 @@ class WorkloadError(ValueError):
 class WorkloadSpec:
     """How to draw the requests of a run (validated by `build_requests`)."""
 
-    requests: int = 1
+    requests: int | None = None  # None: one per CSV row or --arrivals time, else 1
     prompt: int = 8192
-    prefix: int = 0
+    prefix: int | None = None  # None: a CSV row's own prefix, else 0
     prompt_range: tuple[int, int] | None = None
     prompts_csv: str | None = None
     rate: float | None = None  # Poisson arrivals, requests per second
-    interval: float = 0.0  # fixed spacing between arrivals when no rate is given
+    interval: float | None = None  # fixed spacing between arrivals (None: all at t = 0)
     arrivals: tuple[float, ...] | None = None
     seed: int = 0
 
@@ -36,9 +36,7 @@ def build_requests(spec: WorkloadSpec, page_tokens: int) -> list[RequestSpec]:
     """The requests r0, r1, ... of a workload, in arrival order."""
     rng = np.random.default_rng(spec.seed)
     rows = _read_csv(spec.prompts_csv) if spec.prompts_csv else None
-    count = len(rows) if rows is not None and spec.requests == 1 else spec.requests
-    if count < 1:
-        raise WorkloadError(f"--requests must be >= 1, got {count}")
+    count = _count(spec, rows)
     prompts = _prompts(spec, rows, count, rng)
     times = _arrivals(spec, rows, count, rng)
     out = []
@@ -48,13 +46,31 @@ def build_requests(spec: WorkloadSpec, page_tokens: int) -> list[RequestSpec]:
     return sorted(out, key=lambda r: (r.arrival, int(r.req[1:])))
 
 
+def _count(spec: WorkloadSpec, rows) -> int:
+    """How many requests; a --requests that contradicts the CSV or --arrivals is refused."""
+    implied = {"--prompts-csv rows": None if rows is None else len(rows),
+               "--arrivals times": None if spec.arrivals is None else len(spec.arrivals)}
+    implied = {k: v for k, v in implied.items() if v is not None}
+    count = spec.requests if spec.requests is not None else next(iter(implied.values()), 1)
+    if count < 1:
+        raise WorkloadError(f"--requests must be >= 1, got {count}")
+    for what, n in implied.items():
+        if n != count:
+            raise WorkloadError(f"--requests is {count} but there are {n} {what}; "
+                                "give one request per row / time")
+    return count
+
+
 def _prompts(spec: WorkloadSpec, rows, count: int, rng) -> list[int]:
     if rows is not None:
-        return [rows[i % len(rows)]["prompt"] for i in range(count)]
+        return [row["prompt"] for row in rows]
     if spec.prompt_range is not None:
         lo, hi = spec.prompt_range
         if not 1 <= lo <= hi:
             raise WorkloadError(f"--prompt-range must be A:B with 1 <= A <= B, got {lo}:{hi}")
+        if (spec.prefix or 0) > lo:
+            raise WorkloadError(f"--prefix {spec.prefix} must be <= the shortest prompt of "
+                                f"--prompt-range {lo}:{hi}")
         return [int(x) for x in rng.integers(lo, hi + 1, size=count)]
     if spec.prompt < 1:
         raise WorkloadError(f"--prompt must be >= 1, got {spec.prompt}")
@@ -62,26 +78,45 @@ def _prompts(spec: WorkloadSpec, rows, count: int, rng) -> list[int]:
 
 
 def _arrivals(spec: WorkloadSpec, rows, count: int, rng) -> list[float]:
+    _one_arrival_source(spec, rows)
     if spec.arrivals is not None:
-        if len(spec.arrivals) != count or any(not t >= 0 for t in spec.arrivals):
+        if any(not t >= 0 for t in spec.arrivals):
             raise WorkloadError(f"--arrivals must list {count} times >= 0")
         return list(spec.arrivals)
-    if rows is not None and all("arrival" in r for r in rows):
-        return [rows[i % len(rows)]["arrival"] for i in range(count)]
+    if rows is not None and "arrival" in rows[0]:
+        return [row["arrival"] for row in rows]
     if spec.rate is not None:
         if not spec.rate > 0:
             raise WorkloadError(f"--rate must be > 0 requests/s, got {spec.rate}")
         return list(np.cumsum(rng.exponential(1.0 / spec.rate, size=count)) - 0.0)
-    if not spec.interval >= 0:
-        raise WorkloadError(f"--interval must be >= 0 s, got {spec.interval}")
-    return [i * spec.interval for i in range(count)]
+    interval = 0.0 if spec.interval is None else spec.interval
+    if not interval >= 0:
+        raise WorkloadError(f"--interval must be >= 0 s, got {interval}")
+    return [i * interval for i in range(count)]
+
+
+def _one_arrival_source(spec: WorkloadSpec, rows) -> None:
+    """Two ways to time arrivals would silently override one another: refused."""
+    given = [name for name, value in (("--arrivals", spec.arrivals), ("--rate", spec.rate),
+                                      ("--interval", spec.interval)) if value is not None]
+    with_time = [] if rows is None else [("arrival" in row) for row in rows]
+    if any(with_time):
+        if not all(with_time):
+            line = with_time.index(False) + 2
+            raise WorkloadError(f"--prompts-csv: {spec.prompts_csv}:{line}: arrival is missing "
+                                "(give it on every row or on none)")
+        given.append("--prompts-csv arrival column")
+    if len(given) > 1:
+        raise WorkloadError(f"arrival times: give one of --arrivals, --rate, --interval or a "
+                            f"CSV arrival column, got {' and '.join(given)}")
 
 
 def _prefix(spec: WorkloadSpec, rows, i: int, prompt: int, page_tokens: int) -> int:
-    if rows is not None and "prefix" in rows[i % len(rows)]:
-        prefix = rows[i % len(rows)]["prefix"]
-    else:
-        prefix = min(spec.prefix, prompt // page_tokens * page_tokens)
+    row_prefix = None if rows is None else rows[i].get("prefix")
+    if row_prefix is not None and spec.prefix is not None:
+        raise WorkloadError(f"--prefix {spec.prefix} and the --prompts-csv prefix column "
+                            "both give request prefixes; give one")
+    prefix = row_prefix if row_prefix is not None else spec.prefix or 0
     if prefix < 0 or prefix > prompt or prefix % page_tokens:
         raise WorkloadError(
             f"--prefix must be a multiple of page_tokens={page_tokens} in [0, prompt={prompt}],"
