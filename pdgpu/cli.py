@@ -20,6 +20,7 @@ from pdgpu.engine import Engine, EngineError, RunResult
 from pdgpu.model import build_model
 from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
 from pdref.check import check_lines
+from pdref.cli_format import DefaultsFormatter
 from pdref.events import event_to_json, header_to_json
 from pdref.models import ModelSpec, ProfileError, load_model
 from pdref.trace import TraceWriter, dumps
@@ -34,6 +35,12 @@ class BadInput(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are BadInput (one line, exit 2); help shows every default."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         raise BadInput(message)
 
@@ -62,23 +69,27 @@ def _positive_float(text: str) -> float:
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset name, profile .toml, or HF folder")
-    p.add_argument("--prompt", type=_int(0), help="prompt tokens (default 256)")
+    p.add_argument("--prompt", type=_int(1),
+                   help="prompt tokens (default: 256 random ids, or as many as --tokens gives)")
     p.add_argument("--prefix", type=_int(0), default=0, help="tokens the decoder already holds")
-    p.add_argument("--chunk", type=_int(0), default=64, help="prefill chunk tokens")
-    p.add_argument("--max-pending", type=_int(0), default=2, help="spans in flight at most")
-    p.add_argument("--page-tokens", type=_int(1), default=16)
+    p.add_argument("--chunk", type=_int(1), default=64, help="prefill chunk tokens")
+    p.add_argument("--max-pending", type=_int(1), default=2, help="spans in flight at most")
+    p.add_argument("--page-tokens", type=_int(1), default=16, help="tokens per KV page")
     p.add_argument("--seed", type=_int(0), default=0, help="weights and random prompt seed")
     p.add_argument("--device", default=None, help="producer device (default cuda if any)")
     p.add_argument("--decoder-device", default=None,
                    help="decoder device (default: cuda:1 with two GPUs, else cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="override the model's dtype")
+                   help="override the model's dtype (default: the model's own)")
     p.add_argument("--tokens", help="prompt token ids, comma separated")
     p.add_argument("--tokens-file", help="file of prompt token ids (whitespace or commas)")
-    p.add_argument("--pool-pages", type=_int(0), help="decoder pool pages (default: enough)")
+    p.add_argument("--pool-pages", type=_int(1),
+                   help="decoder pool pages (default: just enough for one request)")
     p.add_argument("--link-gbps", type=_positive_float,
-                   help="pace host->decoder copies to this many GB/s (1e9 bytes/s)")
-    p.add_argument("--fail-span", type=_int(0), help="make the copy of this span id fail")
+                   help="pace host->decoder copies to this many GB/s, 1e9 bytes/s "
+                        "(default: unpaced)")
+    p.add_argument("--fail-span", type=_int(0),
+                   help="make the copy of this span id fail (default: none fails)")
     p.add_argument("--retries", type=_int(0), default=2, help="retries after a failed copy")
     p.add_argument("--requests", type=_int(1), default=1,
                    help="serve the prompt this many times back to back (metrics: the last one)")
@@ -94,17 +105,41 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run one workload in one mode")
     _workload_args(run)
-    run.add_argument("--mode", choices=("whole", "chunk", "layer"), default="chunk")
-    run.add_argument("--trace", help="write the contract-v1 trace here")
+    run.add_argument("--mode", choices=("whole", "chunk", "layer"), default="chunk",
+                     help="handoff: whole = one copy after prefill, chunk = a copy per prefill "
+                          "chunk, layer = a copy per layer")
+    run.add_argument("--trace", help="write the run's JSONL trace here (DESIGN.md contract)")
     run.add_argument("--debug", choices=tuple(DEBUG_BREAKS), help="break the protocol on purpose")
+    run.add_argument("--no-compute", action="store_true",
+                     help="export only: a known payload instead of prefill, checked at the decoder")
+    run.add_argument("--payload", type=_int(1),
+                     help="with --no-compute: payload bytes (sets the prompt length)")
     cmp = sub.add_parser("compare", help="run every mode on one prompt: parity and ratios")
     _workload_args(cmp)
     cmp.add_argument("--trace-dir", help="write one trace per mode into this folder")
     return parser
 
 
+def _payload_tokens(args, spec: ModelSpec) -> tuple[int, ...] | None:
+    """Export only: the prompt a payload of --payload bytes needs (token ids are not used)."""
+    payload = getattr(args, "payload", None)
+    if payload is not None and not args.no_compute:
+        raise BadInput("payload: needs --no-compute (a payload replaces the prefill)")
+    if payload is not None and (args.prompt is not None or args.tokens or args.tokens_file):
+        raise BadInput("payload: sets the prompt length; give it without --prompt or --tokens")
+    if payload is None:
+        return None
+    per_token = spec.geometry(args.page_tokens).bytes_per_token
+    return (0,) * (-(-payload // per_token))
+
+
 def _tokens(args, spec: ModelSpec) -> tuple[int, ...]:
+    payload = _payload_tokens(args, spec)
+    if payload is not None:
+        return payload
     text = args.tokens
+    if args.tokens is not None and args.tokens_file is not None:
+        raise BadInput("tokens: give --tokens or --tokens-file, not both")
     if args.tokens_file is not None:
         try:
             text = Path(args.tokens_file).read_text(encoding="utf-8")
@@ -147,7 +182,7 @@ def _config(args, mode: str, device: str, decoder: str) -> EngineConfig:
         pool_pages=args.pool_pages, device=device, decoder_device=decoder,
         link_gbps=args.link_gbps, fail_span=args.fail_span, retries=args.retries,
         debug=getattr(args, "debug", None), keep_kv=args.command == "compare",
-        threads=args.threads, warmup=args.warmup)
+        threads=args.threads, warmup=args.warmup, no_compute=getattr(args, "no_compute", False))
 
 
 def _requests(args, tokens) -> list[Request]:

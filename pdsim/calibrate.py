@@ -138,14 +138,15 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
 
 
 def add_args(p) -> None:
-    p.add_argument("traces", nargs="+", metavar="TRACE")
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="engine traces with stage events (pdgpu run --trace)")
     p.add_argument("-o", "--output", required=True, help="profile TOML to write")
     p.add_argument("--hw", default="a100-pcie",
                    help="base profile for the figures traces cannot give (peak flops, HBM)")
     p.add_argument("--name", default=None, help="profile name (default: the output's stem)")
     p.add_argument("--keep-warmup", action="store_true",
                    help="fit a trace's first request too (default: left out when there are more)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the fitted figures as JSON")
 
 
 def command(args) -> int:

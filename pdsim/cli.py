@@ -53,7 +53,8 @@ def _commands():
 
 def _run_args(p) -> None:
     add_run_options(p)
-    p.add_argument("--trace", default=None, help="write the contract-v1 JSONL trace here")
+    p.add_argument("--trace", default=None,
+                   help="write the run's JSONL trace here (DESIGN.md contract)")
     p.add_argument("--json", action="store_true", help="print metrics as one JSON object")
 
 

@@ -163,7 +163,7 @@ def summary_json(result: dict) -> dict:
 
 
 def add_args(p) -> None:
-    p.add_argument("--out", default="demo-out", help="output folder (default %(default)s)")
+    p.add_argument("--out", default="demo-out", help="output folder")
     p.add_argument("--model", default="small", help="engine and simulator model preset")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
     p.add_argument("--chunks", default="128,256,512", help="engine chunk sizes, comma separated")

@@ -7,6 +7,7 @@ import sys
 
 import attrs
 
+from pdref.cli_format import DefaultsFormatter
 from pdref.events import Mode
 from pdref.models import load_model
 from pdsim.config import RequestSpec, SimConfig
@@ -22,7 +23,11 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports bad input as one line on stderr and exits 2."""
+    """argparse that reports bad input as one line on stderr and exits 2; help shows defaults."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -48,7 +53,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-0.6b", help="model profile name or .toml")
     p.add_argument("--hw", default="a100-pcie", help="hardware profile name or .toml")
     p.add_argument("--link", default=None, help="link profile (default: the hw profile's)")
-    p.add_argument("--page-tokens", type=int, default=16)
+    p.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page")
     p.add_argument("--bandwidth-scale", type=float, default=1.0,
                    help="what-if: multiply every copy bandwidth")
     p.add_argument("--compute-scale", type=float, default=1.0,

@@ -70,16 +70,22 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
-    p.add_argument("--chunks", type=_ints, default=(64, 128, 256, 512, 1024, 2048))
-    p.add_argument("--prompts", type=_ints, default=(8192,))
-    p.add_argument("--modes", type=_modes, default=("whole", "chunk", "layer"))
-    p.add_argument("--max-pending", type=_ints, default=(2,))
+    p.add_argument("--chunks", type=_ints, default=(64, 128, 256, 512, 1024, 2048),
+                   help="prefill chunk sizes, tokens, comma separated")
+    p.add_argument("--prompts", type=_ints, default=(8192,),
+                   help="prompt lengths, tokens, comma separated")
+    p.add_argument("--modes", type=_modes, default=("whole", "chunk", "layer"),
+                   help="handoff modes, comma separated")
+    p.add_argument("--max-pending", type=_ints, default=(2,),
+                   help="copy spans in flight per producer, comma separated")
     p.add_argument("--bandwidths", type=_floats, default=(1.0,),
                    help="bandwidth scale factors (what-if)")
-    p.add_argument("--prefix", type=int, default=0)
-    p.add_argument("--no-compute", action="store_true")
+    p.add_argument("--prefix", type=int, default=0,
+                   help="tokens the decoder already holds (every point)")
+    p.add_argument("--no-compute", action="store_true",
+                   help="export-only what-if: the copy path alone")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
-    p.add_argument("--csv", default=None)
+    p.add_argument("--csv", default=None, help="write rows as CSV to this file")
     p.add_argument("--json", default=None, help="write rows as JSON to this file")
     p.add_argument("--png", default=None, help="plot completion and tail vs chunk size")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")

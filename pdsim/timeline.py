@@ -13,7 +13,7 @@ from pdsim.sim import simulate
 
 def add_args(p) -> None:
     add_run_options(p)
-    p.add_argument("--png", default="timeline.png", help="Gantt chart file (default %(default)s)")
+    p.add_argument("--png", default="timeline.png", help="Gantt chart file")
     p.add_argument("--perfetto", default=None, help="write Chrome trace-event JSON here")
 
 

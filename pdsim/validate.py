@@ -156,7 +156,8 @@ def format_summary(result: dict) -> str:
 
 def add_args(p) -> None:
     p.add_argument("--model", default="small", help="model preset both shells load")
-    p.add_argument("--grid", choices=sorted(GRIDS), default="default")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="default",
+                   help="configurations: default = 15 grid points, quick = 3 (tests)")
     p.add_argument("--requests", type=int, default=4,
                    help="requests per engine run (timings: median over all but the first)")
     p.add_argument("--device", default=None, help="engine device (default: cuda if any)")

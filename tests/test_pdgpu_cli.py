@@ -163,3 +163,18 @@ def test_trace_dir_under_a_file_is_refused(tmp_path, capsys):
     blocker.write_text("x")
     assert main(["compare", *SMALL_RUN, "--trace-dir", str(blocker / "traces")]) == 2
     assert "trace-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_chunk_below_one_is_one_rule_one_message(capsys, value):
+    """--chunk -1 and --chunk 0 break the same rule and say so the same way."""
+    assert main(["run", "--prompt", "32", "--chunk", value]) == 2
+    assert f"--chunk: must be >= 1, got {value}" in capsys.readouterr().err
+
+
+def test_tokens_and_tokens_file_together_are_refused(tmp_path, capsys):
+    """--tokens-file no longer silently wins over --tokens."""
+    path = tmp_path / "ids.txt"
+    path.write_text("1 2 3")
+    assert main(["run", "--tokens", "4,5,6", "--tokens-file", str(path)]) == 2
+    assert "not both" in capsys.readouterr().err
