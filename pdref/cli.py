@@ -9,12 +9,21 @@ import sys
 from pdref.check import check_file
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
+EXIT_CODES = """exit status (the worst over all files):
+  0  every trace is legal
+  1  a trace breaks a rule: FILE:LINE: CODE sentence. A file that opens but is not a
+     trace (not JSON, bad UTF-8, empty, no header) is a TRACE-1 violation, so also 1
+  2  bad usage, or a file that cannot be opened at all (missing, a folder, no permission)"""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdref", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pdref", description=__doc__, epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="check trace files against the protocol")
+    check = sub.add_parser("check", help="check trace files against the protocol",
+                           description="Check trace files against the protocol.",
+                           epilog=EXIT_CODES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL trace files")
     check.add_argument("--open", action="store_true",
                        help="partial trace: skip the end-of-trace part of LIFE-1")

@@ -151,3 +151,16 @@ def test_module_entry_point(legal, illegal):
     bad = subprocess.run([sys.executable, "-m", "pdref", "check", illegal], capture_output=True)
     assert (ok.returncode, bad.returncode) == (0, 1)
     assert b": REQ-1 " in bad.stdout
+
+
+def test_help_states_which_failure_is_exit_1_and_which_is_exit_2(tmp_path, capsys):
+    """--help's exit table matches: a non-JSON file is TRACE-1 (1), a missing one is 2."""
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    help_text = capsys.readouterr().out
+    assert "not JSON" in help_text and "cannot be opened" in help_text
+    not_json = tmp_path / "notes.txt"
+    not_json.write_text("hello\n")
+    assert main(["check", str(not_json)]) == 1
+    assert "TRACE-1" in capsys.readouterr().out
+    assert main(["check", str(tmp_path / "absent.jsonl")]) == 2
