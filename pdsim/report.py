@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from pdref.outfile import write_atomic
 from pdref.trace import TraceWriter
 from pdsim.sim import SimResult
+
+__all__ = ["format_metrics", "write_atomic", "write_json", "write_trace"]
 
 
 def format_metrics(metrics: dict) -> str:
@@ -32,20 +33,6 @@ def write_trace(path: str, result: SimResult) -> None:
     with TraceWriter(path, result.header) as writer:
         for event in result.events:
             writer.write(event)
-
-
-def write_atomic(path: str | Path, data: bytes | str) -> None:
-    """Write a file by renaming a finished temporary file into place."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def write_json(path: str | Path, obj) -> None:
