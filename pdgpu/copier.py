@@ -1,13 +1,19 @@
-"""The copy worker: the only module of pdgpu that knows streams, events and pinned memory.
+"""The copy path of one producer: with streams.py, the only modules of pdgpu that know
+streams, events and pinned memory.
 
-One worker thread per producer runs every span through the same stages:
-  wait the span's readiness marker -> gather (index the span out of the source pages into a
-  preallocated buffer) -> d2h (into one of `slots` host staging buffers) -> h2d (into the
-  decoder pool's slab, paced to `link_gbps` when set) -> report a `CopyResult`.
-On CUDA the stages run on dedicated copy streams (producer side and decoder side), readiness
-is a CUDA event recorded on the compute stream after each chunk, staging is pinned, and each
-stage is timed by synchronizing its stream. On CPU the same thread does the same copies, so
-overlap with the compute thread is real. Every buffer is allocated once, up front.
+Every span runs through three stages, each on its own lane (streams.py), in issue order:
+  gather  index the span out of the source pages into its staging slot's gather buffer
+          (after the span's readiness mark: its compute is done)
+  d2h     gather buffer -> the slot's host staging buffer (pinned on CUDA)
+  h2d     host staging -> the decoder slab (through a landing buffer on a CUDA decoder)
+On CUDA gather and d2h are enqueued on the producer's copy stream, h2d on the decoder's copy
+stream, each behind the previous stage's CUDA event: the host never synchronizes, and span
+k+1's d2h overlaps span k's h2d. On CPU each lane is a thread doing its stage, so stages of
+different spans overlap the same way; `link_gbps` paces d2h and h2d (each direction of the
+link) to bytes / rate.
+A watcher thread takes spans in issue order, waits until every stage of one completed (its
+writer has stopped), puts its staging slot back (only then may it be reused) and hands a
+`CopyResult` to `on_done` at once: the engine stamps `land` (or `fail`) there.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import attrs
 import torch
 
 from pdgpu.decoder_pool import DecoderPool, Slab
 from pdgpu.source_cache import gather
+from pdgpu.streams import CudaLane, CudaMark, EventClock, HostLane, HostMark, Lane, Mark, record
 from pdref.intervals import Range, length
 
 
@@ -42,8 +50,8 @@ class CopyJob:
     tokens: Range
     src_slots: torch.Tensor  # [prompt] source slot per position
     slab: Slab
-    ready: object  # a readiness marker from `Copier.mark_ready`
-    fail: bool = False
+    ready: Mark  # the span's region is computed once this is done (Copier.mark_ready)
+    fail: bool = False  # fault injection: write half the span, then fail
 
 
 @attrs.frozen
@@ -59,102 +67,14 @@ class CopyResult:
     job: CopyJob
     error: str | None
     stages: tuple[StageTime, ...]
+    done_t: float  # run clock when every stage was seen complete (the writer has stopped)
 
 
 @attrs.frozen
 class CopierConfig:
     slots: int  # staging buffers in the ring (= the spans that may be in flight)
     span_elems: int  # elements of the largest span: each buffer's size
-    link_gbps: float | None = None  # pace h2d to this many GB/s (1e9 bytes/s)
-
-
-class CpuBackend:
-    """Host-only structure: readiness is a threading.Event, streams are no-ops."""
-
-    def __init__(self, producer: torch.device, decoder: torch.device) -> None:
-        self.producer, self.decoder = producer, decoder
-
-    def mark_ready(self) -> threading.Event:
-        ready = threading.Event()
-        ready.set()  # compute on this thread is synchronous: done when we get here
-        return ready
-
-    def wait_ready(self, ready: threading.Event) -> None:
-        ready.wait()
-
-    def producer_stream(self):
-        return contextlib.nullcontext()
-
-    def decoder_stream(self):
-        return contextlib.nullcontext()
-
-    def sync_producer(self) -> None:
-        return None
-
-    def sync_decoder(self) -> None:
-        return None
-
-    def host_buffer(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(elems, dtype=dtype)
-
-
-class CudaBackend(CpuBackend):
-    """Dedicated copy streams, CUDA readiness events, pinned host staging."""
-
-    def __init__(self, producer: torch.device, decoder: torch.device) -> None:
-        super().__init__(producer, decoder)
-        self.copy_stream = torch.cuda.Stream(device=producer)
-        self.import_stream = torch.cuda.Stream(device=decoder) if decoder.type == "cuda" else None
-
-    def mark_ready(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.producer))
-        event.synchronize()  # `computed` and the compute stage's end must be true on the host
-        return event
-
-    def wait_ready(self, ready: torch.cuda.Event) -> None:
-        self.copy_stream.wait_event(ready)
-
-    def producer_stream(self):
-        return torch.cuda.stream(self.copy_stream)
-
-    def decoder_stream(self):
-        if self.import_stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.import_stream)
-
-    def sync_producer(self) -> None:
-        self.copy_stream.synchronize()
-
-    def sync_decoder(self) -> None:
-        if self.import_stream is not None:
-            self.import_stream.synchronize()
-
-    def host_buffer(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(elems, dtype=dtype, pin_memory=True)
-
-
-@contextlib.contextmanager
-def compute_threads(device, threads: int | None):
-    """Torch intra-op threads for the run; on a CPU producer by default one core fewer than
-    the machine has, so the copy worker gets a core of its own (at least one either way).
-    Oversubscribed OpenMP teams stall for hundreds of ms on a busy box."""
-    if threads is None and torch.device(device).type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def make_backend(producer, decoder) -> CpuBackend:
-    producer, decoder = torch.device(producer), torch.device(decoder)
-    if "cuda" in (producer.type, decoder.type):
-        return CudaBackend(producer, decoder)
-    return CpuBackend(producer, decoder)
+    link_gbps: float | None = None  # pace d2h and h2d each to this many GB/s (1e9 bytes/s)
 
 
 @attrs.frozen
@@ -171,29 +91,99 @@ class Ring:
         return sum(b.numel() * b.element_size() for b in bufs.values())
 
 
-def _make_ring(backend: CpuBackend, elems: int, dtype: torch.dtype) -> Ring:
-    host = backend.host_buffer(elems, dtype)
-    gather_buf = torch.empty(elems, dtype=dtype, device=backend.producer)
-    landing = host if backend.decoder.type == "cpu" else torch.empty(
-        elems, dtype=dtype, device=backend.decoder)
-    return Ring(gather_buf, host, landing)
+STAGES = (("gather", "producer"), ("d2h", "link.d2h"), ("h2d", "link.h2d"))
+
+
+@contextlib.contextmanager
+def compute_threads(device, threads: int | None):
+    """Torch intra-op threads for the run; on a CPU producer by default one core fewer than
+    the machine has, so the copy lanes get a core (at least one either way).
+    Oversubscribed OpenMP teams stall for hundreds of ms on a busy box."""
+    if threads is None and torch.device(device).type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Backend:
+    """The lanes of a producer/decoder pair and how readiness is marked on the producer."""
+
+    def __init__(self, producer, decoder, clock: Callable[[], float], link_gbps) -> None:
+        self.producer, self.decoder = torch.device(producer), torch.device(decoder)
+        self.clock, self.cuda = clock, self.producer.type == "cuda"
+        if self.cuda:
+            self.times = {d: EventClock(d, clock) for d in {self.producer, self.decoder}
+                          if d.type == "cuda"}
+            copy_stream = torch.cuda.Stream(device=self.producer)
+        self.lanes = {name: self._lane(name, link_gbps, copy_stream if self.cuda else None)
+                      for name, _ in STAGES}
+
+    def _lane(self, name: str, link_gbps, copy_stream) -> Lane:
+        paced = link_gbps if name != "gather" else None
+        device = self.decoder if name == "h2d" else self.producer
+        if device.type != "cuda":
+            return HostLane(name, self.clock, paced)
+        stream = copy_stream if name != "h2d" else torch.cuda.Stream(device=device)
+        return CudaLane(name, self.clock, paced, stream, self.times[device])
+
+    def mark_ready(self) -> Mark:
+        """Everything the producer computed so far: a CUDA event on the compute stream (no
+        host wait), or done at once on CPU (compute there is synchronous)."""
+        if not self.cuda:
+            return HostMark.now(self.clock)
+        return record(torch.cuda.current_stream(self.producer), self.times[self.producer])
+
+    def host_buffer(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(elems, dtype=dtype, pin_memory=self.cuda)
+
+    def make_ring(self, elems: int, dtype: torch.dtype) -> Ring:
+        host = self.host_buffer(elems, dtype)
+        gather_buf = torch.empty(elems, dtype=dtype, device=self.producer)
+        landing = host if self.decoder.type == "cpu" else torch.empty(
+            elems, dtype=dtype, device=self.decoder)
+        return Ring(gather_buf, host, landing)
+
+    def close(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+
+
+@attrs.frozen
+class _InFlight:
+    job: CopyJob
+    slot: int
+    stages: tuple[Future, ...]  # per stage: (start, end) marks once its lane ran it
 
 
 class Copier:
-    """One copy worker thread for one producer; the engine submits jobs and harvests results."""
+    """The copy lanes and the watcher of one producer; the engine submits spans, results
+    come to `on_done` on the watcher thread as they complete."""
 
     def __init__(self, config: CopierConfig, source_kv: torch.Tensor, pool: DecoderPool,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], on_done: Callable[[CopyResult], None] | None = None,
+                 backend: Backend | None = None):
         self.config, self.source_kv, self.pool, self.clock = config, source_kv, pool, clock
-        self.backend = make_backend(source_kv.device, pool.device)
-        self.rings = [_make_ring(self.backend, config.span_elems, source_kv.dtype)
+        self.backend = backend or Backend(source_kv.device, pool.device, clock, config.link_gbps)
+        self.rings = [self.backend.make_ring(config.span_elems, source_kv.dtype)
                       for _ in range(config.slots)]
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self.on_done = on_done or self._results.put
+        self._cond = threading.Condition()
         self._free = deque(range(config.slots))
-        self._busy: dict[int, int] = {}  # span -> ring slot
-        self._jobs: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="pdgpu-copier", daemon=True)
-        self._thread.start()
+        self._in_flight = 0
+        self.completions = 0  # spans reported so far (see wait_progress)
+        self.callback_error: BaseException | None = None
+        self._watch: queue.SimpleQueue = queue.SimpleQueue()
+        self._watcher = threading.Thread(target=self._watch_loop, name="pdgpu-watcher",
+                                         daemon=True)
+        self._watcher.start()
+
+    # -- sizes ------------------------------------------------------------------------------
 
     @property
     def staging_bytes(self) -> int:
@@ -213,130 +203,154 @@ class Copier:
 
     @property
     def in_flight(self) -> int:
-        return len(self._busy)
+        """Spans submitted and not yet reported to `on_done`."""
+        return self._in_flight
 
-    def mark_ready(self):
-        """Record readiness of everything computed so far (call after each compute step)."""
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    # -- the engine's side ------------------------------------------------------------------
+
+    def mark_ready(self) -> Mark:
+        """Readiness of everything computed so far (record after each compute step)."""
         return self.backend.mark_ready()
 
     def submit(self, job: CopyJob) -> None:
-        if not self._free:
-            raise RuntimeError("copier: every staging buffer is in use (max_pending exceeded)")
-        slot = self._free.popleft()
-        self._busy[job.span] = slot
-        self._jobs.put((job, self.rings[slot]))
+        """Queue the span's three stages on their lanes; returns at once."""
+        with self._cond:
+            if not self._free:
+                raise RuntimeError("copier: every staging buffer is in use (max_pending exceeded)")
+            slot = self._free.popleft()
+            self._in_flight += 1
+        views = self._views(job, self.rings[slot])
+        stages = tuple(Future() for _ in STAGES)
+        works = (lambda: gather(self.source_kv, job.src_slots, job.layers, job.tokens, views[0]),
+                 lambda: views[1].copy_(views[0], non_blocking=True),
+                 lambda: self._land(job, views[1], views[2]))
+        nbytes = views[0].numel() * views[0].element_size()
+        afters = (lambda: job.ready, *(_end_of(f) for f in stages[:-1]))
+        for i, (name, _) in enumerate(STAGES):
+            self.backend.lanes[name].put(self._task(name, afters[i], works[i], nbytes, stages[i]))
+        self._watch.put(_InFlight(job, slot, stages))
 
-    def poll(self) -> list[CopyResult]:
-        """Results finished so far, without waiting."""
-        out = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                out.append(self._retire(self._done.get_nowait()))
-        return out
+    def wait_progress(self, seen: int, timeout: float | None = None) -> None:
+        """Block until more than `seen` spans were reported (read `completions` before
+        checking whatever the caller waits for, then pass it here)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.completions > seen or not self._in_flight, timeout)
+
+    def drain(self) -> None:
+        """Block until every span submitted was reported."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._in_flight)
 
     def wait(self) -> CopyResult:
-        """Block until the next span finishes."""
-        return self._retire(self._done.get())
-
-    def drain(self) -> list[CopyResult]:
-        """Block until nothing is in flight; every result."""
-        return [self.wait() for _ in range(self.in_flight)]
+        """The next result, when no `on_done` was given (tests, benchmarks)."""
+        return self._results.get()
 
     def warm_up(self, jobs: list[CopyJob]) -> None:
-        """Before t = 0: run throwaway jobs on the worker (one per ring slot: every staging
-        buffer first-touched, copy kernels loaded), then zero the decoder pool on the import
-        stream (every page touched, nothing of the warm-up left). Nothing is reported."""
+        """Before t = 0: run throwaway jobs (one per ring slot: every staging buffer
+        first-touched, copy kernels loaded), then zero the decoder pool on its lane's
+        device. Nothing is reported to `on_done`."""
         if len(jobs) > len(self._free):
             raise RuntimeError("copier: warm-up needs at most one job per free staging slot")
-        for job in jobs:
-            self.submit(job)
-        errors = [r.error for r in self.drain() if r.error is not None]
-        with self.backend.decoder_stream():
-            self.pool.kv.zero_()
-        self.backend.sync_decoder()
+        on_done, self.on_done = self.on_done, self._results.put
+        try:
+            for job in jobs:
+                self.submit(job)
+            self.drain()
+            errors = [e for e in (self._results.get().error for _ in jobs) if e is not None]
+        finally:
+            self.on_done = on_done
+        self.zero_pool()
         if errors:
             raise RuntimeError(f"copier: warm-up copy failed: {errors[0]}")
 
+    def zero_pool(self) -> None:
+        """Zero the decoder pool where the h2d lane writes it, and wait for it."""
+        lane = self.backend.lanes["h2d"]
+        with lane.context():
+            self.pool.kv.zero_()
+        lane.sync()
+
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        self._watch.put(None)
+        self._watcher.join()
+        self.backend.close()
 
-    def _retire(self, result: CopyResult) -> CopyResult:
-        self._free.append(self._busy.pop(result.job.span))
-        return result
+    # -- the lanes' side --------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            self._done.put(self._run(*item))
-
-    def _run(self, job: CopyJob, ring: Ring) -> CopyResult:
-        stages: list[StageTime] = []
-        try:
-            self._copy(job, ring, stages)
-            return CopyResult(job, None, tuple(stages))
-        except Exception as e:  # a failed copy is reported, never raised on the worker thread
-            return CopyResult(job, f"{type(e).__name__}: {e}", tuple(stages))
-
-    def _copy(self, job: CopyJob, ring: Ring, stages: list[StageTime]) -> None:
+    def _views(self, job: CopyJob, ring: Ring) -> list[torch.Tensor]:
         nl, nt = length(job.layers), length(job.tokens)
         shape = (nl, 2, nt, *self.source_kv.shape[3:])  # [nl, 2, nt, KVH, D]
         elems = nl * 2 * nt * self.source_kv.shape[3] * self.source_kv.shape[4]
-        views = [buf[:elems].view(shape) for buf in (ring.gather, ring.host, ring.landing)]
-        self.backend.wait_ready(job.ready)
-        self._stage(stages, "gather", "producer", lambda: self._gather(job, views[0]))
-        self._stage(stages, "d2h", "link", lambda: self._d2h(views[0], views[1]))
-        self._stage(stages, "h2d", "link", lambda: self._h2d(job, views[1], views[2]))
+        return [buf[:elems].view(shape) for buf in (ring.gather, ring.host, ring.landing)]
 
-    def _stage(self, stages: list[StageTime], name: str, resource: str, work) -> None:
-        start = self.clock()
-        work()
-        stages.append(StageTime(name, start, self.clock(), resource))
+    def _task(self, name: str, after, work, nbytes: int, out: Future):
+        lane = self.backend.lanes[name]
 
-    def _gather(self, job: CopyJob, out: torch.Tensor) -> None:
-        with self.backend.producer_stream():
-            gather(self.source_kv, job.src_slots, job.layers, job.tokens, out)
-        self.backend.sync_producer()
+        def task() -> None:
+            try:
+                out.set_result(lane.run(after(), work, nbytes))
+            except BaseException as e:  # a lane must never die: report through the future
+                out.set_exception(e)
+        return task
 
-    def _d2h(self, src: torch.Tensor, host: torch.Tensor) -> None:
-        with self.backend.producer_stream():
-            host.copy_(src, non_blocking=True)
-        self.backend.sync_producer()
+    def _land(self, job: CopyJob, host: torch.Tensor, landing: torch.Tensor) -> None:
+        """host staging [nl, 2, nt, KVH, D] -> decoder slab (on the decoder lane's stream)."""
+        if landing.data_ptr() != host.data_ptr():
+            landing.copy_(host, non_blocking=True)
+        if job.fail:
+            half = length(job.tokens) // 2
+            tokens = (job.tokens[0], job.tokens[0] + half)
+            self.pool.write_span(job.slab, job.layers, tokens, landing[:, :, :half])
+            raise CopyFault(f"injected fault on span {job.span}")
+        self.pool.write_span(job.slab, job.layers, job.tokens, landing)
 
-    def _h2d(self, job: CopyJob, host: torch.Tensor, landing: torch.Tensor) -> None:
-        start = time.perf_counter()
-        with self.backend.decoder_stream():
-            if landing.data_ptr() != host.data_ptr():
-                landing.copy_(host, non_blocking=True)
-            if job.fail:
-                self._fail_halfway(job, landing)
-            self.pool.write_span(job.slab, job.layers, job.tokens, landing)
-        self.backend.sync_decoder()
-        self._pace(start, landing.numel() * landing.element_size())
+    def _watch_loop(self) -> None:
+        while (item := self._watch.get()) is not None:
+            result = self._complete(item)
+            with self._cond:
+                self._free.append(item.slot)  # every stage is done: the slot may be reused
+            try:
+                self.on_done(result)
+            except BaseException as e:  # e.g. a live violation: the engine re-raises it
+                self.callback_error = self.callback_error or e
+            with self._cond:
+                self._in_flight -= 1
+                self.completions += 1
+                self._cond.notify_all()
 
-    def _fail_halfway(self, job: CopyJob, landing: torch.Tensor) -> None:
-        """Fault injection: write the first half of the span, then fail."""
-        half = length(job.tokens) // 2
-        tokens = (job.tokens[0], job.tokens[0] + half)
-        self.pool.write_span(job.slab, job.layers, tokens, landing[:, :, :half])
-        self.backend.sync_decoder()
-        raise CopyFault(f"injected fault on span {job.span}")
+    def _complete(self, item: _InFlight) -> CopyResult:
+        """Wait until every stage of the span completed; its result."""
+        stages, error = [], None
+        for (name, resource), future in zip(STAGES, item.stages, strict=True):
+            try:
+                start, end = future.result()
+            except BaseException as e:
+                error = error or f"{type(e).__name__}: {e}"
+                continue
+            end.wait()
+            error = error or end.error
+            if start is not None:
+                stages.append(StageTime(name, start.time(), end.time(), resource))
+        return CopyResult(item.job, error, tuple(stages), self.clock())
 
-    def _pace(self, start: float, nbytes: int) -> None:
-        """Hold the stage until `nbytes` could have crossed a `link_gbps` link."""
-        if self.config.link_gbps is None:
-            return
-        remaining = start + nbytes / (self.config.link_gbps * 1e9) - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+
+def _end_of(stage: Future):
+    """The end mark of a stage once its lane ran it (waits for the lane, not the device)."""
+    return lambda: stage.result()[1]
 
 
-def _best_copy_s(backend: CpuBackend, dst: torch.Tensor, src: torch.Tensor, repeats: int):
+def _best_copy_s(stream, dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        with backend.producer_stream():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             dst.copy_(src, non_blocking=True)
-        backend.sync_producer()
+        if stream is not None:
+            stream.synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -345,12 +359,17 @@ def measure_copy_bandwidth(device, nbytes: int = 256 << 20, repeats: int = 5) ->
     """Best-of-`repeats` GB/s of device->host and host->device copies through the staging
     kind of host memory the copier uses (pinned on CUDA), on a copy stream."""
     device = torch.device(device)
-    backend = make_backend(device, device)
-    host = backend.host_buffer(nbytes, torch.uint8)  # [nbytes]
+    cuda = device.type == "cuda"
+    stream = torch.cuda.Stream(device=device) if cuda else None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)  # [nbytes]
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)  # [nbytes]
     return {
-        "d2h_gbps": nbytes / _best_copy_s(backend, host, dev, repeats) / 1e9,
-        "h2d_gbps": nbytes / _best_copy_s(backend, dev, host, repeats) / 1e9,
+        "d2h_gbps": nbytes / _best_copy_s(stream, host, dev, repeats) / 1e9,
+        "h2d_gbps": nbytes / _best_copy_s(stream, dev, host, repeats) / 1e9,
         "bytes": nbytes,
-        "pinned": device.type == "cuda" and bool(host.is_pinned()),
+        "pinned": cuda and bool(host.is_pinned()),
     }
+
+
+__all__ = ["CopierConfig", "CopyFault", "CopyJob", "CopyResult", "Copier", "CudaMark",
+           "Ring", "StageTime", "compute_threads", "measure_copy_bandwidth"]

@@ -1,8 +1,11 @@
 """The decoder's paged KV pool: slabs reserved through pdref, spans imported into them.
 
 Which pages a slab gets is decided by pdref (`Monitor.reserve`, its functional allocator);
-this module only holds the tensor and moves bytes. `write_span` imports a region into the
-slab's pages and publishes nothing: coverage, admission and page ownership live in pdref.
+this module holds the tensor, moves bytes, and keeps a free list that follows the
+specification's pool and never runs ahead of it: `take` the pages a reserve gave (refused if
+this pool still holds one), `follow` gives back only pages the specification has free again
+(after a release, or after an abort once its last writer was fenced). `write_span` imports a
+region into the slab's pages and publishes nothing: coverage and admission live in pdref.
 """
 
 from __future__ import annotations
@@ -32,6 +35,23 @@ class DecoderPool:
         self.geometry = geometry
         self.device = torch.device(device)
         self.kv = paged_kv(geometry, pool_pages, self.device, dtype)  # [L, 2, S, KVH, D]
+        self.held: frozenset[int] = frozenset()  # pages some slab (or its late writer) holds
+
+    def take(self, pages: tuple[int, ...]) -> None:
+        """Hold the pages the specification's reserve gave; refused while one is still held
+        here (the specification handed it out before this pool got it back)."""
+        clash = self.held.intersection(pages)
+        if clash:
+            raise RuntimeError(f"decoder pool: page {min(clash)} is given out again while "
+                               "still held here")
+        self.held = self.held.union(pages)
+
+    def follow(self, spec_free) -> tuple[int, ...]:
+        """Give back every held page the specification's pool has free (`spec_free(page)`
+        says so); the pages given back."""
+        back = tuple(sorted(p for p in self.held if spec_free(p)))
+        self.held = self.held.difference(back)
+        return back
 
     def slab(self, pages: tuple[int, ...], prefix: int, prompt: int) -> Slab:
         slots = token_slots(pages, self.geometry.page_tokens, prompt - prefix, self.device)

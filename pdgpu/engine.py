@@ -4,56 +4,54 @@ Before t = 0 (unless `warmup` is off): one throwaway chunk of prefill and the he
 copy through every staging slot into the decoder pool, on the run's devices and threads; then
 the source pages go back and both caches are zeroed. Nothing of it is traced or checked.
 
-Per request (one at a time, back to back on the same source pages):
-  schedule  reserve a decoder slab through pdref, plan chunks and spans (pdref.plan)
-  run       compute chunk by chunk (layer by layer in layer mode), emit `computed`, issue
-            each span the mode sends as soon as pdref's `can_issue` allows (blocking while
-            max_pending are in flight), harvest landed spans between steps
-  finish    `produced`, drain, `reuse` the source pages, `admit` when pdref's `can_admit`
-            says so, `release`; on a failed span: drain, `abort`, return pages, retry.
-Every protocol event goes through the Recorder's Monitor as it happens.
+Per request (one at a time, back to back on the same source pages), one loop over the step
+schedule of `pdref.plan.plan_steps`:
+  run the step     launch its compute (on CUDA nothing waits for it) and mark its readiness
+  emit `computed`  for every step whose readiness mark completed, in order
+  issue            the spans those steps made ready, as pdref's `can_issue` allows (the
+                   producer blocks while max_pending spans are in flight or unfenced)
+  poll             completions: the copier's watcher emits `land`/`fail` as they happen
+then the head and `produced` (whole mode issues its span here), wait for every span, `reuse`
+the source pages, `admit`, `release`. On a failed span: `fail` and `fence` (from the watcher,
+once the span's writer stopped), wait for the others, `reuse`, `abort`, retry.
+Every resource operation goes through the Ledger, which emits its event first.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import attrs
 import torch
 
 from pdgpu import host
-from pdgpu.copier import Copier, CopierConfig, CopyJob, CopyResult, compute_threads
-from pdgpu.decoder_pool import DecoderPool, Slab
+from pdgpu.copier import Copier, CopierConfig, CopyJob, compute_threads
+from pdgpu.decoder_pool import DecoderPool
+from pdgpu.faults import DEBUG_BREAKS, Faults
+from pdgpu.ledger import Ledger, Life
 from pdgpu.model import Transformer
+from pdgpu.payload import fill_payload, payload_matches
 from pdgpu.recorder import Recorder, engine_metrics
 from pdgpu.source_cache import RequestKV, SourceCache
-from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Plan, Request, setup_check
+from pdgpu.workload import EngineConfig, Plan, Request, setup_check
 from pdref import events as ev
 from pdref.events import Mode
-from pdref.plan import Region, plan_chunks, plan_spans
+from pdref.plan import Region, Step, plan_chunks, plan_spans, plan_steps
 
 __all__ = ["DEBUG_BREAKS", "Engine", "EngineError", "Outcome", "RunResult"]
 
+
 class EngineError(RuntimeError):
-    """A run that cannot go on (every retry failed, admission refused)."""
+    """A run that cannot go on (every retry failed, admission refused, payload corrupted)."""
 
 
 @attrs.frozen
 class Outcome:
     req: str
-    first_token: int
+    first_token: int | None  # None in export-only runs (nothing was computed)
     attempts: int
     kv: torch.Tensor | None  # decoder slab KV [L, 2, suffix, KVH, D] when keep_kv
-
-
-@attrs.frozen
-class Attempt:
-    """One life of a request: its source pages and decoder slab."""
-
-    request: Request
-    src: RequestKV
-    slab: Slab
-    tokens: torch.Tensor  # [prompt] on the producer device
 
 
 @attrs.frozen
@@ -64,10 +62,31 @@ class RunResult:
     metrics: dict
 
 
+@attrs.define
+class _Pending:
+    """A step launched whose `computed` is not emitted yet."""
+
+    step: Step
+    start: object  # readiness marks (copier.Mark) before and after its compute
+    end: object
+
+
+@attrs.define
+class _Loop:
+    """The per-life state of the step loop."""
+
+    life: Life
+    pending: deque = attrs.Factory(deque)  # _Pending, in step order
+    ready: deque = attrs.Factory(deque)  # (Region, mark) computed and not yet issued
+    hidden: torch.Tensor | None = None  # [1, E] the last position's hidden state
+    layer_states: list | None = None  # layer mode: [n_i, E] per chunk, layer by layer
+
+
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig) -> None:
         self.model, self.config = model, config
         self.geometry = model.spec.geometry(config.page_tokens)
+        self.faults = Faults(config.fail_span, config.debug)
 
     def run(self, requests: list[Request]) -> RunResult:
         """Serve the requests back to back; the trace and metrics of the whole run."""
@@ -79,9 +98,12 @@ class Engine:
             with compute_threads(self.config.device, self.config.threads):
                 self.threads_used = torch.get_num_threads()
                 self.warmup_s = self._warm_up(requests) if self.config.warmup else None
+                self.ledger = Ledger(rec, self.source, self.pool, self.copier, self.geometry,
+                                     self.faults)
                 outcomes, wall = self._serve_all(rec, requests)
         finally:
             self.copier.close()
+        self._raise_copy_errors()
         rec.monitor.close()
         return RunResult(rec.header, tuple(rec.trace()), outcomes,
                          engine_metrics(rec, wall, self._extra_metrics()))
@@ -100,12 +122,15 @@ class Engine:
                  "model": self.model.spec.name, "engine": "pdgpu"}
         if c.link_gbps is not None:
             extra["link_gbps"] = c.link_gbps
+        if c.no_compute:
+            extra["no_compute"] = True
         return ev.Header("pdgpu", c.mode, self.geometry, pool_pages, c.max_pending,
                          extra=tuple(sorted(extra.items())))
 
     def _extra_metrics(self) -> dict:
         return {"link_gbps": self.config.link_gbps, "device": str(self.config.device),
                 "threads": self.threads_used, "warmup_s": self.warmup_s,
+                "no_compute": self.config.no_compute,
                 "staging_alloc_bytes": self.copier.staging_bytes,
                 "host_staging_bytes": self.copier.host_staging_bytes,
                 "source_alloc_bytes": self.copier.source_side_bytes}
@@ -119,7 +144,7 @@ class Engine:
         src = self.source.open(request.prompt)
         tokens = torch.tensor(request.tokens[:self.config.chunk], dtype=torch.int64,
                               device=self.config.device)
-        if len(tokens):
+        if len(tokens) and not self.config.no_compute:
             hidden = self.model.prefill_chunk(tokens, 0, src)[-1:]  # [1, E]
             self.model.logits(hidden)
         ready = self.copier.mark_ready()
@@ -130,9 +155,9 @@ class Engine:
             self.copier.warm_up([CopyJob(-1 - i, "warm-up", region.layers, region.tokens,
                                          src.slots, slab, ready)
                                  for i in range(self.copier.config.slots)])
-        self.source.close(src)
+        self.source.close(src)  # before t = 0 and any event: nothing reads these pages
         self.source.kv.zero_()  # on the compute stream, before the first request's prefill
-        self.copier.mark_ready()
+        self.copier.mark_ready().wait()
         return time.perf_counter() - start
 
     def _region_elems(self, region: Region) -> int:
@@ -156,6 +181,11 @@ class Engine:
                 return outcome
         raise EngineError(f"request {request.req!r}: copy failed on all {attempt} attempts")
 
+    def _raise_copy_errors(self) -> None:
+        """A violation raised on the copier's watcher (e.g. by a `land`) stops the run here."""
+        if self.copier.callback_error is not None:
+            raise self.copier.callback_error
+
     # -- one life of a request ---------------------------------------------------------------
 
     def _attempt(self, rec: Recorder, request: Request, attempt: int, first: bool):
@@ -164,144 +194,138 @@ class Engine:
         warm = self._warm_prefix(src, tokens, request.prefix)  # [1, E] or None
         if first:
             rec.restart_clock()  # t = 0 once the producer's prefix cache is warm
-        pages = rec.reserve(request.req, request.prompt, request.prefix)
-        att = Attempt(request, src, self.pool.slab(pages, request.prefix, request.prompt), tokens)
-        last = self._compute(rec, att)
-        hidden = warm if last is None else last  # [1, E]
+        loop = _Loop(self.ledger.reserve(request, src, tokens), hidden=warm)
+        self._run_steps(rec, loop)
         if rec.failed(request.req):
-            return self._abort(rec, att)
-        return self._finish(rec, att, self._first_token(rec, request.req, hidden), attempt)
+            return self._abort(loop.life)
+        token = self._first_token(rec, request.req, loop.hidden)
+        self.ledger.produced(request.req, 0 if token is None else token)
+        self.faults.after_produced(self.ledger, request.req)
+        self._issue_ready(rec, loop)  # whole mode's span goes out here
+        self._wait_all()
+        if rec.failed(request.req):
+            return self._abort(loop.life)
+        return self._admit(rec, loop.life, token, attempt)
 
-    def _first_token(self, rec: Recorder, req: str, hidden: torch.Tensor) -> int:
+    def _warm_prefix(self, src: RequestKV, tokens: torch.Tensor, prefix: int):
+        """The producer's prefix cache: K/V of [0, prefix) from an earlier request."""
+        hidden = None
+        for a, b in plan_chunks(0 if self.config.no_compute else prefix, 0, self.config.chunk):
+            hidden = self.model.prefill_chunk(tokens[a:b], a, src)[-1:]  # [1, E]
+        self.copier.mark_ready().wait()  # done on the device before the timed part starts
+        return hidden
+
+    def _first_token(self, rec: Recorder, req: str, hidden):
         """Final norm and LM head on the last position's hidden state [1, E]: greedy token."""
+        if self.config.no_compute:
+            return None
         start = rec.now()
         token = int(self.model.logits(hidden).argmax(dim=-1)[0])
         rec.stage(req, "head", start, rec.now(), resource="producer")
         return token
 
-    def _warm_prefix(self, src: RequestKV, tokens: torch.Tensor, prefix: int):
-        """The producer's prefix cache: K/V of [0, prefix) from an earlier request."""
-        hidden = None
-        for a, b in plan_chunks(prefix, 0, self.config.chunk):
-            hidden = self.model.prefill_chunk(tokens[a:b], a, src)[-1:]  # [1, E]
-        self.copier.mark_ready()  # done on the device too before the timed part starts
-        return hidden
+    # -- the step loop -----------------------------------------------------------------------
 
-    def _compute(self, rec: Recorder, att: Attempt):
-        if self.config.mode is Mode.LAYER:
-            return self._compute_layers(rec, att)
-        return self._compute_chunks(rec, att)
-
-    def _spans(self, att: Attempt) -> list[Region]:
-        return self._plan_spans(att.request)
-
-    def _compute_chunks(self, rec: Recorder, att: Attempt):
-        """Chunk-major prefill; in chunk mode each chunk's span goes out as it is done."""
-        r, hidden = att.request, None
-        spans = self._spans(att) if self.config.mode is Mode.CHUNK else []
-        for i, (a, b) in enumerate(plan_chunks(r.prompt, r.prefix, self.config.chunk)):
+    def _run_steps(self, rec: Recorder, loop: _Loop) -> None:
+        r, c = loop.life.request, self.config
+        steps = plan_steps(c.mode, self.geometry, r.prompt, r.prefix, c.chunk,
+                           compute=not c.no_compute)
+        for step in steps:
             if rec.failed(r.req):
-                return None
-            if spans and self.config.debug == "issue-early":
-                self._issue(rec, att, spans[i], self.copier.mark_ready())
-            start = rec.now()
-            hidden = self.model.prefill_chunk(att.tokens[a:b], a, att.src)[-1:]  # [1, E]
-            ready = self._computed(rec, att, (0, self.geometry.layers), (a, b), start)
-            if spans and self.config.debug != "issue-early":
-                self._issue(rec, att, spans[i], ready)
-        return hidden
+                return
+            if self.faults.issues_before_compute:
+                loop.ready.extend((s, self.copier.mark_ready()) for s in step.spans)
+                self._issue_ready(rec, loop)
+            start = self.copier.mark_ready()
+            self._compute(loop, step)
+            loop.pending.append(_Pending(step, start, self.copier.mark_ready()))
+            self._emit_computed(rec, loop, wait=False)
+            if c.mode is not Mode.WHOLE:
+                self._issue_ready(rec, loop)
+            self._raise_copy_errors()
+        self._emit_computed(rec, loop, wait=True)
 
-    def _compute_layers(self, rec: Recorder, att: Attempt):
-        """Layer-major prefill: each layer over the whole suffix, then its span goes out."""
-        r = att.request
-        chunks = plan_chunks(r.prompt, r.prefix, self.config.chunk)
-        hs = [self.model.embed(att.tokens[a:b]) for a, b in chunks]  # [n_i, E] each
-        for layer, span in enumerate(self._spans(att)):
-            if rec.failed(r.req):
-                return None
-            start = rec.now()
-            hs = [self.model.run_layer(layer, h, a, att.src)
-                  for h, (a, _) in zip(hs, chunks, strict=True)]  # [n_i, E] each
-            ready = self._computed(rec, att, (layer, layer + 1), (r.prefix, r.prompt), start)
-            self._issue(rec, att, span, ready)
-        return hs[-1][-1:] if hs else None
+    def _compute(self, loop: _Loop, step: Step) -> None:
+        """Launch one step's compute (on CUDA this only enqueues kernels)."""
+        life = loop.life
+        if self.config.no_compute:
+            fill_payload(life.src, step.layers, step.tokens)
+        elif self.config.mode is Mode.LAYER:
+            self._compute_layer(loop, step.layers[0])
+        else:
+            a, b = step.tokens
+            loop.hidden = self.model.prefill_chunk(life.tokens[a:b], a, life.src)[-1:]  # [1, E]
 
-    def _computed(self, rec: Recorder, att: Attempt, layers, tokens, start: float):
-        """Close a compute step: readiness marker, `stage compute`, `computed`, harvest."""
-        ready = self.copier.mark_ready()
-        rec.stage(att.request.req, "compute", start, rec.now(), resource="producer")
-        rec.emit(ev.Computed, att.request.req, layers, tokens)
-        self._harvest(rec, self.copier.poll())
-        return ready
+    def _compute_layer(self, loop: _Loop, layer: int) -> None:
+        """Layer-major prefill: this layer over every chunk of the suffix."""
+        life = loop.life
+        chunks = plan_chunks(life.request.prompt, life.request.prefix, self.config.chunk)
+        if loop.layer_states is None:
+            loop.layer_states = [self.model.embed(life.tokens[a:b]) for a, b in chunks]
+        loop.layer_states = [self.model.run_layer(layer, h, a, life.src)
+                             for h, (a, _) in zip(loop.layer_states, chunks, strict=True)]
+        loop.hidden = loop.layer_states[-1][-1:]  # [1, E]
 
-    # -- copies ------------------------------------------------------------------------------
+    def _emit_computed(self, rec: Recorder, loop: _Loop, wait: bool) -> None:
+        """`computed` (and its `compute` stage) for each launched step whose readiness mark
+        completed, in order; its spans become ready to issue."""
+        while loop.pending and (wait or loop.pending[0].end.done()):
+            done = loop.pending.popleft()
+            done.end.wait()
+            step = done.step
+            name = "fill" if self.config.no_compute else "compute"
+            rec.stage(loop.life.req, name, done.start.time(), done.end.time(),
+                      resource="producer", tokens=step.tokens)
+            self.ledger.computed(loop.life.req, step.layers, step.tokens)
+            loop.ready.extend((s, done.end) for s in step.spans)
 
-    def _issue(self, rec: Recorder, att: Attempt, region: Region, ready) -> None:
-        """Issue one span once pdref allows it: the producer blocks while max_pending fly."""
-        req = att.request.req
-        self._wait_for_slot(rec, req)
-        if rec.failed(req):
-            return
-        span = rec.next_span()
-        rec.emit(ev.Issue, req, span, region.layers, region.tokens, region.bytes(self.geometry))
-        self.copier.submit(CopyJob(span, req, region.layers, region.tokens, att.src.slots,
-                                   att.slab, ready, fail=span == self.config.fail_span))
-        if self.config.debug == "early-reuse":
-            rec.emit(ev.Reuse, req, (0, att.request.prompt))
+    def _issue_ready(self, rec: Recorder, loop: _Loop) -> None:
+        """Issue the ready spans in order, each once pdref's `can_issue` allows it."""
+        req = loop.life.req
+        while loop.ready:
+            self._wait_for_slot(rec, req)
+            if rec.failed(req):
+                return
+            region, ready = loop.ready.popleft()
+            self.ledger.issue(loop.life, region, ready)
 
     def _wait_for_slot(self, rec: Recorder, req: str) -> None:
-        if self.config.debug == "skip-block":
+        """Block (no compute) while the producer has max_pending spans in flight."""
+        if self.faults.skips_block:
             return
         start, waited = rec.now(), False
-        while not rec.ask("can_issue") and not rec.failed(req):
-            self._harvest(rec, [self.copier.wait()])
+        while True:
+            seen = self.copier.completions
+            if rec.ask("can_issue") or rec.failed(req):
+                break
+            self.copier.wait_progress(seen)
+            self._raise_copy_errors()
             waited = True
         if waited:
             rec.stage(req, "blocked", start, rec.now(), resource="producer")
 
-    def _harvest(self, rec: Recorder, results: list[CopyResult]) -> None:
-        """Publish finished copies: their stages, then `land` or `fail`."""
-        for result in results:
-            job = result.job
-            for s in result.stages:
-                rec.stage(job.req, s.name, s.start, s.end, job.span, s.resource)
-            if result.error is not None:
-                rec.emit(ev.Fail, job.req, job.span, result.error)
-                continue
-            rec.emit(ev.Land, job.req, job.span)
-            if self.config.debug == "double-land":
-                rec.emit(ev.Land, job.req, job.span)
+    def _wait_all(self) -> None:
+        self.copier.drain()
+        self._raise_copy_errors()
 
     # -- end of a life -----------------------------------------------------------------------
 
-    def _finish(self, rec: Recorder, att: Attempt, token: int, attempt: int):
-        req = att.request.req
-        rec.emit(ev.Produced, req, token)
-        if self.config.mode is Mode.WHOLE:
-            for region in self._spans(att):
-                self._issue(rec, att, region, self.copier.mark_ready())
-        if self.config.debug == "admit-early":
-            rec.emit(ev.Admit, req)
-        self._harvest(rec, self.copier.drain())
-        if rec.failed(req):
-            return self._abort(rec, att)
-        return self._admit(rec, att, token, attempt)
-
-    def _admit(self, rec: Recorder, att: Attempt, token: int, attempt: int) -> Outcome:
-        req = att.request.req
-        rec.emit(ev.Reuse, req, (0, att.request.prompt))
-        self.source.close(att.src)
+    def _admit(self, rec: Recorder, life: Life, token, attempt: int) -> Outcome:
+        req = life.req
+        self.ledger.free_source(life)
         if not rec.ask("can_admit", req):
             raise EngineError(f"request {req!r}: pdref refuses admission after every span landed")
-        rec.emit(ev.Admit, req)
-        kv = self.pool.read_slab(att.slab) if self.config.keep_kv else None
-        rec.emit(ev.Release, req)
+        self.ledger.admit(req)
+        if self.config.no_compute and not payload_matches(self.pool, life.slab):
+            raise EngineError(f"request {req!r}: the decoder's KV is not the payload sent")
+        kv = self.pool.read_slab(life.slab) if self.config.keep_kv else None
+        self.ledger.release(life)
         return Outcome(req, token, attempt, kv)
 
-    def _abort(self, rec: Recorder, att: Attempt) -> None:
-        """A copy failed: let every copy in flight finish, abort, return all pages."""
-        self._harvest(rec, self.copier.drain())
-        rec.emit(ev.Abort, att.request.req, "copy failed")
-        self.source.close(att.src)
-        self.pool.scrub(att.slab)  # the retry must rewrite every byte it relies on
+    def _abort(self, life: Life) -> None:
+        """A copy failed (and was fenced): let the others finish, free the source pages,
+        abort; the decoder pages come back as pdref's pool frees them."""
+        self._wait_all()
+        self.ledger.free_source(life)
+        self.ledger.abort(life, "copy failed")
         return None

@@ -1,22 +1,27 @@
 """The engine's line to pdref: every protocol event goes through a live Monitor as it happens.
 
 Protocol events are stamped with the run clock and applied at once (a violation raises and
-stops the run). `stage` events are timed by whoever did the work (the copy worker reports a
-stage after it ends, with its real start), so they are kept aside, checked for form, and
-merged into the trace by time when the run ends.
+stops the run). Both the engine's thread and the copier's watcher emit (a span lands when
+the watcher sees its last stage complete), so stamping and applying hold one lock: `t` never
+decreases in emission order. `stage` events are timed by whoever did the work (a stage is
+reported after it ends, with its real start, earlier than events emitted meanwhile), so they
+are checked for form (`end >= t`) and the Monitor's per-event rule, kept aside, and merged
+into the trace by time when the run ends.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 from pdref import events as ev
+from pdref.apply import apply
 from pdref.metrics import run_metrics
 from pdref.monitor import Monitor
 from pdref.violations import Violation
 
-STAGE_NAMES = ("compute", "head", "blocked", "gather", "d2h", "h2d")
+STAGE_NAMES = ("compute", "head", "blocked", "fill", "gather", "d2h", "h2d")
 
 
 class Recorder:
@@ -29,6 +34,7 @@ class Recorder:
         self.monitor = Monitor(header, sink=self.protocol.append)
         self.check_s = 0.0
         self._spans = itertools.count()
+        self._lock = threading.RLock()
         self.t0 = time.perf_counter()
 
     def restart_clock(self) -> None:
@@ -45,20 +51,22 @@ class Recorder:
 
     def emit(self, cls, *fields):
         """Stamp, check live and record one protocol event; raises Violation."""
-        event = cls(self.now(), *fields)
-        start = time.perf_counter()
-        try:
-            self.monitor.emit(event)
-        finally:
-            self.check_s += time.perf_counter() - start
+        with self._lock:
+            event = cls(self.now(), *fields)
+            start = time.perf_counter()
+            try:
+                self.monitor.emit(event)
+            finally:
+                self.check_s += time.perf_counter() - start
         return event
 
     def reserve(self, req: str, prompt: int, prefix: int) -> tuple[int, ...]:
-        start = time.perf_counter()
-        try:
-            return self.monitor.reserve(self.now(), req, prompt, prefix)
-        finally:
-            self.check_s += time.perf_counter() - start
+        with self._lock:
+            start = time.perf_counter()
+            try:
+                return self.monitor.reserve(self.now(), req, prompt, prefix)
+            finally:
+                self.check_s += time.perf_counter() - start
 
     def ask(self, query: str, *args) -> bool:
         """A Monitor query (can_issue, can_admit ...), timed as live-check cost."""
@@ -72,10 +80,18 @@ class Recorder:
         life = self.monitor.state.live(req)
         return life is not None and life.failed
 
-    def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None):
+    def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None,
+              tokens=None):
         if end < start:
             raise Violation("TRACE-2", f"stage {name} ends at {end}, before it starts at {start}")
-        self.stages.append(ev.Stage(start, req, name, end, span, resource))
+        event = ev.Stage(start, req, name, end, span, resource, tokens)
+        with self._lock:
+            apply(self.monitor.state, event)
+            self.stages.append(event)
+
+    def spec_free(self, page: int) -> bool:
+        """Whether the specification's pool has this decoder page free."""
+        return self.monitor.state.pool.free.covers((page, page + 1))
 
     def trace(self) -> list:
         """Every event in time order (stable: protocol order is kept among equal times)."""

@@ -5,18 +5,10 @@ from __future__ import annotations
 import attrs
 import torch
 
+from pdgpu.faults import DEBUG_BREAKS
 from pdref.events import Mode
 from pdref.models import ModelSpec
 from pdref.plan import PlanError, plan_spans, validate_workload
-
-# Debug switches that break the protocol on purpose, and the code the live check must give.
-DEBUG_BREAKS = {
-    "issue-early": "COPY-1",  # issue a chunk's span before computing it (no readiness)
-    "skip-block": "COPY-2",  # issue without waiting for a free slot under max_pending
-    "early-reuse": "COPY-3",  # free the source pages while spans still read them
-    "double-land": "REQ-1",  # land a span twice
-    "admit-early": "ADM-1",  # admit right after produced, spans still in flight
-}
 
 
 class WorkloadError(ValueError):
@@ -39,6 +31,7 @@ class EngineConfig:
     keep_kv: bool = False  # keep a copy of each request's decoder KV (parity checks)
     threads: int | None = None  # torch compute threads; None: one core left for the copier
     warmup: bool = True  # before t = 0: touch every copy-path buffer, prefill one chunk
+    no_compute: bool = False  # export only: a known payload instead of prefill (pdgpu.payload)
 
 
 @attrs.frozen
@@ -127,7 +120,7 @@ def setup_check(spec: ModelSpec, config: EngineConfig, requests: list[Request]) 
     if config.mode is Mode.LAYER and spec.recurrent:
         raise WorkloadError("mode layer is refused for a recurrent model (CFG-1): "
                             "layer streaming carries attention KV only")
-    if config.debug is not None and config.debug not in tuple(DEBUG_BREAKS):
+    if config.debug is not None and config.debug not in DEBUG_BREAKS:
         raise WorkloadError(f"debug must be one of {', '.join(tuple(DEBUG_BREAKS))}")
     _check_devices(config)
     if not requests:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import pytest
 import torch
 
-from pdgpu.copier import Copier, CopierConfig, CopyJob, measure_copy_bandwidth
+from pdgpu.copier import Backend, Copier, CopierConfig, CopyJob, measure_copy_bandwidth
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.source_cache import SourceCache, gather, token_slots
+from pdgpu.streams import CudaLane, EventClock, HostMark, record
 from pdref.geometry import Geometry
 
 GEO = Geometry(layers=3, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)
@@ -49,21 +52,27 @@ def test_write_span_lands_in_the_slab_pages_only():
     assert int((pool.kv != 0).sum()) == int((kv != 0).sum())
 
 
-def _copier(slots=2, link=None, span_elems=3 * 2 * 8 * 2 * 4):
+def _clock():
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start
+
+
+def _copier(slots=2, link=None, span_elems=3 * 2 * 8 * 2 * 4, on_done=None, backend=None):
     source, request = _filled_source()
     pool = DecoderPool(GEO, 8, "cpu", torch.float32)
-    start = time.perf_counter()
-    copier = Copier(CopierConfig(slots, span_elems, link), source.kv, pool,
-                    lambda: time.perf_counter() - start)
+    clock = backend.clock if backend is not None else _clock()
+    copier = Copier(CopierConfig(slots, span_elems, link), source.kv, pool, clock, on_done,
+                    backend)
     return copier, source, request, pool
 
 
-def _job(copier, request, slab, span, tokens, fail=False):
-    return CopyJob(span, "r", (0, 3), tokens, request.slots, slab, copier.mark_ready(), fail)
+def _job(copier, request, slab, span, tokens, fail=False, ready=None):
+    return CopyJob(span, "r", (0, 3), tokens, request.slots, slab,
+                   ready or copier.mark_ready(), fail)
 
 
 def test_copier_moves_spans_into_the_decoder_in_order():
-    """Spans submitted to the worker land byte-exact in the slab, results in order."""
+    """Spans submitted to the lanes land byte-exact in the slab, results in order."""
     copier, source, request, pool = _copier()
     slab = pool.slab((4, 0, 7, 2, 5), 0, 20)
     try:
@@ -77,8 +86,9 @@ def test_copier_moves_spans_into_the_decoder_in_order():
     assert torch.equal(pool.read_slab(slab)[:, :, :16], source.kv[:, :, request.slots[:16]])
 
 
-def test_copier_refuses_more_than_its_ring():
-    """A third span with two staging buffers in use is refused, not queued."""
+def test_copier_refuses_more_than_its_ring_until_a_span_completed():
+    """A third span with two staging slots in use is refused, not queued; once a span
+    completed its slot takes the next one."""
     copier, _, request, pool = _copier(slots=2, link=0.0001)
     slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
     try:
@@ -86,14 +96,33 @@ def test_copier_refuses_more_than_its_ring():
         copier.submit(_job(copier, request, slab, 1, (4, 8)))
         with pytest.raises(RuntimeError, match="max_pending"):
             copier.submit(_job(copier, request, slab, 2, (8, 12)))
-        assert len(copier.drain()) == 2 and copier.in_flight == 0
+        assert copier.wait().job.span == 0
+        copier.submit(_job(copier, request, slab, 2, (8, 12)))
+        copier.drain()
+        assert copier.in_flight == 0 and copier.free_slots == 2
     finally:
         copier.close()
 
 
-def test_injected_fault_is_reported_not_raised():
-    """A failing copy comes back as a result with the error; the worker keeps working."""
-    copier, _, request, pool = _copier()
+def test_slot_is_free_before_on_done_and_in_flight_counts_it_until_after():
+    """The watcher returns a span's slot before reporting it (a land may be followed by an
+    issue at once) and counts it in flight until the report is done (drain sees the land)."""
+    seen = []
+    copier, _, request, pool = _copier(
+        slots=1, on_done=lambda r: seen.append((copier.free_slots, copier.in_flight)))
+    slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
+    try:
+        copier.submit(_job(copier, request, slab, 0, (0, 8)))
+        copier.drain()
+    finally:
+        copier.close()
+    assert seen == [(1, 1)] and copier.in_flight == 0
+
+
+def test_injected_fault_is_reported_after_its_writer_stopped():
+    """A failing copy comes back as a result with the error, after writing half the span;
+    the lanes keep working for the next span."""
+    copier, source, request, pool = _copier()
     slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8), fail=True))
@@ -102,10 +131,14 @@ def test_injected_fault_is_reported_not_raised():
     finally:
         copier.close()
     assert "injected fault on span 0" in failed.error and ok.error is None
+    landed = pool.read_slab(slab)
+    assert torch.equal(landed[:, :, :4], source.kv[:, :, request.slots[:4]])
+    assert not landed[:, :, 4:8].any()
+    assert failed.done_t >= max(s.end for s in failed.stages)
 
 
-def test_link_pacing_stretches_the_h2d_stage():
-    """At link_gbps the h2d stage lasts at least bytes / bandwidth."""
+def test_link_pacing_holds_each_direction():
+    """At link_gbps both the d2h and the h2d stage last at least bytes / bandwidth."""
     copier, _, request, pool = _copier(link=0.001)
     slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
     try:
@@ -113,8 +146,44 @@ def test_link_pacing_stretches_the_h2d_stage():
         result = copier.wait()
     finally:
         copier.close()
-    h2d = next(s for s in result.stages if s.name == "h2d")
-    assert h2d.end - h2d.start >= 3 * 2 * 8 * 2 * 4 * 4 / 1e6 * 0.95
+    floor = 3 * 2 * 8 * 2 * 4 * 4 / 1e6 * 0.95
+    for name in ("d2h", "h2d"):
+        stage = next(s for s in result.stages if s.name == name)
+        assert stage.end - stage.start >= floor, name
+
+
+def test_spans_pipeline_d2h_of_the_next_overlaps_h2d_of_the_previous():
+    """Stages of different spans overlap: span k+1's d2h runs while span k's h2d does, so
+    n spans take about (n + 1) link times, not 2n."""
+    copier, _, request, pool = _copier(slots=2, link=0.0005)
+    slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
+    try:
+        copier.submit(_job(copier, request, slab, 0, (0, 8)))
+        copier.submit(_job(copier, request, slab, 1, (8, 16)))
+        first, second = copier.wait(), copier.wait()
+    finally:
+        copier.close()
+    stage = {(r.job.span, s.name): s for r in (first, second) for s in r.stages}
+    assert stage[1, "d2h"].start < stage[0, "h2d"].end
+    assert stage[1, "d2h"].start >= stage[0, "d2h"].end  # one direction: one at a time
+    assert stage[1, "h2d"].start >= stage[0, "h2d"].end
+    assert stage[0, "h2d"].start >= stage[0, "d2h"].end  # a span's stages in order
+
+
+def test_gather_waits_for_the_readiness_mark():
+    """A span whose readiness mark is not done yet is not gathered until it is."""
+    copier, _, request, pool = _copier()
+    slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
+    ready = HostMark(copier.clock)
+    try:
+        copier.submit(_job(copier, request, slab, 0, (0, 8), ready=ready))
+        time.sleep(0.05)
+        assert copier.in_flight == 1 and not pool.kv.any()
+        ready.set()
+        result = copier.wait()
+    finally:
+        copier.close()
+    assert result.error is None and result.stages[0].start >= ready.time()
 
 
 def test_staging_is_allocated_once_for_the_ring():
@@ -129,3 +198,122 @@ def test_copy_bandwidth_probe_reports_both_directions():
     """The bandwidth probe returns positive GB/s for d2h and h2d."""
     bw = measure_copy_bandwidth("cpu", 1 << 20, repeats=2)
     assert bw["d2h_gbps"] > 0 and bw["h2d_gbps"] > 0 and bw["pinned"] is False
+
+
+# -- the CUDA path's structure on a fake device: streams log what is enqueued, events
+#    complete only when the test lets the fake device run ------------------------------------
+
+
+class FakeDevice:
+    """Events recorded on fake streams complete when `run()` is called (in record order)."""
+
+    def __init__(self) -> None:
+        self.recorded, self.syncs, self.lock = [], [], threading.Lock()
+
+    def run(self) -> float:
+        time.sleep(0.02)  # let the lanes enqueue what they can
+        with self.lock:
+            for event in self.recorded:
+                event.complete()
+        return time.perf_counter()
+
+
+class FakeEvent:
+    device: FakeDevice
+
+    def __init__(self, enable_timing=False) -> None:
+        self.done, self.t = threading.Event(), None
+
+    def record(self, stream) -> None:
+        stream.log.append(("record", self, threading.current_thread().name))
+        with self.device.lock:
+            self.device.recorded.append(self)
+
+    def complete(self) -> None:
+        if not self.done.is_set():
+            self.t = time.perf_counter()
+            self.done.set()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.device.syncs.append(threading.current_thread().name)
+        self.done.wait()
+
+    def elapsed_time(self, other) -> float:
+        return (other.t - self.t) * 1e3
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name, self.log = name, []
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait", event, threading.current_thread().name))
+
+    def synchronize(self) -> None:
+        raise AssertionError("the copy path never synchronizes a stream")
+
+
+class FakeCudaBackend(Backend):
+    """Backend with CUDA lanes on fake streams (gather and d2h share the producer's copy
+    stream, h2d has the decoder's) and readiness marks recorded on a fake compute stream."""
+
+    def __init__(self, clock, device: FakeDevice) -> None:
+        self.producer = self.decoder = torch.device("cpu")
+        self.clock, self.cuda = clock, False
+        anchor = FakeEvent()
+        anchor.complete()
+        self.events = EventClock.__new__(EventClock)
+        self.events.clock, self.events.anchor = clock, anchor
+        self.events.anchor_abs = anchor.t
+        self.compute = FakeStream("compute")
+        copy, decode = FakeStream("copy"), FakeStream("decode")
+        self.lanes = {"gather": CudaLane("gather", clock, None, copy, self.events),
+                      "d2h": CudaLane("d2h", clock, None, copy, self.events),
+                      "h2d": CudaLane("h2d", clock, None, decode, self.events)}
+
+    def mark_ready(self):
+        return record(self.compute, self.events)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    device = FakeDevice()
+    FakeEvent.device = device
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    return device
+
+
+def test_cuda_lanes_chain_events_and_report_only_after_the_device_ran(fake_cuda):
+    """On the CUDA path the lanes only enqueue: each stage waits the previous stage's event
+    on its stream (gather waits the readiness event), nothing is reported and no slot comes
+    back before the h2d event completed, and only the watcher ever waits for an event."""
+    reports = []
+    backend = FakeCudaBackend(_clock(), fake_cuda)
+    copier, _, request, pool = _copier(slots=2, on_done=reports.append, backend=backend)
+    slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
+    try:
+        readies = [copier.mark_ready(), copier.mark_ready()]
+        for span, tokens in ((0, (0, 8)), (1, (8, 16))):
+            copier.submit(_job(copier, request, slab, span, tokens, ready=readies[span]))
+        time.sleep(0.05)
+        assert reports == [] and copier.free_slots == 0 and copier.in_flight == 2
+        fake_cuda.run()
+        copier.drain()
+    finally:
+        copier.close()
+    log = backend.lanes["gather"].stream.log + backend.lanes["h2d"].stream.log
+    waits = {lane: [e for op, e, t in log if op == "wait" and t == f"pdgpu-{lane}"]
+             for lane in ("gather", "d2h", "h2d")}
+    ends = {lane: [e for op, e, t in log if op == "record" and t == f"pdgpu-{lane}"][1::2]
+            for lane in ("gather", "d2h", "h2d")}  # each stage records a start and an end
+    assert waits["gather"] == [r.event for r in readies]
+    assert waits["d2h"] == ends["gather"] and waits["h2d"] == ends["d2h"]
+    assert all(t == "pdgpu-h2d" for *_, t in backend.lanes["h2d"].stream.log)
+    assert [r.job.span for r in reports] == [0, 1] and all(r.error is None for r in reports)
+    assert all(r.done_t >= max(s.end for s in r.stages) for r in reports)
+    assert set(fake_cuda.syncs) == {"pdgpu-watcher"}
+    assert copier.free_slots == 2

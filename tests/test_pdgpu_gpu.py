@@ -6,9 +6,10 @@ import attrs
 import pytest
 import torch
 
-from pdgpu.copier import CudaBackend, measure_copy_bandwidth
+from pdgpu.copier import measure_copy_bandwidth
 from pdgpu.engine import Engine
 from pdgpu.model import build_model
+from pdgpu.streams import CudaLane
 from pdgpu.workload import EngineConfig, Request
 from pdref import events as ev
 from pdref.check import check_lines
@@ -43,7 +44,8 @@ def test_cuda_modes_are_bit_identical_and_traces_check(decoder):
         engine = Engine(model, EngineConfig(mode, chunk=48, device="cuda",
                                             decoder_device=decoder, keep_kv=True))
         runs[mode] = engine.run(request)
-        assert isinstance(engine.copier.backend, CudaBackend)
+        assert all(isinstance(engine.copier.backend.lanes[n], CudaLane) for n in ("gather", "d2h"))
+        assert isinstance(engine.copier.backend.lanes["h2d"], CudaLane) == (decoder == "cuda")
         assert all(r.host.is_pinned() for r in engine.copier.rings)
         assert _check(runs[mode]), mode
     base = runs["whole"].outcomes[0]

@@ -1,0 +1,107 @@
+"""Every resource operation of a run, each one call with the event pdref checks.
+
+Freeing or overwriting source pages (`reuse`), taking and returning decoder pages (`reserve`,
+`release`, `abort`, `fence`), issuing copies (`issue`), publishing spans (`land`): the engine
+does these only here, and each call emits its event first, so the live Monitor refuses an
+illegal one before anything is freed, written or admitted (freeing source pages under a copy
+in flight is COPY-3, live).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from pdgpu.copier import Copier, CopyJob, CopyResult
+from pdgpu.decoder_pool import DecoderPool, Slab
+from pdgpu.faults import Faults
+from pdgpu.recorder import Recorder
+from pdgpu.source_cache import RequestKV, SourceCache
+from pdgpu.workload import Request
+from pdref import events as ev
+from pdref.geometry import Geometry
+from pdref.plan import Region
+
+
+@attrs.frozen
+class Life:
+    """One life of a request: its source pages and decoder slab."""
+
+    request: Request
+    src: RequestKV
+    slab: Slab
+    tokens: torch.Tensor  # [prompt] on the producer device
+
+    @property
+    def req(self) -> str:
+        return self.request.req
+
+
+class Ledger:
+    def __init__(self, rec: Recorder, source: SourceCache, pool: DecoderPool, copier: Copier,
+                 geometry: Geometry, faults: Faults) -> None:
+        self.rec, self.source, self.pool, self.copier = rec, source, pool, copier
+        self.geometry, self.faults = geometry, faults
+        self.fences = rec.header.version >= 2
+        copier.on_done = self.copy_done
+
+    def reserve(self, request: Request, src: RequestKV, tokens: torch.Tensor) -> Life:
+        """A decoder slab for the request's suffix: pdref's reserve picks the pages, this
+        pool takes exactly those."""
+        pages = self.rec.reserve(request.req, request.prompt, request.prefix)
+        self.pool.take(pages)
+        return Life(request, src, self.pool.slab(pages, request.prefix, request.prompt), tokens)
+
+    def computed(self, req: str, layers, tokens) -> None:
+        self.rec.emit(ev.Computed, req, layers, tokens)
+
+    def issue(self, life: Life, region: Region, ready) -> int:
+        """`issue` the span (refused live: COPY-1, COPY-2 ...), then hand it to the copier."""
+        span = self.rec.next_span()
+        self.rec.emit(ev.Issue, life.req, span, region.layers, region.tokens,
+                      region.bytes(self.geometry))
+        self.copier.submit(CopyJob(span, life.req, region.layers, region.tokens, life.src.slots,
+                                   life.slab, ready, fail=self.faults.fails(span)))
+        self.faults.after_issue(self, life)
+        return span
+
+    def copy_done(self, result: CopyResult) -> None:
+        """On the copier's watcher, as soon as a span's last stage completed: its stages,
+        then `land`, or `fail` and (version 2) `fence`: every stage of it has completed, so
+        its writer has stopped."""
+        job = result.job
+        for s in result.stages:
+            self.rec.stage(job.req, s.name, s.start, s.end, job.span, s.resource)
+        if result.error is None:
+            self.land(job.req, job.span)
+            self.faults.after_land(self, job.req, job.span)
+            return
+        self.rec.emit(ev.Fail, job.req, job.span, result.error)
+        if self.fences:
+            self.rec.emit(ev.Fence, job.req, job.span)
+
+    def land(self, req: str, span: int) -> None:
+        self.rec.emit(ev.Land, req, span)
+
+    def free_source(self, life: Life) -> None:
+        """`reuse` every token of the request (refused live while a span reads one), then
+        the source pages go back: the next request may overwrite them."""
+        self.rec.emit(ev.Reuse, life.req, (0, life.request.prompt))
+        self.source.close(life.src)
+
+    def produced(self, req: str, token: int) -> None:
+        self.rec.emit(ev.Produced, req, token)
+
+    def admit(self, req: str) -> None:
+        self.rec.emit(ev.Admit, req)
+
+    def release(self, life: Life) -> None:
+        self.rec.emit(ev.Release, life.req)
+        self.pool.follow(self.rec.spec_free)
+
+    def abort(self, life: Life, reason: str) -> None:
+        """Scrub the slab (a retry must rewrite every byte it relies on), `abort`, and give
+        back the pages the specification has free again."""
+        self.pool.scrub(life.slab)
+        self.rec.emit(ev.Abort, life.req, reason)
+        self.pool.follow(self.rec.spec_free)
