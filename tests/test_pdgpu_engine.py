@@ -6,14 +6,19 @@ import attrs
 import pytest
 import torch
 
-from pdgpu.engine import Engine, EngineError
+from pdgpu.decoder_pool import DecoderPool
+from pdgpu.engine import Engine, EngineError, _Loop, _Pending
+from pdgpu.ledger import Ledger
 from pdgpu.model import build_model
+from pdgpu.payload import fill_payload, payload_matches, payload_values
 from pdgpu.recorder import Recorder
 from pdgpu.source_cache import SourceCache
+from pdgpu.streams import HostMark
 from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
 from pdref import events as ev
 from pdref.check import check_lines
 from pdref.models import load_model
+from pdref.plan import Region, plan_steps
 from pdref.trace import dumps
 from pdref.violations import Violation
 
@@ -224,3 +229,123 @@ def test_warm_up_zeroes_the_caches_it_used():
         engine.copier.close()
     assert not engine.pool.kv.any() and not engine.source.kv.any()
     assert all(ring.host.abs().sum() > 0 for ring in engine.copier.rings)  # touched
+
+
+def _engine_with_ledger(mode="chunk", prompt=64, **kw):
+    """An engine with its buffers, copier and Ledger set up (no request served yet)."""
+    engine = Engine(MODELS["qwen3"], EngineConfig(mode, chunk=16, **kw))
+    request = Request("r", _tokens(prompt), 0)
+    plan = setup_check(MODELS["qwen3"].spec, engine.config, [request])
+    rec = Recorder(engine._header(plan.pool_pages))
+    engine._allocate(plan, rec)
+    engine.ledger = Ledger(rec, engine.source, engine.pool, engine.copier, engine.geometry,
+                           engine.faults)
+    return engine, rec, request
+
+
+def test_freeing_source_pages_under_a_copy_in_flight_is_refused_before_freeing():
+    """Ledger.free_source emits `reuse` first: with a span in flight it is COPY-3, live, and
+    the source pages are still held afterwards."""
+    engine, rec, request = _engine_with_ledger(link_gbps=0.0002)
+    try:
+        src = engine.source.open(request.prompt)
+        life = engine.ledger.reserve(request, src, torch.tensor(request.tokens))
+        engine.ledger.computed("r", (0, TINY.layers), (0, 16))
+        engine.ledger.issue(life, Region((0, TINY.layers), (0, 16)), engine.copier.mark_ready())
+        free_before = engine.source.pool.free_pages
+        with pytest.raises(Violation) as info:
+            engine.ledger.free_source(life)
+        assert info.value.code == "COPY-3"
+        assert engine.source.pool.free_pages == free_before
+        engine.copier.drain()
+    finally:
+        engine.copier.close()
+
+
+def test_computed_waits_for_the_steps_readiness_mark():
+    """`computed` (and the span it readies) comes only once the step's readiness mark is done:
+    a launched step whose mark is pending emits nothing yet."""
+    engine, rec, request = _engine_with_ledger()
+    try:
+        src = engine.source.open(request.prompt)
+        loop = _Loop(engine.ledger.reserve(request, src, torch.tensor(request.tokens)))
+        step = plan_steps("chunk", engine.geometry, request.prompt, 0, 16)[0]
+        end = HostMark(rec.now)
+        loop.pending.append(_Pending(step, HostMark.now(rec.now), end))
+        engine._emit_computed(rec, loop, wait=False)
+        assert not any(e.kind == "computed" for e in rec.protocol) and not loop.ready
+        end.set()
+        engine._emit_computed(rec, loop, wait=False)
+        assert [e.kind for e in rec.protocol].count("computed") == 1
+        assert [r for r, _ in loop.ready] == list(step.spans)
+    finally:
+        engine.copier.close()
+
+
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+def test_engine_computes_and_issues_in_the_step_schedule(mode):
+    """The trace's `computed` regions are plan_steps' steps in order and its `issue` regions
+    the spans they make ready, in order."""
+    result = _run(mode, [Request("r", _tokens(70), 16)], chunk=24)
+    steps = plan_steps(mode, TINY.geometry(16), 70, 16, 24)
+    computed = [(e.layers, e.tokens) for e in result.events if e.kind == "computed"]
+    issued = [(e.layers, e.tokens) for e in result.events if e.kind == "issue"]
+    assert computed == [(s.layers, s.tokens) for s in steps]
+    assert issued == [(r.layers, r.tokens) for s in steps for r in s.spans]
+
+
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+def test_export_only_lands_the_payload_byte_exact(mode):
+    """--no-compute: the payload, not a prefill, is handed off in the mode's spans; the
+    decoder's slab holds it exactly, and the trace checks."""
+    result = _run(mode, [Request("r", (0,) * 90, 16)], chunk=32, no_compute=True)
+    kv = result.outcomes[0].kv  # [L, 2, 74, KVH, D]
+    for layer in range(TINY.layers):
+        want = payload_values(layer, (16, 90), kv.dtype, kv.device)[0, :, 0, 0]  # [74]
+        assert torch.equal(kv[layer, :, :, :, :], want.view(1, -1, 1, 1).expand_as(kv[layer]))
+    assert result.outcomes[0].first_token is None
+    assert [e.kind for e in result.events].count("computed") == 1
+    assert _check(result).ok
+
+
+def test_payload_check_catches_a_misplaced_token():
+    """payload_matches refuses a slab where one token's K/V is another token's payload."""
+    engine, rec, request = _engine_with_ledger(prompt=40)
+    try:
+        slab = engine.pool.slab(tuple(range(3)), 0, 40)
+        src = engine.source.open(40)
+        fill_payload(src, (0, TINY.layers), (0, 40))
+        engine.pool.kv.index_copy_(2, slab.slots, engine.source.kv.index_select(2, src.slots))
+        assert payload_matches(engine.pool, slab)
+        engine.pool.kv[1, 0, int(slab.slots[7])] = engine.pool.kv[1, 0, int(slab.slots[8])]
+        assert not payload_matches(engine.pool, slab)
+    finally:
+        engine.copier.close()
+
+
+def test_failure_path_fences_before_abort_and_pages_follow_the_spec():
+    """A failed span: `fail`, then (version 2) `fence` of that span, then `abort` and the
+    retry; the decoder pool holds no page at the end, as the specification's pool."""
+    engine = Engine(MODELS["qwen3"], EngineConfig("chunk", chunk=16, keep_kv=True,
+                                                  fail_span=1, link_gbps=0.001))
+    result = engine.run([Request("r", _tokens(96), 0)])
+    kinds = [e.kind for e in result.events if e.kind != "stage"]
+    if result.header.version >= 2:
+        assert kinds.index("fail") < kinds.index("fence") < kinds.index("abort")
+        fence = next(e for e in result.events if e.kind == "fence")
+        assert fence.span == next(e for e in result.events if e.kind == "fail").span
+    assert kinds.index("abort") < len(kinds) - 1 - kinds[::-1].index("reserve")
+    assert engine.pool.held == frozenset()
+    assert _check(result).ok
+
+
+def test_decoder_pool_takes_only_free_pages_and_follows_the_spec():
+    """take() refuses a page still held; follow() gives back only pages the spec has free."""
+    pool = DecoderPool(TINY.geometry(16), 4, "cpu", torch.float32)
+    pool.take((0, 1))
+    with pytest.raises(RuntimeError, match="page 1"):
+        pool.take((1, 2))
+    assert pool.follow(lambda page: page == 0) == (0,)
+    assert pool.held == frozenset({1})
+    pool.take((0, 2))
+    assert pool.held == frozenset({0, 1, 2})
