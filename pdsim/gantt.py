@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
+
 from pdsim.perfetto import lanes, pending_series
 from pdsim.plots import _png, plt
 
@@ -23,9 +26,25 @@ def gantt_png(events, title: str = "") -> bytes:
                        color=STAGE_COLORS.get(name, "tab:gray"), edgecolor="black", lw=0.2)
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
+    _legend(ax, sorted({name for _, name in bars}, key=_stage_order))
     ax.set_title(title, fontsize=9)
     series = pending_series(events)
     ax2.step([t * 1e3 for t, _ in series], [n for _, n in series], where="post")
     ax2.set_ylabel("spans in flight")
+    ax2.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_xlabel("ms")
     return _png(fig)
+
+
+def _stage_order(name: str) -> tuple[int, str]:
+    order = list(STAGE_COLORS)
+    return (order.index(name) if name in order else len(order), name)
+
+
+def _legend(ax, stages: list[str]) -> None:
+    """One colour key per stage drawn, outside the lanes so it hides no bar."""
+    handles = [Patch(facecolor=STAGE_COLORS.get(s, "tab:gray"), edgecolor="black", lw=0.2,
+                     label=s) for s in stages]
+    if handles:
+        ax.legend(handles=handles, title="stage", fontsize=7, title_fontsize=7,
+                  loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)

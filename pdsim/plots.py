@@ -19,6 +19,17 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def labels_title(labels: dict) -> str:
+    """A run's labels as a title: "qwen3-0.6b on a100-pcie (link pcie-gen4), bandwidth x2"."""
+    rest = {k: v for k, v in labels.items() if k not in ("model", "hw", "link")}
+    head = f"{labels.get('model', '?')} on {labels.get('hw', '?')}"
+    if "link" in labels:
+        head += f" (link {labels['link']})"
+    extra = [f"bandwidth x{v:g}" if k == "bandwidth_scale" else f"{k} {v}"
+             for k, v in rest.items()]
+    return ", ".join([head, *extra])
+
+
 def sweep_png(rows: list[dict], title: str = "") -> bytes:
     """Completion (top) and tail (bottom) vs chunk size per mode, one column per prompt."""
     from pdsim.sweep import best_chunks
@@ -32,8 +43,10 @@ def sweep_png(rows: list[dict], title: str = "") -> bytes:
                              squeeze=False, sharex=True)
     for col, prompt in enumerate(prompts):
         _sweep_column(axes[0][col], axes[1][col], shown, prompt, best[prompt])
-    fig.suptitle(f"{title}  max_pending {first['max_pending']}, "
-                 f"bandwidth x{first['bandwidth_scale']:g}", fontsize=8)
+    shown_as = f"max_pending {first['max_pending']}"
+    if first["bandwidth_scale"] != 1.0 or len({r["bandwidth_scale"] for r in rows}) > 1:
+        shown_as += f", --bandwidths factor x{first['bandwidth_scale']:g}"
+    fig.suptitle(f"{title}; plotted: {shown_as}", fontsize=9)
     return _png(fig)
 
 
@@ -45,9 +58,12 @@ def _sweep_column(top, bottom, rows: list[dict], prompt: int, best: dict) -> Non
             xs = [p[0] for p in pts]
             top.plot(xs, [p[1] * 1e3 for p in pts], "-o", color=color, label=mode)
             bottom.plot(xs, [p[2] * 1e3 for p in pts], "--o", color=color, label=mode)
+    chunks = sorted({r["chunk"] for r in rows if r["prompt"] == prompt})
     for ax in (top, bottom):
         ax.axvline(best["chunk"], color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(chunks, [str(c) for c in chunks])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
     top.set_ylabel("completion (handoff) ms")
     bottom.set_ylabel("unhidden tail ms")

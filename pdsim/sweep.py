@@ -11,7 +11,6 @@ import csv
 import functools
 import io
 import itertools
-import json
 import multiprocessing
 import sys
 
@@ -179,6 +178,6 @@ def _write_outputs(args, rows: list[dict], base: SimConfig) -> None:
         write_json(args.json, {"labels": dict(base.labels), "rows": rows,
                                "best": {str(k): v for k, v in best_chunks(rows).items()}})
     if args.png:
-        from pdsim.plots import sweep_png
+        from pdsim.plots import labels_title, sweep_png
 
-        write_atomic(args.png, sweep_png(rows, title=json.dumps(dict(base.labels))))
+        write_atomic(args.png, sweep_png(rows, title=labels_title(dict(base.labels))))
