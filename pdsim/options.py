@@ -69,7 +69,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="tokens the decoder already holds, a multiple of --page-tokens "
                         "(default: 0, or the CSV's prefix column)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
-    p.add_argument("--mode", choices=[m.value for m in Mode], default="whole",
+    p.add_argument("--mode", choices=[m.value for m in Mode], default="chunk",
                    help="handoff: whole = one copy after prefill, chunk = a copy per prefill "
                         "chunk, layer = a copy per layer of the whole suffix")
     p.add_argument("--max-pending", type=int, default=2,

@@ -71,3 +71,31 @@ def test_sweep_prefix_above_a_prompt_is_refused(capsys):
     err = _refused(["sweep", "--prompts", "64,128", "--prefix", "96", "--chunks", "64",
                     "--quiet"], capsys)
     assert "smallest 64" in err
+
+
+def test_default_mode_is_chunk_like_pdgpu(capsys):
+    """Without --mode, `pdsim run` hands off per chunk (pdgpu run's default too)."""
+    import json
+
+    assert main([*RUN, "--prompt", "1024", "--chunk", "256", "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["mode"] == "chunk" and metrics["spans"] == 4
+
+
+def test_readme_timeline_example_draws_the_mode_it_names(tmp_path, monkeypatch):
+    """The README's `pdsim timeline` line draws one copy per 256-token chunk."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from pdsim import gantt
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("pdsim timeline "))
+    argv = shlex.split(line.split("#")[0])[1:]
+    argv = [str(tmp_path / a) if re.fullmatch(r"t\.(png|json)", a) else a for a in argv]
+    drawn = []
+    monkeypatch.setattr(gantt, "gantt_png", lambda events, title: drawn.append(events) or b"")
+    assert main(argv) == 0
+    copies = [e for e in drawn[0] if e.kind == "stage" and e.name == "d2h"]
+    assert len(copies) == 8192 // 256
