@@ -20,3 +20,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, tuple | list) else default
         return f"{text} (default: {str(shown).replace('%', '%%')})"
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """ "1 request", "3 requests": a number with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
