@@ -20,7 +20,7 @@ from pdgpu.engine import Engine, EngineError, RunResult
 from pdgpu.model import build_model
 from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
 from pdref.check import check_lines
-from pdref.cli_format import DefaultsFormatter
+from pdref.cli_format import DefaultsFormatter, format_metrics
 from pdref.events import event_to_json, header_to_json
 from pdref.models import ModelSpec, ProfileError, load_model
 from pdref.trace import TraceWriter, dumps
@@ -86,8 +86,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-pages", type=_int(1),
                    help="decoder pool pages (default: just enough for one request)")
     p.add_argument("--link-gbps", type=_positive_float,
-                   help="pace host->decoder copies to this many GB/s, 1e9 bytes/s "
-                        "(default: unpaced)")
+                   help="pace each direction of the link (d2h, h2d) to this many GB/s, "
+                        "1e9 bytes/s (default: unpaced)")
     p.add_argument("--fail-span", type=_int(0),
                    help="make the copy of this span id fail (default: none fails)")
     p.add_argument("--retries", type=_int(0), default=2, help="retries after a failed copy")
@@ -216,10 +216,7 @@ def _print_metrics(metrics: dict, as_json: bool) -> None:
         print(json.dumps(metrics, default=str))
         return
     keys = list(METRIC_ORDER) + sorted(k for k in metrics if k not in METRIC_ORDER)
-    for key in keys:
-        value = metrics.get(key)
-        text = f"{value:.6f}" if isinstance(value, float) else str(value)
-        print(f"{key:>20}: {text}")
+    print(format_metrics(metrics, keys, width=20))
 
 
 def _prepare(args):

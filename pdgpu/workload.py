@@ -24,7 +24,7 @@ class EngineConfig:
     pool_pages: int | None = None  # None: just enough for the largest request
     device: str = "cpu"
     decoder_device: str = "cpu"
-    link_gbps: float | None = None  # pace the host->decoder stage to this many GB/s
+    link_gbps: float | None = None  # pace d2h and h2d (each direction) to this many GB/s
     fail_span: int | None = None  # the copy of this span id fails (fault injection)
     retries: int = 2
     debug: str | None = None  # a protocol-breaking switch of engine.DEBUG_BREAKS
