@@ -8,6 +8,7 @@ from pathlib import Path
 import attrs
 
 from pdref.apply import apply, check_end, initial_state
+from pdref.cli_format import count
 from pdref.trace import parse_lines
 from pdref.violations import Violation
 
@@ -29,7 +30,8 @@ class CheckResult:
 
     def text(self) -> str:
         if self.ok:
-            return f"{self.file}: ok: {self.events} events, {self.requests} requests"
+            return (f"{self.file}: ok: {count(self.events, 'event')}, "
+                    f"{count(self.requests, 'request')}")
         return f"{self.file}:{self.line}: {self.code} {self.message}"
 
 

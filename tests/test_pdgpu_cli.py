@@ -72,11 +72,11 @@ def test_debug_break_exits_1_with_the_code(tmp_path, capsys):
 
 
 BAD = [
-    (["--prompt", "0"], "prompt must be >= 1"),
-    (["--chunk", "0"], "chunk must be >= 1"),
+    (["--prompt", "0"], "--prompt: must be >= 1"),
+    (["--chunk", "0"], "--chunk: must be >= 1"),
     (["--prefix", "8"], "prefix must be a multiple of page_tokens"),
     (["--prefix", "96"], "prefix must be in [0, prompt=80]"),
-    (["--max-pending", "0"], "max_pending must be >= 1"),
+    (["--max-pending", "0"], "--max-pending: must be >= 1"),
     (["--model", "no-such-model"], "unknown profile"),
     (["--pool-pages", "2"], "pool_pages"),
     (["--tokens", "1,x,3"], "tokens"),

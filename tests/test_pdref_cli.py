@@ -84,7 +84,7 @@ def test_open_skips_end_of_trace_life1(partial, capsys):
     assert capsys.readouterr().out.strip() == f"{partial}:3: LIFE-1 " + \
         "trace ends with request 'r' holding 2 pages"
     assert main(["check", "--open", partial]) == 0
-    assert "ok: 2 events, 1 requests" in capsys.readouterr().out
+    assert "ok: 2 events, 1 request\n" in capsys.readouterr().out
 
 
 def test_open_still_refuses_real_violations(illegal, capsys):
