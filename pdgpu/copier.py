@@ -267,6 +267,11 @@ class Copier:
         if errors:
             raise RuntimeError(f"copier: warm-up copy failed: {errors[0]}")
 
+    def decoder_side(self):
+        """A context for decoder-pool work outside the spans (slab tables, scrubbing): on the
+        h2d lane's stream, so the span writes enqueued there later are ordered after it."""
+        return self.backend.lanes["h2d"].context()
+
     def zero_pool(self) -> None:
         """Zero the decoder pool where the h2d lane writes it, and wait for it."""
         lane = self.backend.lanes["h2d"]

@@ -239,11 +239,15 @@ class Engine:
             start = self.copier.mark_ready()
             self._compute(loop, step)
             loop.pending.append(_Pending(step, start, self.copier.mark_ready()))
-            self._emit_computed(rec, loop, wait=False)
+            self._emit_computed(rec, loop)
             if c.mode is not Mode.WHOLE:
                 self._issue_ready(rec, loop)
             self._raise_copy_errors()
-        self._emit_computed(rec, loop, wait=True)
+        while loop.pending and not rec.failed(r.req):  # the device may still be computing
+            loop.pending[0].end.wait()
+            self._emit_computed(rec, loop)
+            if c.mode is not Mode.WHOLE:
+                self._issue_ready(rec, loop)
 
     def _compute(self, loop: _Loop, step: Step) -> None:
         """Launch one step's compute (on CUDA this only enqueues kernels)."""
@@ -266,12 +270,11 @@ class Engine:
                              for h, (a, _) in zip(loop.layer_states, chunks, strict=True)]
         loop.hidden = loop.layer_states[-1][-1:]  # [1, E]
 
-    def _emit_computed(self, rec: Recorder, loop: _Loop, wait: bool) -> None:
+    def _emit_computed(self, rec: Recorder, loop: _Loop) -> None:
         """`computed` (and its `compute` stage) for each launched step whose readiness mark
-        completed, in order; its spans become ready to issue."""
-        while loop.pending and (wait or loop.pending[0].end.done()):
+        completed, in order (never waiting); its spans become ready to issue."""
+        while loop.pending and loop.pending[0].end.done():
             done = loop.pending.popleft()
-            done.end.wait()
             step = done.step
             name = "fill" if self.config.no_compute else "compute"
             rec.stage(loop.life.req, name, done.start.time(), done.end.time(),

@@ -50,7 +50,9 @@ class Ledger:
         pool takes exactly those."""
         pages = self.rec.reserve(request.req, request.prompt, request.prefix)
         self.pool.take(pages)
-        return Life(request, src, self.pool.slab(pages, request.prefix, request.prompt), tokens)
+        with self.copier.decoder_side():
+            slab = self.pool.slab(pages, request.prefix, request.prompt)
+        return Life(request, src, slab, tokens)
 
     def computed(self, req: str, layers, tokens) -> None:
         self.rec.emit(ev.Computed, req, layers, tokens)
@@ -102,6 +104,7 @@ class Ledger:
     def abort(self, life: Life, reason: str) -> None:
         """Scrub the slab (a retry must rewrite every byte it relies on), `abort`, and give
         back the pages the specification has free again."""
-        self.pool.scrub(life.slab)
+        with self.copier.decoder_side():
+            self.pool.scrub(life.slab)
         self.rec.emit(ev.Abort, life.req, reason)
         self.pool.follow(self.rec.spec_free)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import attrs
 import pytest
 import torch
 
+from pdgpu.copier import Backend
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine import Engine, EngineError, _Loop, _Pending
 from pdgpu.ledger import Ledger
@@ -272,10 +276,10 @@ def test_computed_waits_for_the_steps_readiness_mark():
         step = plan_steps("chunk", engine.geometry, request.prompt, 0, 16)[0]
         end = HostMark(rec.now)
         loop.pending.append(_Pending(step, HostMark.now(rec.now), end))
-        engine._emit_computed(rec, loop, wait=False)
+        engine._emit_computed(rec, loop)
         assert not any(e.kind == "computed" for e in rec.protocol) and not loop.ready
         end.set()
-        engine._emit_computed(rec, loop, wait=False)
+        engine._emit_computed(rec, loop)
         assert [e.kind for e in rec.protocol].count("computed") == 1
         assert [r for r, _ in loop.ready] == list(step.spans)
     finally:
@@ -349,3 +353,37 @@ def test_decoder_pool_takes_only_free_pages_and_follows_the_spec():
     assert pool.held == frozenset({1})
     pool.take((0, 2))
     assert pool.held == frozenset({0, 1, 2})
+
+
+class LaggingDevice:
+    """Readiness marks that complete `lag` s after they are recorded, in order: a device
+    running behind the host, as CUDA's compute stream does (the host only launches)."""
+
+    def __init__(self, lag: float) -> None:
+        self.lag, self.last = lag, 0.0
+
+    def mark_ready(self, backend):
+        mark = HostMark(backend.clock)
+        self.last = max(time.perf_counter() + self.lag, self.last)
+        threading.Timer(self.last - time.perf_counter(), mark.set).start()
+        return mark
+
+
+def test_host_running_ahead_emits_computed_late_and_still_overlaps(monkeypatch):
+    """With readiness marks completing behind the host, each `computed` comes after its
+    step's mark, spans go out as their steps complete (the first before the last step is
+    done), and the handoff is still exact and checks."""
+    device = LaggingDevice(0.02)
+    monkeypatch.setattr(Backend, "mark_ready", lambda backend: device.mark_ready(backend))
+    request = [Request("r", _tokens(96), 0)]
+    lagging = _run("chunk", request, chunk=16)
+    monkeypatch.undo()
+    plain = _run("chunk", request, chunk=16)
+    events = lagging.events
+    computes = [e for e in events if e.kind == "stage" and e.name == "compute"]
+    computed = [e for e in events if e.kind == "computed"]
+    assert all(c.t >= s.end for s, c in zip(computes, computed, strict=True))
+    first_issue = next(e.t for e in events if e.kind == "issue")
+    assert first_issue < computed[-1].t
+    assert torch.equal(lagging.outcomes[0].kv, plain.outcomes[0].kv)
+    assert _check(lagging).ok
