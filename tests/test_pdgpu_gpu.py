@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 import pytest
 import torch
@@ -80,3 +82,45 @@ def test_pinned_copy_bandwidth_is_measured():
     """The pinned-memory probe reports pinned staging and a plausible bandwidth."""
     bw = measure_copy_bandwidth("cuda", 64 << 20, repeats=3)
     assert bw["pinned"] and bw["d2h_gbps"] > 1 and bw["h2d_gbps"] > 1
+
+
+@pytest.mark.parametrize("decoder", ["cpu", "cuda"])
+@pytest.mark.parametrize("mode", ["whole", "chunk"])
+def test_cuda_export_only_lands_the_payload_exactly(mode, decoder):
+    """--no-compute on CUDA: the payload lands byte-exact (checked by the engine) and the
+    trace checks, whole and chunked, to a CPU or CUDA decoder."""
+    model = build_model(TINY, device="cuda", seed=0)
+    config = EngineConfig(mode, chunk=64, device="cuda", decoder_device=decoder,
+                          no_compute=True)
+    result = Engine(model, config).run([Request("r", (0,) * 500, 0)])
+    assert result.metrics["bytes"] == TINY.geometry(16).region_bytes((0, TINY.layers), (0, 500))
+    assert _check(result)
+
+
+def test_cuda_step_loop_never_synchronizes_the_host(monkeypatch):
+    """While the step loop launches chunks, the compute thread waits for no CUDA event or
+    stream (only the copy watcher and lanes wait; the end of prefill may wait)."""
+    model = build_model(TINY, device="cuda", seed=0)
+    engine = Engine(model, EngineConfig("chunk", chunk=16, device="cuda", decoder_device="cuda"))
+    launched, steps, waits = [0], 256 // 16, []
+    compute = Engine._compute
+
+    def counting(self, loop, step):
+        compute(self, loop, step)
+        launched[0] += 1
+
+    def logged(original):
+        def wait(*args):
+            waits.append((threading.current_thread().name, launched[0]))
+            return original(*args)
+        return wait
+
+    monkeypatch.setattr(Engine, "_compute", counting)
+    for owner in (torch.cuda.Event, torch.cuda.Stream):
+        monkeypatch.setattr(owner, "synchronize", logged(owner.synchronize))
+    monkeypatch.setattr(torch.cuda, "synchronize", logged(torch.cuda.synchronize))
+    result = engine.run([Request("r", _tokens(256), 0)])
+    assert _check(result)
+    in_loop = [w for w in waits if w[0] == "MainThread" and 0 < w[1] < steps]
+    assert in_loop == []
+    assert any(name == "pdgpu-watcher" for name, _ in waits)
