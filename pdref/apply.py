@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pdref import events as ev
 from pdref.intervals import contains, fmt, is_empty
-from pdref.pool import PoolError
+from pdref.pool import PoolError, QuarantineError
 from pdref.progress import Coverage, LayerProgress, ProgressError
-from pdref.state import Phase, RequestLife, Span, SystemState
+from pdref.state import Phase, Quarantine, RequestLife, Span, SystemState, Unfenced
 from pdref.violations import Violation
 
 
@@ -47,15 +47,17 @@ def apply_reserve(state: SystemState, event: ev.Reserve) -> SystemState:
         raise Violation("SLAB-1", f"got {len(event.pages)} pages, needs exactly {need}", event)
     try:
         pool = state.pool.take(event.pages)
+    except QuarantineError as e:
+        raise Violation("COPY-5", str(e), event) from None
     except PoolError as e:
         raise Violation("SLAB-1", str(e), event) from None
     layers = state.geometry.layers
     life = RequestLife(
         req=event.req, producer=event.producer, prompt=event.prompt, prefix=event.prefix,
         pages=event.pages, progress=LayerProgress(layers, event.prefix, event.prompt),
-        computed=Coverage(layers), held=Coverage(layers),
+        computed=Coverage(layers), held=Coverage(layers), serial=state.lives,
     )
-    return state.with_life(life, pool=pool)
+    return state.with_life(life, pool=pool, lives=state.lives + 1)
 
 
 def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
@@ -94,7 +96,7 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
                             "in flight", event)
     if not state.can_issue(life.producer):
         raise Violation("COPY-2", f"producer {life.producer!r} already has "
-                        f"{state.max_pending} spans in flight (max_pending)", event)
+                        f"{state.max_pending} spans in flight or unfenced (max_pending)", event)
     return state.with_life(
         life.replace(in_flight=life.in_flight + (span,)),
         pending=_adjust_pending(state, life.producer, 1),
@@ -128,17 +130,25 @@ def apply_land(state: SystemState, event: ev.Land) -> SystemState:
 
 
 def apply_fail(state: SystemState, event: ev.Fail) -> SystemState:
-    rest, life, _ = _retire(state, event)
-    return state.with_life(life.replace(failed=True, in_flight=rest),
-                           pending=_adjust_pending(state, life.producer, -1))
+    rest, life, span = _retire(state, event)
+    if not state.fences:  # v1: the span's slot is free at once
+        return state.with_life(life.replace(failed=True, in_flight=rest),
+                               pending=_adjust_pending(state, life.producer, -1))
+    # v2: its writer may still write and still holds its slot until the fence.
+    return state.with_life(
+        life.replace(failed=True, in_flight=rest, unfenced=life.unfenced + (span,)),
+        unfenced=state.unfenced.set(span.span, Unfenced(span, life.req, life.producer,
+                                                        life.serial)),
+    )
 
 
 def apply_reuse(state: SystemState, event: ev.Reuse) -> SystemState:
     life = _live(state, event)
-    for span in life.in_flight:
+    for span in life.in_flight + life.unfenced:
         if span.reads(event.tokens):
+            what = "in flight" if span in life.in_flight else "unfenced"
             raise Violation("COPY-3", f"reuse of tokens {fmt(event.tokens)} while span "
-                            f"{span.span!r} in flight reads {fmt(span.tokens)}", event)
+                            f"{span.span!r} {what} reads {fmt(span.tokens)}", event)
     return state.with_life(life.replace(held=life.held.remove_tokens(event.tokens)))
 
 
@@ -171,11 +181,29 @@ def apply_admit(state: SystemState, event: ev.Admit) -> SystemState:
 
 
 def _end_life(state: SystemState, life: RequestLife) -> SystemState:
+    if state.fences:
+        return _end_life_fenced(state, life)
     pending = state.pending
     if life.in_flight:  # abort cancels them
         pending = _adjust_pending(state, life.producer, -len(life.in_flight))
     return state.replace(requests=state.requests.delete(life.req),
                         pool=state.pool.give_back(life.pages), pending=pending)
+
+
+def _end_life_fenced(state: SystemState, life: RequestLife) -> SystemState:
+    """v2: spans in flight are cancelled and become unfenced (their slots stay taken); the
+    pages go back now if no writer is unfenced, else they are quarantined until the last
+    fence."""
+    requests = state.requests.delete(life.req)
+    writers = life.unfenced + life.in_flight
+    if not writers:
+        return state.replace(requests=requests, pool=state.pool.give_back(life.pages))
+    unfenced = state.unfenced
+    for span in life.in_flight:
+        unfenced = unfenced.set(span.span, Unfenced(span, life.req, life.producer, life.serial))
+    held = Quarantine(life.req, life.pages, len(writers))
+    return state.replace(requests=requests, pool=state.pool.quarantine(life.pages),
+                         unfenced=unfenced, quarantine=state.quarantine.set(life.serial, held))
 
 
 def apply_release(state: SystemState, event: ev.Release) -> SystemState:
@@ -189,6 +217,31 @@ def apply_abort(state: SystemState, event: ev.Abort) -> SystemState:
     return _end_life(state, _live(state, event))
 
 
+def apply_fence(state: SystemState, event: ev.Fence) -> SystemState:
+    """(v2) The writer of an unfenced span stopped: its slot is free; if its life ended and
+    this was its last unfenced span, the quarantined pages go back to the pool."""
+    ended = state.unfenced.get(event.span)
+    if ended is None or ended.req != event.req:
+        raise Violation("REQ-1", f"span {event.span!r} of {event.req!r} is not unfenced "
+                        "(never failed or cancelled, never issued, or fenced already)", event)
+    state = state.replace(unfenced=state.unfenced.delete(event.span),
+                          pending=_adjust_pending(state, ended.producer, -1))
+    life = state.requests.get(event.req)
+    if life is not None and life.serial == ended.life:
+        rest = tuple(s for s in life.unfenced if s.span != event.span)
+        return state.with_life(life.replace(unfenced=rest))
+    return _fence_quarantine(state, ended.life)
+
+
+def _fence_quarantine(state: SystemState, serial: int) -> SystemState:
+    held = state.quarantine[serial]
+    if held.unfenced > 1:
+        fewer = Quarantine(held.req, held.pages, held.unfenced - 1)
+        return state.replace(quarantine=state.quarantine.set(serial, fewer))
+    return state.replace(quarantine=state.quarantine.delete(serial),
+                         pool=state.pool.unquarantine(held.pages))
+
+
 def apply_stage(state: SystemState, event: ev.Stage) -> SystemState:
     return state
 
@@ -197,7 +250,7 @@ _APPLY = {
     ev.Reserve: apply_reserve, ev.Computed: apply_computed, ev.Issue: apply_issue,
     ev.Land: apply_land, ev.Fail: apply_fail, ev.Reuse: apply_reuse,
     ev.Produced: apply_produced, ev.Admit: apply_admit, ev.Release: apply_release,
-    ev.Abort: apply_abort, ev.Stage: apply_stage,
+    ev.Abort: apply_abort, ev.Fence: apply_fence, ev.Stage: apply_stage,
 }
 
 
@@ -207,8 +260,12 @@ def apply(state: SystemState, event) -> SystemState:
 
 
 def check_end(state: SystemState) -> None:
-    """LIFE-1 at the end of a complete trace: nothing holds pages or spans in flight."""
+    """LIFE-1 at the end of a complete trace: nothing holds pages or spans in flight, and
+    (v2) no span is unfenced."""
     open_lives = state.open_requests()
+    if state.unfenced and not open_lives:
+        span, ended = next(iter(state.unfenced.items()))
+        raise Violation("LIFE-1", f"trace ends with span {span!r} of {ended.req!r} unfenced")
     if open_lives:
         life = open_lives[0]
         what = "spans in flight" if life.in_flight else f"{len(life.pages)} pages"

@@ -1,4 +1,4 @@
-"""The events of trace contract v1 as immutable values (shared/DESIGN.md, 'Events')."""
+"""The events of the trace contract as immutable values (specs/contract.md, 'Events')."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import attrs
 from pdref.geometry import Geometry
 from pdref.intervals import Range
 
-VERSION = 1
+VERSION = 2  # what writers write; the checker also reads version 1
+VERSIONS = (1, 2)
 
 
 class Mode(enum.StrEnum):
@@ -127,6 +128,16 @@ class Abort:
 
 
 @attrs.frozen
+class Fence:
+    """(v2) The writer of a failed or cancelled span has stopped and will write nothing more."""
+
+    kind: ClassVar[str] = "fence"
+    t: float
+    req: str
+    span: SpanId
+
+
+@attrs.frozen
 class Stage:
     """Informational timing of one piece of work from t to end; checked for form only."""
 
@@ -143,11 +154,13 @@ class Stage:
 
 
 Event = (
-    Reserve | Computed | Issue | Land | Fail | Reuse | Produced | Admit | Release | Abort | Stage
+    Reserve | Computed | Issue | Land | Fail | Reuse | Produced | Admit | Release | Abort | Fence
+    | Stage
 )
 EVENT_TYPES: dict[str, type] = {
     cls.kind: cls
-    for cls in (Reserve, Computed, Issue, Land, Fail, Reuse, Produced, Admit, Release, Abort, Stage)
+    for cls in (Reserve, Computed, Issue, Land, Fail, Reuse, Produced, Admit, Release, Abort, Fence,
+                Stage)
 }
 
 

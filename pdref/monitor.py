@@ -51,11 +51,29 @@ class Monitor:
         return self.state.can_admit(req)
 
     def pending(self, producer: str = "p0") -> int:
+        """Spans of `producer` in flight or (v2) unfenced: the slots its writers hold."""
         return self.state.pending_of(producer)
+
+    def fence(self, t: float, req: str, span) -> None:
+        """(v2) The writer of failed or cancelled `span` of `req` has stopped: emit the fence."""
+        self.emit(ev.Fence(t, req, span))
+
+    def unfenced(self, req: str) -> tuple:
+        """Span ids of request id `req` (any of its lives) that still need a fence."""
+        return self.state.unfenced_of(req)
+
+    def free_page_ids(self) -> tuple[int, ...]:
+        """The page ids the specification's pool holds free now (none quarantined)."""
+        return tuple(p for a, b in self.state.pool.free for p in range(a, b))
 
     @property
     def free_pages(self) -> int:
         return self.state.free_pages
+
+    @property
+    def quarantined_pages(self) -> int:
+        """Pages of aborted lives held until their unfenced writers are fenced."""
+        return self.state.pool.quarantined_pages
 
     def close(self) -> None:
         """End of a complete run: LIFE-1 says nothing may still hold pages or spans."""

@@ -26,13 +26,20 @@ def page_runs(pages: tuple[int, ...]) -> list[tuple[int, int]]:
     return [(ordered[i], ordered[j - 1] + 1) for i, j in pairwise(bounds) if j > i]
 
 
+class QuarantineError(PoolError):
+    """A reservation that takes a quarantined page (an unfenced writer may still write it)."""
+
+
 @attrs.frozen
 class Pool:
-    """`num_pages` pages with ids [0, num_pages); `free` holds the ids no live slab holds."""
+    """`num_pages` pages with ids [0, num_pages): `free` holds the ids no slab holds;
+    `quarantined` the pages of ended lives that an unfenced writer may still write (v2).
+    A page is free, held by a live slab, or quarantined: never two of these."""
 
     num_pages: int
     free: IntervalSet = attrs.field()
     free_pages: int = attrs.field()
+    quarantined: IntervalSet = IntervalSet()
 
     @free.default
     def _all_free(self) -> IntervalSet:
@@ -42,31 +49,62 @@ class Pool:
     def _count(self) -> int:
         return self.free.size
 
+    def _with(self, free: IntervalSet, free_pages: int, quarantined=None) -> Pool:
+        return Pool(self.num_pages, free, free_pages,
+                    self.quarantined if quarantined is None else quarantined)
+
     def allocate(self, count: int) -> tuple[Pool, tuple[int, ...]]:
         """Take the `count` lowest free page ids: (new pool, page ids)."""
         if count > self.free_pages:
             raise PoolError(f"{count} pages asked, {self.free_pages} free")
         free, pages = self.free.take_lowest(count)
-        return Pool(self.num_pages, free, self.free_pages - count), pages
+        return self._with(free, self.free_pages - count), pages
 
     def take(self, pages: tuple[int, ...]) -> Pool:
-        """Take exactly these page ids; raises PoolError naming the first bad one."""
-        if len(pages) > self.free_pages:
-            raise PoolError(f"{len(pages)} pages asked, only {self.free_pages} free")
+        """Take exactly these page ids; raises PoolError (QuarantineError for a quarantined
+        page) naming the first bad one. Checks: ids in range, no id twice, none quarantined,
+        none held by a live slab (so never more than are free)."""
+        if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
+            bad = next(p for p in pages if not 0 <= p < self.num_pages)
+            raise PoolError(f"page {bad} is outside [0, {self.num_pages})")
         if len(set(pages)) != len(pages):
             raise PoolError("a page id is listed twice")
+        runs = page_runs(pages)
+        if len(self.quarantined):
+            for run in runs:
+                hit = self.quarantined.first_overlap(run)
+                if hit is not None:
+                    raise QuarantineError(f"page {hit[0]} is quarantined: an unfenced writer "
+                                          "of an aborted life may still write it")
         free = self.free
-        for run in page_runs(pages):
-            if run[0] < 0 or run[1] > self.num_pages:
-                raise PoolError(f"page {run[0]} is outside [0, {self.num_pages})")
+        for run in runs:
             gap = free.first_gap(run)
             if gap is not None:
-                raise PoolError(f"page {gap[0]} is held by another live slab")
+                raise PoolError(f"page {gap[0]} is held by another live slab "
+                                f"({self.free_pages} pages free)")
             free = free.difference(run)
-        return Pool(self.num_pages, free, self.free_pages - len(pages))
+        return self._with(free, self.free_pages - len(pages))
 
     def give_back(self, pages: tuple[int, ...]) -> Pool:
         free = self.free
         for run in page_runs(pages):
             free = free.union(run)
-        return Pool(self.num_pages, free, self.free_pages + len(pages))
+        return self._with(free, self.free_pages + len(pages))
+
+    def quarantine(self, pages: tuple[int, ...]) -> Pool:
+        """A held slab's pages become quarantined (its life ended with unfenced writers)."""
+        quarantined = self.quarantined
+        for run in page_runs(pages):
+            quarantined = quarantined.union(run)
+        return self._with(self.free, self.free_pages, quarantined)
+
+    def unquarantine(self, pages: tuple[int, ...]) -> Pool:
+        """Quarantined pages go back to the free list (their last writer was fenced)."""
+        quarantined = self.quarantined
+        for run in page_runs(pages):
+            quarantined = quarantined.difference(run)
+        return self._with(self.free, self.free_pages, quarantined).give_back(pages)
+
+    @property
+    def quarantined_pages(self) -> int:
+        return self.quarantined.size

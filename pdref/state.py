@@ -69,6 +69,8 @@ class RequestLife:
     phase: Phase = Phase.RESERVED
     in_flight: tuple[Span, ...] = ()
     failed: bool = False
+    serial: int = 0  # which life of the trace this is (the n-th reserve): names it after it ended
+    unfenced: tuple[Span, ...] = ()  # (v2) failed spans whose writer may still write
 
     @property
     def suffix(self) -> Range:
@@ -85,20 +87,50 @@ class RequestLife:
 
 
 @attrs.frozen
+class Unfenced:
+    """(v2) A span that ended without landing (failed or cancelled) and is not fenced yet."""
+
+    span: Span
+    req: str
+    producer: str
+    life: int  # the serial of the life that issued it
+
+
+@attrs.frozen
+class Quarantine:
+    """(v2) The pages of an aborted life, held until its last unfenced span is fenced."""
+
+    req: str
+    pages: tuple[int, ...]
+    unfenced: int  # how many of its spans are still unfenced (>= 1)
+
+
+@attrs.frozen
 class SystemState:
-    """The decoder pool, every live request, the producers' in-flight counts, used span ids."""
+    """The decoder pool, every live request, the producers' in-flight counts, used span ids,
+    and (v2) the unfenced spans and the quarantined slabs of ended lives."""
 
     geometry: Geometry
     mode: Mode
     max_pending: int
     pool: Pool
     requests: immutables.Map = immutables.Map()  # req -> RequestLife
-    pending: immutables.Map = immutables.Map()  # producer -> spans in flight
+    pending: immutables.Map = immutables.Map()  # producer -> spans in flight or unfenced
     spans_used: immutables.Map = immutables.Map()  # span id -> req, never forgotten
+    version: int = 2
+    lives: int = 0  # lives started so far: the next life's serial
+    unfenced: immutables.Map = immutables.Map()  # span id -> Unfenced
+    quarantine: immutables.Map = immutables.Map()  # life serial -> Quarantine
 
     @classmethod
     def initial(cls, header: Header) -> SystemState:
-        return cls(header.geometry, header.mode, header.max_pending, Pool(header.pool_pages))
+        return cls(header.geometry, header.mode, header.max_pending, Pool(header.pool_pages),
+                   version=header.version)
+
+    @property
+    def fences(self) -> bool:
+        """Version 2: an ended writer must be fenced before its pages or slot are reused."""
+        return self.version >= 2
 
     @property
     def free_pages(self) -> int:
@@ -132,7 +164,8 @@ class SystemState:
     def replace(self, **changes) -> SystemState:
         return _replace_state(self, **changes)
 
-    def with_life(self, life: RequestLife, pool=None, pending=None, spans_used=None):
+    def with_life(self, life: RequestLife, pool=None, pending=None, spans_used=None,
+                  lives=None, unfenced=None):
         """The state with `life` stored (the hot path of every event: no generic replace)."""
         return SystemState(
             self.geometry, self.mode, self.max_pending,
@@ -140,7 +173,15 @@ class SystemState:
             self.requests.set(life.req, life),
             self.pending if pending is None else pending,
             self.spans_used if spans_used is None else spans_used,
+            self.version,
+            self.lives if lives is None else lives,
+            self.unfenced if unfenced is None else unfenced,
+            self.quarantine,
         )
+
+    def unfenced_of(self, req: str) -> tuple[SpanId, ...]:
+        """Span ids of request id `req` (any of its lives) that still need a fence."""
+        return tuple(span for span, u in self.unfenced.items() if u.req == req)
 
     def open_requests(self) -> list[RequestLife]:
         """Live requests that still hold pages or spans in flight (LIFE-1 at trace end)."""

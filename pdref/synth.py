@@ -1,6 +1,7 @@
 """Synthetic legal traces: many interleaved requests in any mode, with prefix reuse,
-failures, aborts and retries. Every event goes through a Monitor, so what comes out is
-legal by construction. Used by the property tests, the example traces and the benchmark.
+failures, cancellations (aborts with spans in flight), fences (version 2), aborts and retries.
+Every event goes through a Monitor, so what comes out is legal by construction. Used by the
+property tests, the example traces and the benchmark.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SynthConfig:
     prefix_rate: float = 0.3
     stages: bool = True
     producers: int = 1
+    cancel_rate: float = 0.0  # chance, per move of a request with spans in flight, to abort it
 
 
 @attrs.define
@@ -58,9 +60,11 @@ class Synth:
         self.started = 0
         self.live: dict[str, _Req] = {}
         self.retries: list[str] = []
+        self.unfenced: list[tuple[str, int]] = []  # (req, span) whose writer is not fenced
 
     def run(self) -> list:
-        while self.started < self.config.requests or self.live or self.retries:
+        while (self.started < self.config.requests or self.live or self.retries
+               or self.unfenced):
             moves = self._moves()
             if not moves:
                 raise RuntimeError("synthetic traffic is stuck (pool too small for max_live?)")
@@ -82,6 +86,8 @@ class Synth:
             moves.append(self._start)
         for r in list(self.live.values()):
             moves.extend(self._moves_of(r))
+        if self.unfenced:
+            moves.append(self._fence)
         return moves
 
     def _moves_of(self, r: _Req) -> list:
@@ -96,6 +102,8 @@ class Synth:
             moves.append(lambda: self._issue(r))
         if r.in_flight:
             moves.append(lambda: self._finish_span(r))
+            if self.rng.random() < self.config.cancel_rate:
+                moves.append(lambda: self._abort(r, "cancelled"))
         if r.sent and r.produced and not r.spans:
             moves.append(lambda: self._reuse(r))
         if not r.compute and not r.produced:
@@ -157,6 +165,8 @@ class Synth:
             self._emit(ev.Stage(t0, r.req, "d2h", self._tick(), span=span, resource="copy"))
         if self.rng.random() < self.config.fail_rate:
             self._emit(ev.Fail(self._tick(), r.req, span, "injected"))
+            if self.monitor.state.fences:
+                self.unfenced.append((r.req, span))
             r.failed = True
             return
         self._emit(ev.Land(self._tick(), r.req, span))
@@ -181,11 +191,17 @@ class Synth:
         self._emit(ev.Release(self._tick(), r.req))
         del self.live[r.req]
 
-    def _abort(self, r: _Req) -> None:
-        self._emit(ev.Abort(self._tick(), r.req, "span failed"))
+    def _abort(self, r: _Req, reason: str = "span failed") -> None:
+        self._emit(ev.Abort(self._tick(), r.req, reason))
+        if self.monitor.state.fences:  # spans in flight are cancelled: unfenced until fenced
+            self.unfenced.extend((r.req, span) for span, _ in r.in_flight)
         del self.live[r.req]
         if self.rng.random() < self.config.retry_rate:
             self.retries.append(r.req)
+
+    def _fence(self) -> None:
+        req, span = self.unfenced.pop(self.rng.randrange(len(self.unfenced)))
+        self._emit(ev.Fence(self._tick(), req, span))
 
 
 def synth_trace(header: ev.Header, config: SynthConfig, seed: int = 0) -> list:

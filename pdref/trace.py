@@ -1,4 +1,5 @@
-"""Reading and writing contract-v1 JSONL traces, strictly: every malformed line is TRACE-1."""
+"""Reading and writing JSONL traces (contract versions 1 and 2), strictly: every malformed line
+is TRACE-1."""
 
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ FIELDS: dict[str, tuple] = {
     "admit": (),
     "release": (),
     "abort": (("reason", _str, True),),
+    "fence": (("span", _span, True),),
     "stage": (("name", _name, True), ("end", _num, True), ("span", _opt(_span), False),
               ("resource", _opt(_name), False), ("tokens", _opt(_range), False)),
 }
@@ -108,13 +110,17 @@ _GEOMETRY = (("layers", _pos_int), ("kv_heads", _pos_int), ("head_dim", _pos_int
 _HEADER_KEYS = {"kind", "version", "source", "mode", "geometry", "pool_pages", "max_pending"}
 
 
-_SPECS = {kind: (ev.EVENT_TYPES[kind], _COMMON + spec) for kind, spec in FIELDS.items()}
+_SPECS_V2 = {kind: (ev.EVENT_TYPES[kind], _COMMON + spec) for kind, spec in FIELDS.items()}
+# Version 1 has no fence: there it is an unknown kind.
+_SPECS = {1: {k: v for k, v in _SPECS_V2.items() if k != "fence"}, 2: _SPECS_V2}
 
 
-def _event_from(obj: dict):
+def _event_from(obj: dict, specs: dict):
     kind = obj.get("kind")
-    cls, spec = _SPECS.get(kind, (None, None)) if type(kind) is str else (None, None)
+    cls, spec = specs.get(kind, (None, None)) if type(kind) is str else (None, None)
     if spec is None:
+        if type(kind) is str and kind in _SPECS_V2:
+            raise _Bad(f"kind {kind!r} needs a version 2 trace (this one is version 1)")
         raise _Bad(f"unknown kind {kind!r}")
     args = {}
     for name, check, required in spec:
@@ -128,8 +134,9 @@ def _event_from(obj: dict):
 def _header_from(obj: dict) -> ev.Header:
     if obj.get("kind") != "header":
         raise _Bad("line 1 must be the header")
-    if obj.get("version") != 1 or type(obj.get("version")) is not int:
-        raise _Bad(f"version must be 1, got {obj.get('version')!r}")
+    version = obj.get("version")
+    if type(version) is not int or version not in ev.VERSIONS:
+        raise _Bad(f"version must be 1 or 2, got {version!r}")
     mode = obj.get("mode")
     if mode not in ("whole", "chunk", "layer"):
         raise _Bad(f"mode must be whole, chunk or layer, got {mode!r}")
@@ -145,7 +152,8 @@ def _header_from(obj: dict) -> ev.Header:
         source=_str(obj.get("source", ""), "source"), mode=ev.Mode(mode),
         geometry=Geometry(**fields, recurrent=recurrent),
         pool_pages=_int(obj.get("pool_pages"), "pool_pages"),
-        max_pending=_pos_int(obj.get("max_pending"), "max_pending"), extra=extra,
+        max_pending=_pos_int(obj.get("max_pending"), "max_pending"), version=version,
+        extra=extra,
     )
 
 
@@ -167,15 +175,18 @@ def parse_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, object]]:
     a stage ends at or after it starts.
     """
     last_t = 0.0
+    specs = _SPECS[ev.VERSION]
     for lineno, raw in enumerate(lines, 1):
         try:
             obj = _load(raw)
             if lineno == 1:
-                yield lineno, _header_from(obj)
+                header = _header_from(obj)
+                specs = _SPECS[header.version]
+                yield lineno, header
                 continue
             if obj.get("kind") == "header":
                 raise _Bad("a second header")
-            event = _event_from(obj)
+            event = _event_from(obj, specs)
         except _Bad as e:
             raise Violation("TRACE-1", str(e), line=lineno) from None
         if event.t < last_t:
@@ -199,6 +210,12 @@ def read_trace(path: str | Path) -> Iterator[tuple[int, object]]:
             raise Violation("TRACE-1", "the file is empty: a header is needed", line=1)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def dumps(obj: dict) -> str:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False)
 
@@ -215,6 +232,7 @@ class TraceWriter:
     def __enter__(self) -> TraceWriter:
         folder = self.path.parent if str(self.path.parent) else Path(".")
         fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=folder)
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a trace is an ordinary file
         self._file = os.fdopen(fd, "w", encoding="utf-8")
         self._file.write(dumps(ev.header_to_json(self.header)) + "\n")
         return self

@@ -8,17 +8,18 @@ CODES = {
     "CFG-1": "layer mode is refused for a recurrent geometry",
     "SLAB-1": "a reservation gets exactly the right free pages, inside the pool",
     "SLAB-2": "prefix is page-aligned and 0 <= prefix <= prompt, prompt >= 1",
-    "REQ-1": "events name a live request and a span in flight; ids are never reused",
+    "REQ-1": "events name a live request and a span in flight (fence: unfenced); ids unique",
     "COV-1": "an issued span lies inside [0, L) x [prefix, prompt)",
     "COV-2": "spans never overlap landed tokens or other spans in flight",
     "COV-3": "admit needs every layer covered on [prefix, prompt)",
     "COPY-1": "a span is issued only from computed, not reused, source KV",
-    "COPY-2": "a producer never has more than max_pending spans in flight",
-    "COPY-3": "reuse never touches tokens a span in flight reads",
+    "COPY-2": "a producer never has more than max_pending spans in flight or unfenced",
+    "COPY-3": "reuse never touches tokens a span in flight or unfenced reads",
     "COPY-4": "an issued span's bytes equal the KV bytes of its region",
     "PROD-1": "produced comes once, after the whole suffix was computed",
     "ADM-1": "admit comes once, after produced, with no span in flight or failed",
-    "LIFE-1": "release only after admit; a complete trace ends with nothing held",
+    "LIFE-1": "release only after admit; a complete trace ends with nothing held or unfenced",
+    "COPY-5": "a reserve never takes a page that an unfenced writer may still write (v2)",
 }
 
 

@@ -1,4 +1,5 @@
-"""Write specs/examples/: legal traces for each mode and one illegal trace per violation code.
+"""Write specs/examples/: legal traces for each mode and version, and illegal traces covering
+every violation code and every rule that version 2 (fences) adds or changes.
 
 Illegal examples are short, hand-readable traces named `illegal-CODE-what.jsonl`; each breaks
 exactly the rule its name gives. Run: python scripts/make_examples.py
@@ -16,8 +17,9 @@ from pdref.trace import dumps
 OUT = Path(__file__).resolve().parent.parent / "specs" / "examples"
 GEO = {"layers": 2, "kv_heads": 1, "head_dim": 4, "dtype_bytes": 2, "page_tokens": 4,
        "recurrent": False}
-HEADER = {"kind": "header", "version": 1, "source": "hand", "mode": "chunk", "geometry": GEO,
+HEADER = {"kind": "header", "version": 2, "source": "hand", "mode": "chunk", "geometry": GEO,
           "pool_pages": 8, "max_pending": 2}
+HEADER_V1 = {**HEADER, "version": 1}
 B = 16  # KV bytes of one token on one layer: 2 * 1 * 4 * 2
 
 
@@ -52,6 +54,19 @@ LIFE = [
     simple("land", 0.3, span=0), simple("land", 0.4, span=1),
     simple("admit", 0.4), simple("release", 0.9),
 ]
+
+
+def fence(t, span, **kw):
+    return R(t, kind="fence", span=span, **kw)
+
+
+def fail(t, span, **kw):
+    return R(t, kind="fail", span=span, error="link down", **kw)
+
+
+# v2: a life aborted while span 0 is in flight; its pages are quarantined until the fence.
+CANCELLED = [reserve(0.0), computed(0.1), issue(0.1, 0),
+             simple("abort", 0.2, reason="cancelled by client")]
 
 
 def edit(index, replacement):
@@ -90,6 +105,23 @@ ILLEGAL = {
     "ADM-1-admit-before-produced": edit(5, []),
     "LIFE-1-release-before-admit": edit(8, []),
     "LIFE-1-trace-ends-holding-pages": LIFE[:-1],
+    # Version 2: fences.
+    "TRACE-1-fence-in-version-1": None,  # written specially below (a version 1 header)
+    "TRACE-1-fence-without-span": [*CANCELLED, simple("fence", 0.3)],
+    "TRACE-1-version-3": [reserve(0.0)],  # header edited below
+    "COPY-5-reserve-takes-quarantined-page": [*CANCELLED,
+                                              reserve(0.3, req="b", prompt=4, pages=(1,))],
+    "COPY-2-unfenced-span-holds-its-slot": [
+        reserve(0.0), computed(0.1), issue(0.1, 0, tokens=(0, 2)), fail(0.2, 0),
+        issue(0.2, 1, tokens=(2, 4)), issue(0.2, 2, tokens=(4, 8))],
+    "COPY-3-reuse-under-unfenced-span": [reserve(0.0), computed(0.1), issue(0.1, 0),
+                                         fail(0.2, 0), simple("reuse", 0.3, tokens=[0, 8])],
+    "REQ-1-fence-twice": [*CANCELLED, fence(0.3, 0), fence(0.4, 0)],
+    "REQ-1-fence-of-a-landed-span": LIFE[:7] + [fence(0.3, 0)],
+    "ADM-1-admit-after-fenced-failure": [
+        reserve(0.0), computed(0.1), issue(0.1, 0), fail(0.2, 0), fence(0.2, 0), issue(0.3, 1),
+        simple("produced", 0.3, token=1), simple("land", 0.4, span=1), simple("admit", 0.4)],
+    "LIFE-1-trace-ends-with-unfenced-span": CANCELLED,
 }
 
 LEGAL_EXTRA = {
@@ -97,10 +129,29 @@ LEGAL_EXTRA = {
     "legal-hand-empty-suffix": [reserve(0.0, prefix=8, pages=()), computed(0.1),
                                 simple("produced", 0.1, token=5), simple("admit", 0.1),
                                 simple("release", 0.2)],
-    "legal-hand-fail-abort-retry": [
+    "legal-hand-fail-fence-abort-retry": [
+        reserve(0.0), computed(0.1), issue(0.1, 0), fail(0.2, 0), fence(0.2, 0),
+        simple("abort", 0.2, reason="span failed"),
+        reserve(0.3), computed(0.4), issue(0.4, 1), simple("produced", 0.4, token=2),
+        simple("land", 0.5, span=1), simple("admit", 0.5), simple("release", 0.6),
+    ],
+    # The retry reserves other pages while the cancelled writer may still write pages 0, 1;
+    # the late fence names the old life's span and gives those pages back.
+    "legal-hand-cancel-retry-then-fence": [
+        *CANCELLED, reserve(0.3, pages=(2, 3)), fence(0.35, 0), computed(0.4), issue(0.4, 1),
+        simple("produced", 0.4, token=2), simple("land", 0.5, span=1), simple("admit", 0.5),
+        reserve(0.5, req="b", prompt=4, pages=(0,)), computed(0.5, req="b", tokens=(0, 4)),
+        issue(0.5, 2, req="b", tokens=(0, 4)), simple("produced", 0.5, req="b", token=3),
+        simple("land", 0.6, req="b", span=2), simple("admit", 0.6, req="b"),
+        simple("release", 0.7), simple("release", 0.7, req="b"),
+    ],
+}
+# Version 1 keeps its meaning: a failed or cancelled span needs no fence.
+LEGAL_V1 = {
+    "legal-v1-fail-abort-retry": [
         reserve(0.0), computed(0.1), issue(0.1, 0), simple("fail", 0.2, span=0, error="timeout"),
         simple("abort", 0.2, reason="span failed"),
-        reserve(0.3, pages=(2, 3)), computed(0.4), issue(0.4, 1), simple("produced", 0.4, token=2),
+        reserve(0.3, pages=(0, 1)), computed(0.4), issue(0.4, 1), simple("produced", 0.4, token=2),
         simple("land", 0.5, span=1), simple("admit", 0.5), simple("release", 0.6),
     ],
 }
@@ -116,7 +167,8 @@ def write_synthetic() -> None:
         geometry = Geometry(layers=4, kv_heads=2, head_dim=8, dtype_bytes=2, page_tokens=16)
         header = ev.Header("pdref.synth", mode, geometry, pool_pages=48, max_pending=2,
                            extra=(("chunk", 32),))
-        config = SynthConfig(requests=6, max_live=3, max_prompt=160, chunk=32, producers=2)
+        config = SynthConfig(requests=6, max_live=3, max_prompt=160, chunk=32, producers=2,
+                             cancel_rate=0.1)
         events = synth_trace(header, config, seed=7)
         write(f"legal-synth-{mode}", ev.header_to_json(header),
               [ev.event_to_json(e) for e in events])
@@ -129,13 +181,20 @@ def main() -> None:
     write_synthetic()
     for name, lines in LEGAL_EXTRA.items():
         write(name, HEADER, lines)
+    for name, lines in LEGAL_V1.items():
+        write(name, HEADER_V1, lines)
     for code_name, lines in ILLEGAL.items():
-        if lines is None:
+        if code_name == "TRACE-1-missing-header":
             (OUT / f"illegal-{code_name}.jsonl").write_text(dumps(reserve(0.0)) + "\n")
+            continue
+        if code_name == "TRACE-1-fence-in-version-1":
+            write(f"illegal-{code_name}", HEADER_V1, [*CANCELLED, fence(0.3, 0)])
             continue
         header = HEADER
         if code_name.startswith("CFG-1"):
             header = {**HEADER, "mode": "layer", "geometry": {**GEO, "recurrent": True}}
+        if code_name == "TRACE-1-version-3":
+            header = {**HEADER, "version": 3}
         write(f"illegal-{code_name}", header, lines)
 
 

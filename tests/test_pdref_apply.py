@@ -1,4 +1,6 @@
-"""Properties of `apply` (the issue's Proof list) and one focused example per violation code."""
+"""Properties of `apply` (the issue's Proof list) and one focused example per violation code,
+under version 1's meaning (fail and abort free at once); version 2's fences:
+tests/test_pdref_fences.py."""
 
 from __future__ import annotations
 
@@ -16,10 +18,10 @@ PT = 4  # page_tokens
 BPT = 2 * 1 * 2 * 1  # bytes per token and layer: 2 * kv_heads * head_dim * dtype_bytes
 
 
-def header(layers=3, pool_pages=64, max_pending=4, mode="chunk", recurrent=False):
+def header(layers=3, pool_pages=64, max_pending=4, mode="chunk", recurrent=False, version=1):
     geo = Geometry(layers=layers, kv_heads=1, head_dim=2, dtype_bytes=1, page_tokens=PT,
                    recurrent=recurrent)
-    return ev.Header("test", mode, geo, pool_pages, max_pending)
+    return ev.Header("test", mode, geo, pool_pages, max_pending, version=version)
 
 
 def nbytes(layers, tokens) -> int:
@@ -501,7 +503,8 @@ def test_every_code_has_an_example():
     """Each code of the contract is exercised by a focused test in this file or the traces'."""
     here = {"CFG-1", "SLAB-1", "SLAB-2", "REQ-1", "COV-1", "COV-2", "COV-3", "COPY-1", "COPY-2",
             "COPY-3", "COPY-4", "PROD-1", "ADM-1", "LIFE-1"}
-    assert set(CODES) - here == {"TRACE-1", "TRACE-2"}  # those live in test_pdref_traces.py
+    # TRACE-1/2 live in test_pdref_traces.py; COPY-5 (v2 only) in test_pdref_fences.py.
+    assert set(CODES) - here == {"TRACE-1", "TRACE-2", "COPY-5"}
 
 
 test_partition_lands_and_admits_in_any_order = settings(max_examples=150)(

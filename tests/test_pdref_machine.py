@@ -50,6 +50,7 @@ class Life:
         self.held: set = set()
         self.landed: set = set()
         self.flying: dict = {}  # span id -> set of cells
+        self.unfenced: dict = {}  # (v2) span id -> set of cells: failed or cancelled, not fenced
         self.phase = "reserved"
         self.failed = False
 
@@ -57,13 +58,22 @@ class Life:
 class Simple:
     """The second model: pages, lives and spans as plain sets and dicts."""
 
-    def __init__(self, layers, pool_pages, max_pending, bpt):
+    def __init__(self, layers, pool_pages, max_pending, bpt, version=2):
         self.layers, self.pool_pages = layers, pool_pages
-        self.max_pending, self.bpt = max_pending, bpt
+        self.max_pending, self.bpt, self.version = max_pending, bpt, version
         self.free = set(range(pool_pages))
         self.lives: dict[str, Life] = {}
         self.pending: dict[str, int] = {}
         self.used: set = set()
+        self.unfenced: dict = {}  # (v2) span id -> (req, producer, Life)
+        self.ended: list[Life] = []  # (v2) aborted lives whose pages wait for fences
+
+    def quarantined(self) -> set:
+        return {p for life in self.ended for p in life.pages}
+
+    def _unfence_later(self, req, life, span, region):
+        life.unfenced[span] = region
+        self.unfenced[span] = (req, life.producer, life)
 
     @staticmethod
     def cfg(mode, recurrent):
@@ -74,14 +84,37 @@ class Simple:
 
     def _end(self, req):
         life = self.lives.pop(req)
-        self.free |= set(life.pages)
-        self.pending[life.producer] = self.pending.get(life.producer, 0) - len(life.flying)
+        if self.version == 1:
+            self.free |= set(life.pages)
+            self.pending[life.producer] = self.pending.get(life.producer, 0) - len(life.flying)
+            return
+        for span, region in life.flying.items():  # cancelled: unfenced, slots still taken
+            self._unfence_later(req, life, span, region)
+        life.flying = {}
+        if life.unfenced:
+            self.ended.append(life)
+        else:
+            self.free |= set(life.pages)
+
+    def _fence(self, e) -> str | None:
+        owner = self.unfenced.get(e.span)
+        if owner is None or owner[0] != e.req:
+            return "REQ-1"
+        _, producer, life = self.unfenced.pop(e.span)
+        del life.unfenced[e.span]
+        self.pending[producer] -= 1
+        if life in self.ended and not life.unfenced:
+            self.ended.remove(life)
+            self.free |= set(life.pages)
+        return None
 
     def step(self, e) -> str | None:
         """The code `e` breaks, or None after applying it."""
         kind = e.kind
         if kind == "stage":
             return None
+        if kind == "fence":
+            return self._fence(e)
         life = self.lives.get(e.req)
         if kind == "reserve":
             if life is not None:
@@ -90,7 +123,13 @@ class Simple:
                 return "SLAB-2"
             need = (e.prompt - e.prefix + PAGE_TOKENS - 1) // PAGE_TOKENS
             pages = list(e.pages)
-            if len(pages) != need or len(set(pages)) != len(pages) or not set(pages) <= self.free:
+            if len(pages) != need or len(set(pages)) != len(pages):
+                return "SLAB-1"
+            if any(not 0 <= p < self.pool_pages for p in pages):
+                return "SLAB-1"
+            if set(pages) & self.quarantined():
+                return "COPY-5"
+            if not set(pages) <= self.free:
                 return "SLAB-1"
             self.free -= set(pages)
             self.lives[e.req] = Life(e.producer, e.prompt, e.prefix, pages)
@@ -132,10 +171,14 @@ class Simple:
             else:
                 life.failed = True
             del life.flying[e.span]
-            self.pending[life.producer] -= 1
+            if kind == "fail" and self.version == 2:
+                self._unfence_later(e.req, life, e.span, region)
+            else:
+                self.pending[life.producer] -= 1
         elif kind == "reuse":
             gone = {t for t in range(e.tokens[0], e.tokens[1])}
-            if any(t in gone for region in life.flying.values() for _, t in region):
+            readers = [*life.flying.values(), *life.unfenced.values()]
+            if any(t in gone for region in readers for _, t in region):
                 return "COPY-3"
             life.held = {(la, t) for la, t in life.held if t not in gone}
         elif kind == "produced":
@@ -172,9 +215,12 @@ def coverage_cells(cov, layers) -> set[tuple[int, int]]:
 
 
 def check_invariants(s, m, layers):
-    """Free pages, live requests, pending counts and every life's sets match."""
+    """Free and quarantined pages, live requests, pending counts, unfenced spans and every
+    life's sets match."""
     free = {p for a, b in s.pool.free for p in range(a, b)}
     assert free == m.free and s.free_pages == len(m.free)
+    assert {p for a, b in s.pool.quarantined for p in range(a, b)} == m.quarantined()
+    assert set(s.unfenced.keys()) == set(m.unfenced)
     assert set(s.requests.keys()) == set(m.lives)
     for p in PRODUCERS:
         assert s.pending_of(p) == m.pending.get(p, 0)
@@ -190,10 +236,12 @@ def check_invariants(s, m, layers):
         assert coverage_cells(got.computed, layers) == life.computed
         assert coverage_cells(got.held, layers) == life.held
         assert {sp.span for sp in got.in_flight} == set(life.flying)
+        assert {sp.span for sp in got.unfenced} == set(life.unfenced)
         assert got.phase.value == life.phase and got.failed == life.failed
         assert s.can_admit(req) == m.can_admit(req)
+        assert set(s.unfenced_of(req)) == {sp for sp, u in m.unfenced.items() if u[0] == req}
     assert len(held_pages) == len(set(held_pages))  # page ids never collide
-    assert len(held_pages) + s.free_pages == m.pool_pages
+    assert len(held_pages) + s.free_pages + len(m.quarantined()) == m.pool_pages
     for prompt in (1, 9, MAX_PROMPT):
         assert s.can_reserve(prompt, 0) == ((prompt + 3) // 4 <= len(m.free))
 
@@ -210,8 +258,8 @@ class ApplyVsSimple(RuleBasedStateMachine):
 
     @initialize(layers=st.integers(2, 4), pool_pages=st.integers(6, 24),
                 max_pending=st.integers(1, 3), mode=st.sampled_from(["whole", "chunk", "layer"]),
-                recurrent=st.booleans())
-    def start(self, layers, pool_pages, max_pending, mode, recurrent):
+                recurrent=st.booleans(), version=st.sampled_from([2, 2, 2, 1]))
+    def start(self, layers, pool_pages, max_pending, mode, recurrent, version):
         geo = Geometry(layers=layers, kv_heads=1, head_dim=2, dtype_bytes=1,
                        page_tokens=PAGE_TOKENS, recurrent=recurrent)
         got = None
@@ -224,8 +272,10 @@ class ApplyVsSimple(RuleBasedStateMachine):
             geo = Geometry(layers=layers, kv_heads=1, head_dim=2, dtype_bytes=1,
                            page_tokens=PAGE_TOKENS)
         self.L = layers
-        self.state = initial_state(ev.Header("m", mode, geo, pool_pages, max_pending))
-        self.model = Simple(layers, pool_pages, max_pending, geo.bytes_per_token_layer)
+        self.version = version
+        self.state = initial_state(ev.Header("m", mode, geo, pool_pages, max_pending,
+                                             version=version))
+        self.model = Simple(layers, pool_pages, max_pending, geo.bytes_per_token_layer, version)
         self.next_span = 0
 
     def do(self, event) -> bool:
@@ -441,6 +491,26 @@ class ApplyVsSimple(RuleBasedStateMachine):
     def fail(self, pair, other):
         """Fail any span ever accepted, sometimes naming another request."""
         self.do(ev.Fail(0.0, other or pair[0], pair[1], "e"))
+
+    @precondition(lambda self: self.version == 2)
+    @rule(pair=spans, other=st.none() | reqs)
+    def fence(self, pair, other):
+        """(v2) Fence any span ever accepted, sometimes naming another request."""
+        self.do(ev.Fence(0.0, other or pair[0], pair[1]))
+
+    @precondition(lambda self: self.model.unfenced)
+    @rule(data=st.data())
+    def fence_unfenced(self, data):
+        """(v2) Fence a span whose writer is unfenced: it must be accepted."""
+        span = data.draw(st.sampled_from(sorted(self.model.unfenced, key=str)))
+        assert self.do(ev.Fence(0.0, self.model.unfenced[span][0], span))
+
+    @precondition(lambda self: self.version == 2 and self.model.quarantined())
+    @rule(data=st.data(), req=st.sampled_from(NAMES))
+    def reserve_quarantined(self, data, req):
+        """(v2) A reservation that takes a quarantined page: COPY-5 unless refused earlier."""
+        page = data.draw(st.sampled_from(sorted(self.model.quarantined())))
+        self.do(ev.Reserve(0.0, req, PAGE_TOKENS, 0, (page,), "p0"))
 
     @invariant()
     def models_agree(self):

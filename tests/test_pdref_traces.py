@@ -26,7 +26,8 @@ KINDS = sorted(ev.EVENT_TYPES)
 
 @st.composite
 def legal_traces(draw):
-    """(header, events) of random legal traffic: any mode, failures, retries, prefixes."""
+    """(header, events) of random legal traffic: either version, any mode, failures,
+    cancellations and fences (v2), retries, prefixes."""
     mode = draw(st.sampled_from(["whole", "chunk", "layer"]))
     layers = draw(st.integers(1, 4))
     max_live = draw(st.integers(1, 3))
@@ -34,13 +35,14 @@ def legal_traces(draw):
     geo = Geometry(layers=layers, kv_heads=draw(st.integers(1, 2)), head_dim=2, dtype_bytes=2,
                    page_tokens=PT, recurrent=mode != "layer" and draw(st.booleans()))
     pool = max_live * -(-max_prompt // PT) + draw(st.integers(0, 4))
-    header = ev.Header("test", mode, geo, pool, draw(st.integers(1, 3)))
+    header = ev.Header("test", mode, geo, pool, draw(st.integers(1, 3)),
+                       version=draw(st.sampled_from(ev.VERSIONS)))
     config = SynthConfig(
         requests=draw(st.integers(1, 6)), max_live=max_live, max_prompt=max_prompt,
         chunk=draw(st.integers(1, 16)), fail_rate=draw(st.sampled_from([0.0, 0.1, 0.3])),
         retry_rate=draw(st.sampled_from([0.0, 0.7, 1.0])),
         prefix_rate=draw(st.sampled_from([0.0, 0.3, 0.8])), stages=draw(st.booleans()),
-        producers=draw(st.integers(1, 2)))
+        producers=draw(st.integers(1, 2)), cancel_rate=draw(st.sampled_from([0.0, 0.1, 0.4])))
     return header, synth_trace(header, config, draw(st.integers(0, 2**32)))
 
 
@@ -151,7 +153,8 @@ def test_duplicated_event(kind, trace, data):
     mutant = objs[:i + 1] + [copy.deepcopy(objs[i])] + objs[i + 1:]
     result = verdict(mutant)
     want = {"reserve": "REQ-1", "issue": "REQ-1", "land": "REQ-1", "fail": "REQ-1",
-            "release": "REQ-1", "abort": "REQ-1", "produced": "PROD-1", "admit": "ADM-1"}
+            "release": "REQ-1", "abort": "REQ-1", "produced": "PROD-1", "admit": "ADM-1",
+            "fence": "REQ-1"}
     if kind in want:
         assert (result.code, result.line) == (want[kind], i + 2), result.text()
     else:  # computed, reuse, stage: applying twice is applying once
@@ -197,10 +200,16 @@ def test_deleted_event(kind, trace, data):
     elif kind == "issue":
         j = later(objs, i, lambda x: x["kind"] in ("land", "fail")
                   and x["span"] == objs[i]["span"])
-        if j is None:  # cancelled by an abort
+        fence = next((k for k in range(i + 1, len(objs)) if objs[k]["kind"] == "fence"
+                      and objs[k]["span"] == objs[i]["span"]), None)
+        if j is None and fence is None:  # cancelled by an abort (v1: no fence)
             assert result.ok, result.text()
+        elif j is None:  # v2: the cancelled span's fence now names a span never issued
+            assert (result.code, result.line) == ("REQ-1", line_of(fence)), result.text()
         else:
             assert (result.code, result.line) == ("REQ-1", line_of(j)), result.text()
+    elif kind == "fence":  # the writer never stopped: its slot, pages or the end say so
+        assert result.code in ("COPY-5", "COPY-2", "LIFE-1"), result.text()
     elif kind in ("stage", "reuse"):  # informational; or: more source KV held is never worse
         assert result.ok, result.text()
 
@@ -460,7 +469,7 @@ def header_with(**changes) -> str:
 
 BAD_HEADERS = {
     "missing header": RESERVE,
-    "version 2": header_with(version=2),
+    "version 3": header_with(version=3),
     "version 0": header_with(version=0),
     "version string": header_with(version="1"),
     "version float": header_with(version=1.0),
