@@ -41,9 +41,12 @@ class LifeMetrics:
 
 
 class _Tracker:
-    """Folds events into LifeMetrics and the trace-wide staging peak."""
+    """Folds events into LifeMetrics and the trace-wide staging peak. With `fences`
+    (version 2) a failed or cancelled span keeps its staging until its fence: its writer
+    may still hold the buffer."""
 
-    def __init__(self) -> None:
+    def __init__(self, fences: bool = False) -> None:
+        self.fences = fences
         self.live: dict[str, LifeMetrics] = {}
         self.first_seen: dict[str, float] = {}
         self.done: list[LifeMetrics] = []
@@ -52,6 +55,9 @@ class _Tracker:
         self.peak_staging = 0
 
     def feed(self, e) -> None:
+        if e.kind == "fence":
+            self._retire(e.span)
+            return
         if e.kind == "reserve":
             start = min(self.first_seen.pop(e.req, e.t), e.t)
             self.live[e.req] = LifeMetrics(e.req, start, e.t, e.prompt, e.prefix)
@@ -78,7 +84,8 @@ class _Tracker:
         life.last_land_t = e.t
 
     def on_fail(self, life: LifeMetrics, e) -> None:
-        self._retire(e.span)
+        if not self.fences:
+            self._retire(e.span)
         life.failed_spans += 1
 
     def on_produced(self, life: LifeMetrics, e) -> None:
@@ -92,8 +99,9 @@ class _Tracker:
         self._end(life, e, "released")
 
     def on_abort(self, life: LifeMetrics, e) -> None:
-        for span in [s for s, (req, _) in self.in_flight.items() if req == e.req]:
-            self._retire(span)  # an abort cancels the request's spans in flight
+        if not self.fences:
+            for span in [s for s, (req, _) in self.in_flight.items() if req == e.req]:
+                self._retire(span)  # v1: an abort cancels the request's spans in flight
         self._end(life, e, "aborted")
 
     def _end(self, life: LifeMetrics, e, outcome: str) -> None:
@@ -101,9 +109,10 @@ class _Tracker:
         self.done.append(self.live.pop(e.req))
 
 
-def life_metrics(events: Iterable) -> tuple[list[LifeMetrics], int]:
-    """Every request life in the trace (ended ones first, then open ones) and peak staging."""
-    tracker = _Tracker()
+def life_metrics(events: Iterable, fences: bool = True) -> tuple[list[LifeMetrics], int]:
+    """Every request life in the trace (ended ones first, then open ones) and peak staging.
+    `fences`: the trace is version 2 (staging is held until a fence)."""
+    tracker = _Tracker(fences)
     for event in events:
         tracker.feed(event)
     return tracker.done + list(tracker.live.values()), tracker.peak_staging
@@ -116,7 +125,7 @@ def run_metrics(header: ev.Header, events: Iterable, report_token: bool = True) 
     and earlier requests of a back-to-back run do not); in a one-request run that is the
     run start. `peak_staging_bytes` is trace-wide. `report_token=False` for the simulator.
     """
-    lives, peak = life_metrics(events)
+    lives, peak = life_metrics(events, header.version >= 2)
     produced = [life for life in lives if life.produced_t is not None]
     final = produced[-1] if produced else (lives[-1] if lives else None)
     mine = [life for life in lives if final and life.req == final.req]

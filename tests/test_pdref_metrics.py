@@ -86,3 +86,14 @@ def test_back_to_back_requests_are_timed_from_their_own_start():
     m = run_metrics(HEADER, first + second)
     assert m["prefill_s"] == 0.5 and m["handoff_s"] == 0.75 and m["tail_s"] == 0.25
     assert m["spans"] == 1 and m["lives"] == 1 and m["first_token"] == 2
+
+
+def test_cancelled_span_holds_staging_until_its_fence_in_version_2():
+    """v2: a cancelled span's bytes stay in peak staging until its fence; v1 frees at abort."""
+    events = [ev.Reserve(0.0, "a", 8, 0, (0, 1)), ev.Computed(0.1, "a", (0, 2), (0, 8)),
+              ev.Issue(0.1, "a", 0, (0, 2), (0, 8), 16 * B), ev.Abort(0.2, "a", "cancel"),
+              ev.Reserve(0.3, "b", 8, 0, (2, 3)), ev.Computed(0.3, "b", (0, 2), (0, 8)),
+              ev.Issue(0.3, "b", 1, (0, 2), (0, 8), 16 * B), ev.Fence(0.4, "a", 0),
+              ev.Land(0.5, "b", 1)]
+    assert life_metrics(events, fences=True)[1] == 32 * B
+    assert life_metrics([e for e in events if e.kind != "fence"], fences=False)[1] == 16 * B
