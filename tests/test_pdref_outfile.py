@@ -56,3 +56,15 @@ def test_pdsim_outputs_are_0644_under_umask_022(tmp_path):
         assert main(timeline) == 0
     for name in ("s.csv", "s.json", "t.png", "t.json"):
         assert _mode(tmp_path / name) == 0o644, name
+
+
+def test_traces_of_both_shells_are_0644_under_umask_022(tmp_path):
+    """`pdsim run --trace` and `pdgpu run --trace` (pdref's TraceWriter) write 0644 files."""
+    from pdgpu.cli import main as pdgpu_main
+    from pdsim.cli import main as pdsim_main
+
+    with _umask(0o022):
+        assert pdsim_main(["run", "--prompt", "256", "--trace", str(tmp_path / "sim.jsonl")]) == 0
+        assert pdgpu_main(["run", "--prompt", "32", "--chunk", "16",
+                           "--trace", str(tmp_path / "engine.jsonl")]) == 0
+    assert _mode(tmp_path / "sim.jsonl") == _mode(tmp_path / "engine.jsonl") == 0o644
