@@ -7,6 +7,10 @@ Qwen3's per-head q/k RMSNorm before RoPE, SwiGLU MLP, tied or untied embeddings.
 
 The KV cache is not owned by the model: every attention call hands its new K/V to a `KVStore`
 (the producer's paged source cache) and gets back K/V of every earlier token of the request.
+`decode_step` runs one new token for each of a batch of requests (a `DecodeKV` keeps each
+request's K/V); its matrix products always see at least DECODE_MIN_ROWS rows (padding), so a
+request's logits are bit-identical whatever else is in the batch (CPU GEMM kernels pick a
+different reduction for 1..3 rows), and attention runs per request over its own length.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch.nn import functional as F
 from pdref.models import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODE_MIN_ROWS = 8
 
 
 class KVStore(Protocol):
@@ -30,6 +35,14 @@ class KVStore(Protocol):
     def append(
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class DecodeKV(Protocol):
+    """Per-request K/V of a decode batch: store each row's new K/V, return its whole K/V."""
+
+    def append_rows(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 class RMSNorm(nn.Module):
@@ -124,6 +137,21 @@ class Attention(nn.Module):
         out = attend(q, keys, values, start)  # [n, H, D]
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
 
+    def decode(self, x, cos, sin, kv: DecodeKV, layer: int, count: int) -> torch.Tensor:
+        """One new token per row of x [R, E]; rows from `count` on are padding."""
+        rows = x.shape[0]
+        q = self.q_proj(x).view(rows, self.heads, self.head_dim)  # [R, H, D]
+        k = self.k_proj(x).view(rows, self.kv_heads, self.head_dim)  # [R, KVH, D]
+        v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)  # [R, KVH, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = torch.zeros_like(q)  # [R, H, D]
+        contexts = kv.append_rows(layer, k[:count], v[:count])  # [c_i, KVH, D] pairs
+        for i, (keys, values) in enumerate(contexts):
+            out[i] = attend(q[i:i + 1], keys, values, keys.shape[0] - 1)[0]  # [H, D]
+        return self.o_proj(out.reshape(rows, self.heads * self.head_dim))
+
 
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
@@ -146,6 +174,10 @@ class Block(nn.Module):
 
     def forward(self, h, cos, sin, kv: KVStore, layer: int, start: int) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode(self, h, cos, sin, kv: DecodeKV, layer: int, count: int) -> torch.Tensor:
+        h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, kv, layer, count)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -199,6 +231,21 @@ class Transformer(nn.Module):
             if on_layer is not None:
                 on_layer(layer)
         return h
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, kv: DecodeKV):
+        """One greedy-decoding forward for a batch: tokens [B] at positions [B] (each request
+        its own length) -> logits [B, V]. `kv` stores each row's new K/V and returns its own."""
+        count = tokens.shape[0]
+        rows = max(count, DECODE_MIN_ROWS)
+        padded = torch.zeros(rows, dtype=tokens.dtype, device=tokens.device)  # [R]
+        padded[:count] = tokens
+        places = torch.zeros(rows, dtype=positions.dtype, device=positions.device)  # [R]
+        places[:count] = positions
+        h = self.embed(padded)  # [R, E]
+        cos, sin = rope_tables(self.inv_freq, places, h.dtype)  # [R, D] each
+        for layer, block in enumerate(self.model.layers):
+            h = block.decode(h, cos, sin, kv, layer, count)  # [R, E]
+        return self.logits(h)[:count]  # [B, V]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [n, E] -> logits [n, V]."""

@@ -1,0 +1,13 @@
+"""`pdgpu serve`: a decoder process and N producer processes over torch.distributed.
+
+Modules (one concept each):
+  transport  point-to-point messages (the one interface a NIXL/UCX backend would implement)
+  config     the run's settings, producer capabilities, the handshake's servability rule
+  workload   requests drawn or read from a prompts file, arrival times
+  digest     compute-time row checksums of KV, checked when a span lands (--verify)
+  producer   chunked prefill into the source cache, spans bounded by max_pending
+  ledger     the decoder's pool: each resource operation and its pdref event are one call
+  decoder    schedule -> run -> postprocess, the continuous decode batch
+  launch     processes, handshake, shutdown
+  report     results lines and the summary
+"""

@@ -1,0 +1,54 @@
+"""Span checksums taken when KV is *computed*, checked when it lands (`--verify`).
+
+A row digest is an exact integer function of the bytes of one (layer, K|V, token) row:
+sum over its elements of (element bits as an integer) x (a fixed odd weight), mod 2**64.
+Integer sums are exact in any order, so producer and decoder agree on any device; a dropped,
+shifted, stale or overwritten row changes its digest. The producer's `DigestingKV` records
+each row's digest as the model writes it into the source cache, so a page overwritten before
+its copy is gathered is caught too, not only a broken copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _weights(width: int, device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0x5EED)
+    w = torch.randint(1, 2**62, (width,), generator=gen, dtype=torch.int64) * 2 + 1  # odd
+    return w.to(device)  # [KVH * D]
+
+
+def row_digests(rows: torch.Tensor) -> torch.Tensor:
+    """rows [..., KVH, D] (float) -> int64 [...], one digest per row."""
+    flat = rows.contiguous().view(BITS[rows.dtype]).flatten(-2).to(torch.int64)  # [..., KVH*D]
+    return (flat * _weights(flat.shape[-1], rows.device)).sum(dim=-1)  # [...]
+
+
+class DigestingKV:
+    """A KVStore around a request's source-cache view that digests every row it stores."""
+
+    def __init__(self, inner, layers: int, prompt: int, device) -> None:
+        self.inner = inner
+        self.digests = torch.zeros((layers, 2, prompt), dtype=torch.int64, device=device)
+
+    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k/v [n, KVH, D] at [start, start+n) and digest them; K/V [start+n, ...]."""
+        end = start + k.shape[0]
+        self.digests[layer, 0, start:end] = row_digests(k)  # [n]
+        self.digests[layer, 1, start:end] = row_digests(v)  # [n]
+        return self.inner.append(layer, start, k, v)
+
+    def region(self, layers, tokens) -> torch.Tensor:
+        """Digests of a region -> [nl, 2, nt]."""
+        return self.digests[layers[0]:layers[1], :, tokens[0]:tokens[1]].clone()
+
+
+def first_mismatch(landed: torch.Tensor, expected: torch.Tensor) -> tuple[int, int] | None:
+    """(layer offset, token offset) of the first differing row of [nl, 2, nt], or None."""
+    bad = (row_digests(landed) != expected).nonzero()
+    if not len(bad):
+        return None
+    return int(bad[0, 0]), int(bad[0, 2])

@@ -1,0 +1,265 @@
+"""Starting, connecting and stopping the serving processes.
+
+Local run: this process is the decoder (rank 0, it serves the rendezvous store on a free port
+unless `--init-method` names one) and starts `producers` processes with torch.multiprocessing.
+Separate machines: each role runs `pdgpu serve --role ... --rank R --world-size W
+--init-method tcp://HOST:PORT` itself. Handshake, before any slab or request: the decoder
+sends the run's ServeConfig; each producer answers with its Capabilities; a run that cannot be
+served is refused (every producer told, one line, exit 2); then models are built, the
+prefix caches warmed, clocks related, and t = 0 starts.
+Any error or Ctrl-C: producers are stopped (terminated after a grace period when local),
+every live request is aborted in the trace, and the error goes up as one line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import attrs
+import torch
+import torch.multiprocessing as mp
+
+from pdgpu.serve.config import Capabilities, ServeConfig, producer_capabilities, refusal
+from pdgpu.serve.decoder import Decoder, ServeError
+from pdgpu.serve.ledger import Ledger
+from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
+from pdgpu.serve.producer import Producer
+from pdgpu.serve.transport import Endpoint, GlooTransport, TransportError, open_store
+from pdgpu.serve.workload import Workload
+from pdgpu.source_cache import SourceCache
+from pdref import events as ev
+from pdref.plan import plan_chunks
+
+START_METHOD = "forkserver"
+
+
+class Refused(Exception):
+    """The handshake found the configuration unservable (exit 2)."""
+
+
+@attrs.frozen
+class ProducerOptions:
+    kv_progress: bool = True
+    device: str = "cpu"
+    connect_timeout_s: float = 60.0
+
+
+@attrs.define
+class ServeRun:
+    """What the decoder knows at the end of a run, finished or not."""
+
+    ledger: Ledger | None = None
+    decoder: Decoder | None = None
+    wall_s: float = 0.0
+    error: BaseException | None = None
+
+
+# -- producer side ----------------------------------------------------------------------------
+
+def _expect(transport, ops: tuple[str, ...], timeout_s: float):
+    msg = transport.get(timeout=timeout_s)
+    if msg is None:
+        raise ServeError(f"no {'/'.join(ops)} message within {timeout_s:.0f} s")
+    if msg.op not in ops:
+        raise ServeError(f"expected {'/'.join(ops)}, got {msg.op!r}")
+    return msg
+
+
+def run_producer(endpoint: Endpoint, rank: int, world_size: int, opts: ProducerOptions) -> int:
+    """One producer rank, until the decoder says shutdown; its exit code."""
+    store = open_store(endpoint, rank, world_size, opts.connect_timeout_s)
+    transport = GlooTransport(store, rank, world_size)
+    producer = None
+    try:
+        setup = _expect(transport, ("setup",), opts.connect_timeout_s)
+        config = ServeConfig.from_json(setup.body["config"])
+        spec = model_spec(config.model, config.dtype)
+        caps = producer_capabilities(f"p{rank}", spec.recurrent, opts.kv_progress)
+        transport.send(0, "hello", {"caps": caps.to_json()})
+        if _expect(transport, ("go", "refuse"), opts.connect_timeout_s).op == "refuse":
+            return 2
+        torch.set_num_threads(config.threads)
+        model = load_served_model(config.model, config.seed, config.dtype, opts.device)
+        producer = Producer(transport, config, model, f"p{rank}")
+        transport.send(0, "ready", {"now": producer.now()})
+        producer.run()
+        return 0
+    except Exception as e:  # noqa: BLE001 - told to the decoder in one line, then exit 1
+        _tell_decoder(transport, f"{type(e).__name__}: {e}")
+        return 1
+    finally:
+        if producer is not None:
+            producer.close()
+        transport.close()
+
+
+def _tell_decoder(transport, message: str) -> None:
+    try:
+        transport.send(0, "error", {"message": message.splitlines()[0][:300]})
+    except TransportError:
+        pass  # the decoder is gone: it knows
+
+
+def producer_process(rank: int, world_size: int, host: str, port: int,
+                     opts: ProducerOptions) -> None:
+    """The entry of a producer started by the local decoder (Ctrl-C is the decoder's job)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    code = 1
+    try:
+        code = run_producer(Endpoint(host, port), rank, world_size, opts)
+    except BaseException as e:  # noqa: BLE001 - one line on stderr, never a traceback
+        print(f"pdgpu serve: producer p{rank}: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # gloo's receiving threads may still block in recv: don't wait for them
+
+
+# -- decoder side -----------------------------------------------------------------------------
+
+class LocalProducers:
+    """Producer processes started from here; `check` raises when one died."""
+
+    def __init__(self, world_size: int, endpoint: Endpoint, opts: ProducerOptions) -> None:
+        ctx = mp.get_context(START_METHOD)
+        if START_METHOD == "forkserver":  # one torch import for every producer, not one each
+            ctx.set_forkserver_preload(["pdgpu.serve.launch"])
+        self.procs = [ctx.Process(target=producer_process, daemon=True, name=f"pdgpu-p{r}",
+                                  args=(r, world_size, endpoint.host, endpoint.port, opts))
+                      for r in range(1, world_size)]
+        for p in self.procs:
+            p.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def check(self) -> None:
+        for rank, p in enumerate(self.procs, 1):
+            if p.exitcode is not None:
+                raise ServeError(f"producer p{rank} exited with code {p.exitcode}")
+
+    def stop(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=3)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=3)
+
+
+def _header(config: ServeConfig, spec, producers: int) -> ev.Header:
+    extra = {"chunk": config.chunk, "model": spec.name, "engine": "pdgpu serve",
+             "producers": producers, "verify": config.verify}
+    if config.link_gbps is not None:
+        extra["link_gbps"] = config.link_gbps
+    return ev.Header("pdgpu serve", config.mode, spec.geometry(config.page_tokens),
+                     config.pool_pages, config.max_pending, extra=tuple(sorted(extra.items())))
+
+
+def handshake(transport, config: ServeConfig, timeout_s: float, check_peers) -> None:
+    """Setup out, capabilities in; refuse an unservable run before anything is reserved."""
+    for rank in transport.peers():
+        transport.send(rank, "setup", {"config": config.to_json()})
+    caps = [_wait(transport, "hello", timeout_s, check_peers) for _ in transport.peers()]
+    reason = refusal(config.mode, [Capabilities.from_json(m.body["caps"]) for m in caps])
+    spec = model_spec(config.model, config.dtype)
+    if reason is None and spec.arch not in ENGINE_ARCHS:
+        reason = f"model: arch {spec.arch!r} has no engine implementation (qwen3, llama)"
+    for rank in transport.peers():
+        transport.send(rank, "refuse" if reason else "go", {"reason": reason})
+    if reason is not None:
+        raise Refused(reason)
+
+
+def _wait(transport, op: str, timeout_s: float, check_peers):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = transport.get(timeout=0.1)
+        if msg is None:
+            check_peers()
+            continue
+        if msg.op == "error":
+            raise ServeError(f"producer p{msg.src}: {msg.body['message']}")
+        if msg.op != op:
+            raise ServeError(f"producer p{msg.src} sent {msg.op!r} during the handshake")
+        return msg
+    raise ServeError(f"handshake: no {op!r} from every producer within {timeout_s:.0f} s")
+
+
+def prefix_cache(model, config: ServeConfig) -> torch.Tensor:
+    """The decoder's prefix cache K/V [L, 2, prefix, KVH, D], computed like the producers'."""
+    geometry = model.spec.geometry(config.page_tokens)
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = SourceCache(geometry, max(1, geometry.pages_for(config.prefix)), "cpu", dtype)
+    kv = cache.open(max(1, config.prefix))
+    ids = torch.tensor(config.prefix_tokens, dtype=torch.int64)
+    for a, b in plan_chunks(config.prefix, 0, config.chunk):
+        model.prefill_chunk(ids[a:b], a, kv)
+    return kv.kv.index_select(2, kv.slots[:config.prefix])
+
+
+def run_decoder(transport, config: ServeConfig, workload: Workload, timeout_s: float,
+                check_peers=lambda: None, progress=None, run: ServeRun | None = None):
+    """The decoder rank: handshake, models, the serving loop; fills and returns `run`."""
+    run = run if run is not None else ServeRun()
+    handshake(transport, config, timeout_s, check_peers)
+    torch.set_num_threads(config.threads)
+    model = load_served_model(config.model, config.seed, config.dtype)
+    prefix_kv = prefix_cache(model, config)
+    run.ledger = Ledger(_header(config, model.spec, len(transport.peers())), "cpu",
+                        model.model.embed_tokens.weight.dtype)
+    offsets = {}
+    for _ in transport.peers():
+        msg = _wait(transport, "ready", timeout_s, check_peers)
+        offsets[msg.src] = time.perf_counter() - msg.body["now"]
+    run.ledger.restart_clock()
+    run.decoder = Decoder(transport, run.ledger, model, workload, prefix_kv, config.retries,
+                          config.verify, offsets, check_peers, progress)
+    start = time.perf_counter()
+    run.decoder.run()
+    run.wall_s = time.perf_counter() - start
+    for rank in transport.peers():
+        transport.send(rank, "shutdown", {})
+    run.ledger.monitor.close()
+    return run
+
+
+def end_on_error(run: ServeRun, error: BaseException) -> None:
+    """Producers are gone: abort every live life so the trace closes complete."""
+    run.error = error
+    if run.decoder is not None:
+        run.decoder.cancel_all(f"stopped: {type(error).__name__}")
+
+
+def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: ProducerOptions,
+                endpoint: Endpoint, progress=None, on_start=None) -> ServeRun:
+    """Decoder here, `producers` processes started from here; the run, or its error raised
+    after every producer is stopped and every live request aborted."""
+    world = producers + 1
+    store = open_store(endpoint, 0, world, opts.connect_timeout_s)  # port 0: any free one
+    procs = LocalProducers(world, Endpoint(endpoint.host, store.port), opts)
+    if on_start is not None:
+        on_start(procs.pids)
+    run = ServeRun()
+    try:
+        transport = GlooTransport(store, 0, world)
+        try:
+            run_decoder(transport, config, workload, opts.connect_timeout_s, procs.check,
+                        progress, run)
+            procs.stop(grace_s=10.0)
+        finally:
+            transport.close()
+    except BaseException as e:
+        procs.stop(grace_s=5.0 if isinstance(e, Refused) else 0.0)
+        end_on_error(run, e)
+        raise
+    return run

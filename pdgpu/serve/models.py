@@ -1,0 +1,26 @@
+"""The served model, by preset/profile name or Hugging Face checkpoint folder, on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from pdgpu.checkpoint import inspect_checkpoint, load_checkpoint
+from pdgpu.model import build_model
+from pdref.models import ModelSpec, load_model
+
+ENGINE_ARCHS = ("qwen3", "llama")
+
+
+def model_spec(model: str, dtype: str | None = None) -> ModelSpec:
+    """The spec from a preset, a profile or a checkpoint's headers (nothing allocated)."""
+    spec = inspect_checkpoint(model) if Path(model).is_dir() else load_model(model)
+    return attrs.evolve(spec, dtype=dtype) if dtype else spec
+
+
+def load_served_model(model: str, seed: int, dtype: str | None, device: str = "cpu"):
+    """The network: a checkpoint's weights, or a preset's seeded random weights."""
+    if Path(model).is_dir():
+        return load_checkpoint(model, device, dtype)
+    return build_model(model_spec(model, dtype), device=device, seed=seed)

@@ -1,0 +1,263 @@
+"""A producer process: chunked prefill into its paged source cache, spans to the decoder.
+
+Main thread: takes `prefill` jobs in order, computes chunk by chunk (layer by layer in layer
+mode), reports `computed` and `produced`, and hands each span the mode sends to the sender
+thread. Sender thread: waits for one of `max_pending` slots (a slot comes back with the
+decoder's `ack`), announces `issue`, gathers the region out of the source pages, holds it for
+the paced link, sends it with the digests taken at compute time. A request's source pages are
+freed only on the decoder's `reuse`, which it grants after every span reading them was
+acknowledged (COPY-3 across processes).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+
+import attrs
+import torch
+
+from pdgpu.generate import first_token
+from pdgpu.serve.config import ServeConfig
+from pdgpu.serve.digest import DigestingKV
+from pdgpu.serve.transport import Transport
+from pdgpu.source_cache import RequestKV, SourceCache, token_slots
+from pdref.events import Mode
+from pdref.plan import Region, plan_chunks, plan_spans
+
+DECODER = 0
+
+
+@attrs.define
+class Job:
+    """One life of one request on this producer."""
+
+    handle: str
+    tokens: torch.Tensor  # [prompt]
+    prefix: int
+    pages: tuple[int, ...]  # this life's own source pages (the prefix pages are shared)
+    kv: DigestingKV
+    steps: list  # chunk ranges (chunk-major) or layer ids (layer mode) still to compute
+    hidden: list | None = None  # layer mode: hidden states per chunk
+    last: torch.Tensor | None = None  # [1, E] hidden of the last position so far
+    cancelled: bool = False
+
+    @property
+    def prompt(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Producer:
+    def __init__(self, transport: Transport, config: ServeConfig, model, name: str) -> None:
+        self.transport, self.config, self.model, self.name = transport, config, model, name
+        self.geometry = model.spec.geometry(config.page_tokens)
+        self.device = model.inv_freq.device
+        dtype = model.model.embed_tokens.weight.dtype
+        self.cache = SourceCache(self.geometry, config.source_pages, self.device, dtype)
+        self.cache.pool, self.prefix_pages = self.cache.pool.allocate(
+            self.geometry.pages_for(config.prefix))
+        self.prefix_last = self._warm_prefix()
+        self.waiting: deque[Job | dict] = deque()
+        self.active: Job | None = None
+        self.jobs: dict[str, Job] = {}
+        self.deferred: list = []  # debug early-reuse: spans whose copy starts late
+        self.slots = threading.Semaphore(config.max_pending)
+        self.outbox: queue.Queue = queue.Queue()
+        self.clock0 = time.perf_counter()
+        self.sender = threading.Thread(target=self._send_loop, daemon=True, name="pdgpu-sender")
+        self.sender_error: Exception | None = None
+        self.sender.start()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.clock0
+
+    # -- setup --------------------------------------------------------------------------------
+
+    def _warm_prefix(self) -> torch.Tensor | None:
+        """The prefix cache: K/V of the shared prefix, computed once, never freed."""
+        prefix = self.config.prefix
+        if not prefix:
+            return None
+        slots = token_slots(self.prefix_pages, self.geometry.page_tokens, prefix, self.device)
+        kv = RequestKV(self.cache.kv, slots, self.prefix_pages)
+        ids = torch.tensor(self.config.prefix_tokens, dtype=torch.int64, device=self.device)
+        last = None
+        for a, b in plan_chunks(prefix, 0, self.config.chunk):
+            last = self.model.prefill_chunk(ids[a:b], a, kv)[-1:]  # [1, E]
+        return last
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until the decoder says `shutdown`."""
+        while True:
+            if self.sender_error is not None:
+                raise self.sender_error
+            msg = self.transport.get(timeout=0 if self._busy() else 0.05)
+            if msg is not None:
+                if msg.op == "shutdown":
+                    return
+                self._handle(msg)
+                continue
+            self._step()
+
+    def _busy(self) -> bool:
+        return self.active is not None or self._can_start()
+
+    def _handle(self, msg) -> None:
+        body = msg.body
+        if msg.op == "prefill":
+            self.waiting.append(body)
+        elif msg.op == "ack":
+            self.slots.release()
+        elif msg.op == "reuse":
+            self._free(body["handle"])
+        elif msg.op == "cancel":
+            self._cancel(body["handle"])
+        else:
+            raise RuntimeError(f"producer {self.name}: unknown message {msg.op!r}")
+
+    def _can_start(self) -> bool:
+        if not self.waiting:
+            return False
+        body = self.waiting[0]
+        need = self.geometry.pages_for(len(body["tokens"])) - len(self.prefix_pages)
+        return need <= self.cache.pool.free_pages
+
+    def _step(self) -> None:
+        if self.active is None and self._can_start():
+            self.active = self._open(self.waiting.popleft())
+        if self.active is None:
+            self._flush_deferred()
+            return
+        job = self.active
+        if job.steps:
+            self._compute(job)
+        else:
+            self._produce(job)
+            self.active = None
+        self._flush_deferred()
+
+    # -- one job ------------------------------------------------------------------------------
+
+    def _open(self, body: dict) -> Job:
+        tokens = torch.tensor(body["tokens"], dtype=torch.int64, device=self.device)
+        prompt, prefix = tokens.shape[0], self.config.prefix
+        self.cache.pool, own = self.cache.pool.allocate(
+            self.geometry.pages_for(prompt) - len(self.prefix_pages))
+        pages = self.prefix_pages + own
+        slots = token_slots(pages, self.geometry.page_tokens, prompt, self.device)
+        kv = DigestingKV(RequestKV(self.cache.kv, slots, pages), self.geometry.layers, prompt,
+                         self.device)
+        chunks = plan_chunks(prompt, prefix, self.config.chunk)
+        steps = list(range(self.geometry.layers)) if self.config.mode is Mode.LAYER and chunks \
+            else chunks
+        job = Job(body["handle"], tokens, prefix, own, kv, steps, last=self.prefix_last)
+        if self.config.mode is Mode.LAYER:
+            job.hidden = [self.model.embed(tokens[a:b]) for a, b in chunks]  # [n_i, E] each
+        self.jobs[job.handle] = job
+        return job
+
+    def _compute(self, job: Job) -> None:
+        start = self.now()
+        step = job.steps.pop(0)
+        if self.config.mode is Mode.LAYER:
+            chunks = plan_chunks(job.prompt, job.prefix, self.config.chunk)
+            job.hidden = [self.model.run_layer(step, h, a, job.kv)
+                          for h, (a, _) in zip(job.hidden, chunks, strict=True)]  # [n_i, E]
+            job.last = job.hidden[-1][-1:]  # [1, E]
+            layers, tokens = (step, step + 1), (job.prefix, job.prompt)
+        else:
+            a, b = step
+            job.last = self.model.prefill_chunk(job.tokens[a:b], a, job.kv)[-1:]  # [1, E]
+            layers, tokens = (0, self.geometry.layers), step
+        self._send("computed", handle=job.handle, layers=layers, tokens=tokens,
+                   start=start, end=self.now())
+        if self.config.mode is not Mode.WHOLE:
+            self._queue_span(job, Region(layers, tokens))
+
+    def _produce(self, job: Job) -> None:
+        start = self.now()
+        token = first_token(self.model, job.last)
+        self._send("produced", handle=job.handle, token=token, start=start, end=self.now())
+        if self.config.mode is Mode.WHOLE:
+            for region in plan_spans(Mode.WHOLE, self.geometry, job.prompt, job.prefix,
+                                     self.config.chunk):
+                self._queue_span(job, region)
+        if self.config.debug == "early-reuse":  # the seed's bug: pages freed under a copy
+            self.cache.pool = self.cache.pool.give_back(job.pages)
+            job.pages = ()
+
+    def _queue_span(self, job: Job, region: Region) -> None:
+        if self.config.debug == "early-reuse":
+            self.deferred.append((job, region))  # the copy starts after the next compute
+        else:
+            self.outbox.put((job, region))
+
+    def _flush_deferred(self) -> None:
+        for item in self.deferred:
+            self.outbox.put(item)
+        self.deferred = []
+
+    def _cancel(self, handle: str) -> None:
+        """Stop a life: no more compute or spans; `stopped` once the sender passed it."""
+        job = self.jobs.get(handle)
+        if job is not None:
+            job.cancelled = True
+            job.steps = []
+            if self.active is job:
+                self.active = None
+        self.waiting = deque(b for b in self.waiting if b["handle"] != handle)
+        self._flush_deferred()
+        self.outbox.put(("stopped", handle))
+
+    def _free(self, handle: str) -> None:
+        job = self.jobs.pop(handle)
+        self.cache.pool = self.cache.pool.give_back(job.pages)
+
+    def _send(self, op: str, tensors=(), **body) -> None:
+        self.transport.send(DECODER, op, body, tensors)
+
+    # -- the sender thread --------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        try:
+            while (item := self.outbox.get()) is not None:
+                if item[0] == "stopped":
+                    self._send("stopped", handle=item[1])
+                    continue
+                self._send_span(*item)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            self.sender_error = e
+
+    def _send_span(self, job: Job, region: Region) -> None:
+        self.slots.acquire()
+        if job.cancelled:
+            self.slots.release()
+            return
+        nbytes = region.bytes(self.geometry)
+        start = self.now()
+        self._send("issue", handle=job.handle, layers=region.layers, tokens=region.tokens,
+                   bytes=nbytes)
+        index = job.kv.inner.slots[region.tokens[0]:region.tokens[1]]  # [nt]
+        kv = self.cache.kv[region.layers[0]:region.layers[1]].index_select(2, index)
+        if self.config.debug == "drop-last-row" and kv.shape[2]:
+            kv[:, :, -1] = 0  # [nl, 2, KVH, D]: the copy loses the span's last token row
+        gathered = self.now()
+        self._pace(start, nbytes)
+        self._send("span", tensors=(kv, job.kv.region(region.layers, region.tokens)),
+                   handle=job.handle, gather=[start, gathered], link=[gathered, self.now()])
+
+    def _pace(self, start: float, nbytes: int) -> None:
+        """Hold the span until `nbytes` could have crossed a `link_gbps` link."""
+        if self.config.link_gbps is None:
+            return
+        remaining = start + nbytes / (self.config.link_gbps * 1e9) - self.now()
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self.sender.join(timeout=5)

@@ -1,0 +1,81 @@
+"""Results and summary of a serving run (DESIGN.md, 'Serving runs'), from the decoder's
+record of each request and from the trace (handoff times via pdref.metrics)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pdgpu.serve.decoder import Decoder, Tracked
+from pdgpu.serve.ledger import Ledger
+from pdref.metrics import life_metrics
+
+SUMMARY_ORDER = ("requests", "ok", "failed", "cancelled", "tokens_per_s", "ttft_p50_s",
+                 "ttft_p99_s", "itl_p50_s", "itl_p99_s", "handoff_p50_s", "peak_pool_pages",
+                 "leaked_pages", "wall_s")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in (0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def result_line(t: Tracked) -> dict:
+    ok = t.status == "ok"
+    ttft = t.token_t[0] - t.arrival if (t.token_t and t.arrival is not None) else None
+    e2e = t.done_t - t.arrival if (ok and t.arrival is not None) else None
+    return {"req": t.req, "status": t.status, "output": list(t.output) if ok else [],
+            "ttft_s": ttft, "e2e_s": e2e, "attempts": t.attempts}
+
+
+def write_results(decoder: Decoder, path: str | Path) -> None:
+    """One line per request, in workload order; written whole or not at all."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    lines = [json.dumps(result_line(t)) for t in decoder.tracked.values()]
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    tmp.replace(path)
+
+
+def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
+    tracked = list(decoder.tracked.values())
+    ok = [t for t in tracked if t.status == "ok"]
+    itl = [b - a for t in ok for a, b in zip(t.token_t, t.token_t[1:], strict=False)]
+    ttft = [t.token_t[0] - t.arrival for t in ok]
+    lives, _ = life_metrics(ledger.protocol)
+    handoff = [life.ready_t - life.reserve_t for life in lives
+               if life.outcome == "released" and life.ready_t is not None]
+    generated = sum(len(t.output) for t in ok)
+    return {
+        "requests": len(tracked), "ok": len(ok),
+        "failed": sum(t.status == "failed" for t in tracked),
+        "cancelled": sum(t.status == "cancelled" for t in tracked),
+        "tokens_per_s": generated / wall_s if wall_s > 0 else None,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "handoff_p50_s": percentile(handoff, 50),
+        "peak_pool_pages": ledger.peak_pages,
+        "leaked_pages": ledger.used_pages,
+        "wall_s": wall_s,
+        "mode": str(ledger.header.mode),
+        "pool_pages": ledger.header.pool_pages,
+        "producers": len(decoder.load),
+        "generated_tokens": generated,
+        "spans": sum(life.spans for life in lives),
+        "failed_spans": sum(life.failed_spans for life in lives),
+        "lives": len(lives),
+    }
+
+
+def format_summary(values: dict) -> str:
+    keys = list(SUMMARY_ORDER) + [k for k in values if k not in SUMMARY_ORDER]
+    lines = []
+    for key in keys:
+        v = values.get(key)
+        text = f"{v:.6f}" if isinstance(v, float) else ("null" if v is None else str(v))
+        lines.append(f"{key:>18}: {text}")
+    return "\n".join(lines)
