@@ -14,6 +14,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from pdgpu import serve_cli
 from pdgpu.checkpoint import CheckpointError, inspect_checkpoint, load_checkpoint
 from pdgpu.compare import compare_modes, compare_table
 from pdgpu.engine import Engine, EngineError, RunResult
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="run every mode on one prompt: parity and ratios")
     _workload_args(cmp)
     cmp.add_argument("--trace-dir", help="write one trace per mode into this folder")
+    serve_cli.add_parsers(sub)
     return parser
 
 
@@ -267,6 +269,8 @@ def cmd_compare(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.command in serve_cli.COMMANDS:
+            return serve_cli.run_command(args)
         return cmd_run(args) if args.command == "run" else cmd_compare(args)
     except (BadInput, WorkloadError, ProfileError, CheckpointError) as e:
         print(f"pdgpu: error: {e}", file=sys.stderr)

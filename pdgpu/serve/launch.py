@@ -30,6 +30,7 @@ from pdgpu.serve.producer import Producer
 from pdgpu.serve.transport import Endpoint, GlooTransport, TransportError, open_store
 from pdgpu.serve.workload import Workload
 from pdgpu.source_cache import SourceCache
+from pdgpu.workload import WorkloadError
 from pdref import events as ev
 from pdref.plan import plan_chunks
 
@@ -156,6 +157,16 @@ class LocalProducers:
                 p.join(timeout=3)
 
 
+def open_decoder_store(endpoint: Endpoint, world: int, timeout_s: float):
+    """The rendezvous store this decoder serves; a port that cannot be bound is bad input."""
+    try:
+        return open_store(endpoint, 0, world, timeout_s)
+    except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError and others
+        raise WorkloadError(f"init-method: cannot serve the rendezvous on {endpoint.host}:"
+                            f"{endpoint.port} (port in use or address not local): "
+                            f"{str(e).strip().splitlines()[0][:120]}") from None
+
+
 def _header(config: ServeConfig, spec, producers: int) -> ev.Header:
     extra = {"chunk": config.chunk, "model": spec.name, "engine": "pdgpu serve",
              "producers": producers, "verify": config.verify}
@@ -241,15 +252,16 @@ def end_on_error(run: ServeRun, error: BaseException) -> None:
 
 
 def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: ProducerOptions,
-                endpoint: Endpoint, progress=None, on_start=None) -> ServeRun:
+                endpoint: Endpoint, progress=None, on_start=None,
+                run: ServeRun | None = None) -> ServeRun:
     """Decoder here, `producers` processes started from here; the run, or its error raised
     after every producer is stopped and every live request aborted."""
     world = producers + 1
-    store = open_store(endpoint, 0, world, opts.connect_timeout_s)  # port 0: any free one
+    store = open_decoder_store(endpoint, world, opts.connect_timeout_s)  # port 0: a free one
     procs = LocalProducers(world, Endpoint(endpoint.host, store.port), opts)
     if on_start is not None:
         on_start(procs.pids)
-    run = ServeRun()
+    run = run if run is not None else ServeRun()
     try:
         transport = GlooTransport(store, 0, world)
         try:

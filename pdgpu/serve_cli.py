@@ -1,0 +1,343 @@
+"""`pdgpu serve` and `pdgpu generate` on the command line (registered by pdgpu/cli.py).
+
+Exit codes: 0 every request ok; 1 a protocol violation, a run error, or a request that failed
+every retry; 2 bad input or an unservable configuration (one line naming the field and the
+rule; no process started or left); 130 Ctrl-C. The trace and results are written on every
+exit after the run started (a run stopped early aborts its live requests in the trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pdgpu.serve.config import DEBUG_BUGS, ServeConfig
+from pdgpu.serve.decoder import ServeError
+from pdgpu.serve.launch import (
+    ProducerOptions,
+    Refused,
+    ServeRun,
+    end_on_error,
+    open_decoder_store,
+    run_decoder,
+    run_producer,
+    serve_local,
+)
+from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
+from pdgpu.serve.report import SUMMARY_ORDER, summary, write_results
+from pdgpu.serve.transport import Endpoint, GlooTransport, TransportError, parse_init_method
+from pdgpu.serve.workload import (
+    Workload,
+    check_vocab,
+    draw_requests,
+    parse_range,
+    poisson_arrivals,
+    read_prompts,
+    shared_prefix,
+)
+from pdgpu.workload import WorkloadError
+from pdref.cli_format import format_metrics
+from pdref.events import Mode
+from pdref.trace import TraceWriter
+from pdref.violations import Violation
+
+COMMANDS = ("serve", "generate")
+LOCALHOST = "127.0.0.1"
+
+
+def _int(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def add_parsers(sub) -> None:
+    serve = sub.add_parser("serve", help="a decoder and N producer processes serving requests")
+    _model_args(serve)
+    _serve_args(serve)
+    gen = sub.add_parser("generate", help="single-process greedy reference (no handoff)")
+    _model_args(gen)
+    gen.add_argument("--tokens", required=True, help="prompt token ids, comma separated")
+    gen.add_argument("--output-tokens", type=_int(1), default=8, help="tokens to generate")
+    gen.add_argument("--prefix", type=_int(0), default=0,
+                     help="prefill the first P tokens as their own chunks (like a prefix cache)")
+    gen.add_argument("--json", action="store_true", help='print {"output": [...], ...}')
+
+
+def _model_args(p) -> None:
+    p.add_argument("--model", default="tiny", help="preset name, profile .toml, or HF folder")
+    p.add_argument("--seed", type=_int(0), default=0, help="weights and drawn-prompt seed")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="override the model's dtype (default: the model's own)")
+    p.add_argument("--chunk", type=_int(1), default=64, help="prefill chunk tokens")
+    p.add_argument("--page-tokens", type=_int(1), default=16, help="tokens per KV page")
+    p.add_argument("--threads", type=_int(1), default=1, help="torch threads per process")
+
+
+def _serve_args(p) -> None:
+    p.add_argument("--mode", choices=tuple(map(str, Mode)), default="chunk", help="handoff mode")
+    p.add_argument("--max-pending", type=_int(1), default=2, help="spans in flight per producer")
+    p.add_argument("--pool-pages", type=_int(1), help="decoder handoff pool pages (default: "
+                   "the slabs of the workload's largest concurrent requests)")
+    p.add_argument("--link-gbps", type=_positive, help="pace each span to this many GB/s "
+                   "(default: unpaced)")
+    p.add_argument("--device", default="cpu", help="device of every process (cpu: gloo)")
+    p.add_argument("--producers", type=_int(1), default=1, help="producer processes")
+    p.add_argument("--requests", type=_int(1), default=4, help="requests to draw")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=_positive, help="Poisson arrivals per second")
+    load.add_argument("--concurrency", type=_int(1),
+                      help="closed loop: requests in the system at once (default: all)")
+    p.add_argument("--prompt-range", default="64:128", help="drawn prompt lengths A:B")
+    p.add_argument("--output-tokens", type=_int(1), default=8, help="tokens per request")
+    p.add_argument("--prefix", type=_int(0), default=0, help="shared prompt prefix tokens")
+    p.add_argument("--prompts", help='JSONL: {"req", "tokens", "output_tokens"} per line')
+    p.add_argument("--results", help="write one JSON line per request here")
+    p.add_argument("--trace", help="write the run's version-2 trace here")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--verify", action="store_true",
+                   help="check each landed span against compute-time checksums")
+    p.add_argument("--retries", type=_int(0), default=2, help="retries after a failed copy")
+    p.add_argument("--debug", choices=tuple(DEBUG_BUGS), help="a hand-made copy bug")
+    p.add_argument("--no-kv-progress", dest="kv_progress", action="store_false",
+                   help="producers announce no kv_progress (they can serve whole mode only)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                   help="no progress bar (default: one on a terminal)")
+    p.add_argument("--init-method", help="tcp://HOST:PORT of the rendezvous (default: "
+                   "a free port here)")
+    p.add_argument("--role", choices=("decoder", "producer"),
+                   help="run one role of a multi-machine run (with --rank, --world-size)")
+    p.add_argument("--rank", type=_int(0), help="this role's rank (decoder: 0)")
+    p.add_argument("--world-size", type=_int(2), help="decoder + producers")
+    p.add_argument("--connect-timeout", type=_positive, default=60.0,
+                   help="seconds to wait for every rank")
+
+
+# -- checks before anything starts ------------------------------------------------------------
+
+def _check_out(path: str | None, what: str) -> None:
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise WorkloadError(f"{what}: {Path(path).resolve().parent} is not an existing folder")
+
+
+def _roles(args) -> tuple[int, Endpoint | None]:
+    """(producers, rendezvous endpoint or None for a free local port)."""
+    endpoint = None
+    if args.init_method is not None:
+        try:
+            endpoint = parse_init_method(args.init_method)
+        except ValueError as e:
+            raise WorkloadError(str(e)) from None
+    if args.role is None:
+        if args.rank is not None or args.world_size is not None:
+            raise WorkloadError("rank/world-size: only with --role decoder|producer")
+        return args.producers, endpoint
+    if endpoint is None or args.rank is None or args.world_size is None:
+        raise WorkloadError(f"role {args.role}: needs --init-method, --rank and --world-size")
+    if args.role == "decoder" and args.rank != 0:
+        raise WorkloadError(f"rank: the decoder is rank 0, got {args.rank}")
+    if args.role == "producer" and not 1 <= args.rank < args.world_size:
+        raise WorkloadError(f"rank: a producer's rank must be in [1, world-size="
+                            f"{args.world_size}), got {args.rank}")
+    return args.world_size - 1, endpoint
+
+
+def _workload(args, vocab: int) -> Workload:
+    if args.prompts is not None:
+        requests = read_prompts(args.prompts, args.output_tokens)
+        prefix = shared_prefix(requests, args.prefix)
+    else:
+        requests, prefix = draw_requests(args.requests, parse_range(args.prompt_range),
+                                         args.prefix, args.output_tokens, vocab, args.seed)
+    check_vocab(requests, vocab)
+    if args.prefix % args.page_tokens:
+        raise WorkloadError(f"prefix must be a multiple of page-tokens={args.page_tokens}, "
+                            f"got {args.prefix}")
+    arrivals = None if args.rate is None else poisson_arrivals(len(requests), args.rate,
+                                                               args.seed)
+    concurrency = args.concurrency or len(requests)
+    return Workload(tuple(requests), prefix, arrivals, concurrency)
+
+
+def _pool_pages(args, workload: Workload) -> int:
+    """The pool asked for, or the slabs of the largest requests that may be in at once."""
+    pt = args.page_tokens
+    suffixes = sorted((-(-(r.prompt - workload.prefix) // pt) for r in workload.requests),
+                      reverse=True)
+    at_once = workload.concurrency if workload.arrivals is None else min(8, len(suffixes))
+    pages = args.pool_pages or max(1, sum(suffixes[:at_once]))
+    if pages < suffixes[0]:
+        raise WorkloadError(f"pool-pages: {pages} pages cannot hold the longest prompt's "
+                            f"suffix (needs {suffixes[0]} pages of {pt} tokens)")
+    return pages
+
+
+def _config(args, workload: Workload) -> ServeConfig:
+    spec_pages = -(-max(r.prompt for r in workload.requests) // args.page_tokens)
+    prefix_pages = workload.prefix // args.page_tokens
+    return ServeConfig(
+        model=str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model,
+        mode=args.mode, seed=args.seed, dtype=args.dtype, chunk=args.chunk,
+        max_pending=args.max_pending, page_tokens=args.page_tokens,
+        pool_pages=_pool_pages(args, workload), link_gbps=args.link_gbps, verify=args.verify,
+        retries=args.retries, debug=args.debug, prefix_tokens=workload.prefix_tokens,
+        source_pages=prefix_pages + 2 * (spec_pages - prefix_pages), threads=args.threads)
+
+
+def prepare(args) -> tuple[ServeConfig, Workload, int, Endpoint | None]:
+    """Every check that needs no process: (config, workload, producers, endpoint)."""
+    producers, endpoint = _roles(args)
+    if args.device != "cpu":
+        raise WorkloadError(f"device: only cpu is served yet (gloo); got {args.device!r} "
+                            "(the NCCL transport is not implemented)")
+    _check_out(args.trace, "trace")
+    _check_out(args.results, "results")
+    spec = model_spec(args.model, args.dtype)
+    workload = _workload(args, spec.vocab)
+    return _config(args, workload), workload, producers, endpoint
+
+
+# -- running ----------------------------------------------------------------------------------
+
+def _progress(args, total: int):
+    from tqdm import tqdm
+    disable = None if args.progress is None else not args.progress
+    return tqdm(total=total, unit="req", disable=disable, file=sys.stderr, leave=False,
+                desc="pdgpu serve")
+
+
+def _serve(args, config, workload, producers, endpoint, run: ServeRun) -> None:
+    opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout)
+    bar = _progress(args, len(workload.requests))
+    try:
+        if args.role == "decoder":
+            _serve_decoder_role(config, workload, producers, endpoint, opts, bar, run)
+            return
+        endpoint = endpoint or Endpoint(LOCALHOST, 0)
+        serve_local(config, workload, producers, opts, endpoint, bar, run=run)
+    finally:
+        bar.close()
+
+
+def _serve_decoder_role(config, workload, producers, endpoint, opts, bar, run) -> None:
+    store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)
+    transport = GlooTransport(store, 0, producers + 1)
+    try:
+        run_decoder(transport, config, workload, opts.connect_timeout_s, progress=bar, run=run)
+    except BaseException as e:
+        for rank in transport.peers():
+            try:
+                transport.send(rank, "shutdown", {})
+            except TransportError:
+                pass
+        end_on_error(run, e)
+        raise
+    finally:
+        transport.close()
+
+
+def _write_outputs(args, run: ServeRun) -> None:
+    if run.ledger is None:
+        return
+    if args.trace:
+        with TraceWriter(args.trace, run.ledger.header) as writer:
+            for event in run.ledger.trace():
+                writer.write(event)
+    if args.results and run.decoder is not None:
+        write_results(run.decoder, args.results)
+
+
+def _summary_text(values: dict) -> str:
+    keys = SUMMARY_ORDER + tuple(k for k in values if k not in SUMMARY_ORDER)
+    rate = values["tokens_per_s"]  # ends in _s but is a rate, not seconds
+    shown = {**values, "tokens_per_s": None if rate is None else f"{rate:.1f} tokens/s"}
+    return format_metrics(shown, keys, width=18)
+
+
+def cmd_serve(args) -> int:
+    config, workload, producers, endpoint = prepare(args)
+    if args.role == "producer":
+        opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout)
+        return run_producer(endpoint, args.rank, args.world_size, opts)
+    run = ServeRun()
+    try:
+        _serve(args, config, workload, producers, endpoint, run)
+    finally:
+        _write_outputs(args, run)  # after an error too: its live requests are aborted in it
+    values = summary(run.decoder, run.ledger, run.wall_s)
+    print(json.dumps(values) if args.json else _summary_text(values))
+    bad = values["requests"] - values["ok"]
+    if bad:
+        print(f"pdgpu: {bad} of {values['requests']} requests failed every retry",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_generate(args) -> int:
+    try:
+        tokens = [int(t) for t in args.tokens.replace(",", " ").split()]
+    except ValueError:
+        raise WorkloadError("tokens: must be integers separated by commas or spaces") from None
+    spec = model_spec(args.model, args.dtype)
+    if not tokens:
+        raise WorkloadError("tokens: at least one token id is needed")
+    bad = [t for t in tokens if not 0 <= t < spec.vocab]
+    if bad:
+        raise WorkloadError(f"tokens: {bad[0]} is outside [0, vocab={spec.vocab})")
+    if args.prefix > len(tokens) or args.prefix % args.page_tokens:
+        raise WorkloadError(f"prefix must be a multiple of page-tokens={args.page_tokens} and "
+                            f"<= the prompt ({len(tokens)}), got {args.prefix}")
+    if spec.arch not in ENGINE_ARCHS:
+        raise WorkloadError(f"model: arch {spec.arch!r} has no engine implementation")
+    from pdgpu.generate import generate
+    torch.set_num_threads(args.threads)
+    model = load_served_model(args.model, args.seed, args.dtype)
+    start = time.perf_counter()
+    output = generate(model, tokens, args.output_tokens, args.chunk, args.prefix,
+                      args.page_tokens)
+    wall = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"output": output, "prompt": len(tokens), "model": spec.name,
+                          "wall_s": wall}))
+    else:
+        print("output: " + " ".join(map(str, output)))
+    return 0
+
+
+def run_command(args) -> int:
+    """Dispatch from pdgpu.cli.main; one line and an exit code for each kind of failure."""
+    try:
+        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
+    except (WorkloadError, Refused) as e:
+        print(f"pdgpu: error: {e}", file=sys.stderr)
+        return 2
+    except Violation as e:
+        print(f"pdgpu: violation: {e.code} {e.message}", file=sys.stderr)
+        return 1
+    except (ServeError, TransportError) as e:
+        print(f"pdgpu: serve error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pdgpu: interrupted (Ctrl-C): every process stopped", file=sys.stderr)
+        return 130
