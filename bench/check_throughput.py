@@ -1,7 +1,8 @@
 """Events per second of `pdref check` on a large, realistically interleaved trace.
 
-The trace: qwen3-0.6b geometry (28 layers), many concurrent requests with 512..8192-token
-prompts, chunk 256 spans, stage events, failures and retries, two producers. Also times a
+The trace: contract version 2, qwen3-0.6b geometry (28 layers), many concurrent requests with
+512..8192-token prompts, chunk 256 spans, stage events, failures, cancellations (aborts with
+spans in flight), fences and retries, two producers. Also times a
 bare `json.loads` of every line in the same run, so the checker's cost reads as a ratio.
 Also: issue + land of a 128k-token prompt over 80 layers in 256-token spans, shuffled
 (interval work must stay logarithmic-ish, not linear in the prompt).
@@ -27,18 +28,20 @@ from pdref.trace import dumps
 TARGET_EVENTS_PER_S = 100_000
 
 
-def make_trace(path: Path, min_events: int, seed: int) -> int:
+def make_trace(path: Path, min_events: int, seed: int) -> dict:
     geometry = load_model("qwen3-0.6b").geometry()
     header = ev.Header("bench", ev.Mode.CHUNK, geometry, pool_pages=8192, max_pending=2,
                        extra=(("chunk", 256),))
     lines = [dumps(ev.header_to_json(header))]
+    kinds: dict[str, int] = {}
     while len(lines) - 1 < min_events:
         config = SynthConfig(requests=200, max_live=12, min_prompt=512, max_prompt=8192,
-                             chunk=256, fail_rate=0.01, producers=2)
+                             chunk=256, fail_rate=0.01, cancel_rate=0.002, producers=2)
         batch = synth_trace(header, config, seed=seed)
         seed += 1
         offset = float(len(lines))  # later batches run later in time
         for e in batch:
+            kinds[e.kind] = kinds.get(e.kind, 0) + 1
             obj = ev.event_to_json(e)
             obj["t"] += offset
             if "end" in obj:
@@ -48,7 +51,7 @@ def make_trace(path: Path, min_events: int, seed: int) -> int:
                 obj["span"] = f"{seed}-{obj['span']}"
             lines.append(dumps(obj))
     path.write_text("\n".join(lines) + "\n")
-    return len(lines) - 1
+    return kinds
 
 
 def long_prompt_spans(shape: str, seed: int = 0) -> tuple[int, float]:
@@ -93,13 +96,17 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "bench.jsonl"
-        count = make_trace(path, args.events, seed=1)
+        kinds = make_trace(path, args.events, seed=1)
+        count = sum(kinds.values())
         result = check_file(path)
         assert result.ok, result.text()
         check_s = best_of(lambda: check_file(path), args.repeats)
         parse_s = best_of(lambda: [json.loads(x) for x in path.open("rb")], args.repeats)
     report = {
+        "version": ev.VERSION,
         "events": count,
+        "fences": kinds.get("fence", 0),
+        "aborts": kinds.get("abort", 0),
         "check_s": round(check_s, 3),
         "events_per_s": round(count / check_s),
         "json_parse_only_s": round(parse_s, 3),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import orjson
 
 from pdref import events as ev
 from pdref.geometry import Geometry
+from pdref.outfile import create_beside
 from pdref.violations import Violation
 
 MAX_INT = 2**53
@@ -210,12 +210,6 @@ def read_trace(path: str | Path) -> Iterator[tuple[int, object]]:
             raise Violation("TRACE-1", "the file is empty: a header is needed", line=1)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def dumps(obj: dict) -> str:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False)
 
@@ -230,9 +224,7 @@ class TraceWriter:
         self._tmp: str | None = None
 
     def __enter__(self) -> TraceWriter:
-        folder = self.path.parent if str(self.path.parent) else Path(".")
-        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=folder)
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a trace is an ordinary file
+        fd, self._tmp = create_beside(self.path)  # mode 0666 & ~umask, like open() would
         self._file = os.fdopen(fd, "w", encoding="utf-8")
         self._file.write(dumps(ev.header_to_json(self.header)) + "\n")
         return self
