@@ -46,10 +46,10 @@ class DecoderPool:
                                "still held here")
         self.held = self.held.union(pages)
 
-    def follow(self, spec_free) -> tuple[int, ...]:
-        """Give back every held page the specification's pool has free (`spec_free(page)`
-        says so); the pages given back."""
-        back = tuple(sorted(p for p in self.held if spec_free(p)))
+    def follow(self, spec_free_ids) -> tuple[int, ...]:
+        """Give back every held page that the specification's pool has free (`spec_free_ids`,
+        e.g. `Monitor.free_page_ids()`: quarantined pages are not in it); the pages given back."""
+        back = tuple(sorted(self.held.intersection(spec_free_ids)))
         self.held = self.held.difference(back)
         return back
 

@@ -42,7 +42,6 @@ class Ledger:
                  geometry: Geometry, faults: Faults) -> None:
         self.rec, self.source, self.pool, self.copier = rec, source, pool, copier
         self.geometry, self.faults = geometry, faults
-        self.fences = rec.header.version >= 2
         copier.on_done = self.copy_done
 
     def reserve(self, request: Request, src: RequestKV, tokens: torch.Tensor) -> Life:
@@ -69,8 +68,8 @@ class Ledger:
 
     def copy_done(self, result: CopyResult) -> None:
         """On the copier's watcher, as soon as a span's last stage completed: its stages,
-        then `land`, or `fail` and (version 2) `fence`: every stage of it has completed, so
-        its writer has stopped."""
+        then `land`, or `fail` and `fence`: every stage of it has completed, so its writer
+        has stopped."""
         job = result.job
         for s in result.stages:
             self.rec.stage(job.req, s.name, s.start, s.end, job.span, s.resource)
@@ -79,8 +78,12 @@ class Ledger:
             self.faults.after_land(self, job.req, job.span)
             return
         self.rec.emit(ev.Fail, job.req, job.span, result.error)
-        if self.fences:
-            self.rec.emit(ev.Fence, job.req, job.span)
+        self.fence(job.req, job.span)
+
+    def fence(self, req: str, span: int) -> None:
+        """The writer of a failed span has stopped: its slot and source tokens are free
+        of it, and an aborted life's pages may return once no span of it is unfenced."""
+        self.rec.emit(ev.Fence, req, span)
 
     def land(self, req: str, span: int) -> None:
         self.rec.emit(ev.Land, req, span)
@@ -99,12 +102,17 @@ class Ledger:
 
     def release(self, life: Life) -> None:
         self.rec.emit(ev.Release, life.req)
-        self.pool.follow(self.rec.spec_free)
+        self.pool.follow(self.rec.free_page_ids())
 
     def abort(self, life: Life, reason: str) -> None:
         """Scrub the slab (a retry must rewrite every byte it relies on), `abort`, and give
-        back the pages the specification has free again."""
+        back the pages the specification has free again (all of them when every failed span
+        was fenced; a quarantined page stays held until its writer's fence)."""
+        unfenced = self.rec.unfenced(life.req)
+        if unfenced:
+            raise RuntimeError(f"abort of {life.req!r} with span {unfenced[0]} unfenced: the "
+                               "engine aborts only once every writer has stopped")
         with self.copier.decoder_side():
             self.pool.scrub(life.slab)
         self.rec.emit(ev.Abort, life.req, reason)
-        self.pool.follow(self.rec.spec_free)
+        self.pool.follow(self.rec.free_page_ids())

@@ -96,9 +96,15 @@ class Recorder:
             apply(self.monitor.state, event)
             self.stages.append(event)
 
-    def spec_free(self, page: int) -> bool:
-        """Whether the specification's pool has this decoder page free."""
-        return self.monitor.state.pool.free.covers((page, page + 1))
+    def free_page_ids(self) -> tuple[int, ...]:
+        """The decoder pages the specification's pool holds free (none quarantined)."""
+        with self._lock:
+            return self.monitor.free_page_ids()
+
+    def unfenced(self, req: str) -> tuple:
+        """Span ids of `req` whose writer has not been fenced yet."""
+        with self._lock:
+            return self.monitor.unfenced(req)
 
     def trace(self) -> list:
         """Every event in time order (stable: protocol order is kept among equal times)."""

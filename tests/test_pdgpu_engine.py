@@ -335,10 +335,10 @@ def test_failure_path_fences_before_abort_and_pages_follow_the_spec():
                                                   fail_span=1, link_gbps=0.001))
     result = engine.run([Request("r", _tokens(96), 0)])
     kinds = [e.kind for e in result.events if e.kind != "stage"]
-    if result.header.version >= 2:
-        assert kinds.index("fail") < kinds.index("fence") < kinds.index("abort")
-        fence = next(e for e in result.events if e.kind == "fence")
-        assert fence.span == next(e for e in result.events if e.kind == "fail").span
+    assert result.header.version == 2
+    assert kinds.index("fail") < kinds.index("fence") < kinds.index("abort")
+    fence = next(e for e in result.events if e.kind == "fence")
+    assert fence.span == next(e for e in result.events if e.kind == "fail").span
     assert kinds.index("abort") < len(kinds) - 1 - kinds[::-1].index("reserve")
     assert engine.pool.held == frozenset()
     assert _check(result).ok
@@ -350,7 +350,7 @@ def test_decoder_pool_takes_only_free_pages_and_follows_the_spec():
     pool.take((0, 1))
     with pytest.raises(RuntimeError, match="page 1"):
         pool.take((1, 2))
-    assert pool.follow(lambda page: page == 0) == (0,)
+    assert pool.follow((0, 3)) == (0,)
     assert pool.held == frozenset({1})
     pool.take((0, 2))
     assert pool.held == frozenset({0, 1, 2})
@@ -388,3 +388,23 @@ def test_host_running_ahead_emits_computed_late_and_still_overlaps(monkeypatch):
     assert first_issue < computed[-1].t
     assert torch.equal(lagging.outcomes[0].kv, plain.outcomes[0].kv)
     assert _check(lagging).ok
+
+
+def test_abort_is_refused_while_a_failed_span_is_unfenced():
+    """Ledger.abort refuses to abort a life whose failed span's writer was not fenced (the
+    pages must not go back while a writer may still write them); nothing is scrubbed."""
+    engine, rec, request = _engine_with_ledger(link_gbps=0.0002)
+    try:
+        src = engine.source.open(request.prompt)
+        life = engine.ledger.reserve(request, src, torch.tensor(request.tokens))
+        engine.ledger.computed("r", (0, TINY.layers), (0, 16))
+        span = engine.ledger.issue(life, Region((0, TINY.layers), (0, 16)),
+                                   engine.copier.mark_ready())
+        rec.emit(ev.Fail, "r", span, "lost track of the writer")  # no fence
+        with pytest.raises(RuntimeError, match="unfenced"):
+            engine.ledger.abort(life, "test")
+        assert not any(e.kind == "abort" for e in rec.protocol)
+        assert not engine.pool.kv.isnan().any()
+        engine.copier.drain()
+    finally:
+        engine.copier.close()
