@@ -1,5 +1,5 @@
-"""The copy path of one producer: with streams.py, the only modules of pdgpu that know
-streams, events and pinned memory.
+"""The copy path of one producer. With streams.py (lanes, marks, backends), the only
+modules of pdgpu that know streams, events and pinned memory.
 
 Every span runs through three stages, each on its own lane (streams.py), in issue order:
   gather  index the span out of the source pages into its staging slot's gather buffer
@@ -19,7 +19,6 @@ writer has stopped), puts its staging slot back (only then may it be reused) and
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -32,7 +31,7 @@ import torch
 
 from pdgpu.decoder_pool import DecoderPool, Slab
 from pdgpu.source_cache import gather
-from pdgpu.streams import CudaLane, CudaMark, EventClock, HostLane, HostMark, Lane, Mark, record
+from pdgpu.streams import STAGES, Backend, Mark, Ring
 from pdref.intervals import Range, length
 
 
@@ -75,82 +74,6 @@ class CopierConfig:
     slots: int  # staging buffers in the ring (= the spans that may be in flight)
     span_elems: int  # elements of the largest span: each buffer's size
     link_gbps: float | None = None  # pace d2h and h2d each to this many GB/s (1e9 bytes/s)
-
-
-@attrs.frozen
-class Ring:
-    """The preallocated buffers of one staging slot: gather (producer), host, landing (decoder)."""
-
-    gather: torch.Tensor  # [span_elems] on the producer device
-    host: torch.Tensor  # [span_elems] host staging (pinned on CUDA)
-    landing: torch.Tensor  # [span_elems] on the decoder device (the host buffer on CPU)
-
-    @property
-    def nbytes(self) -> int:
-        bufs = {id(b): b for b in (self.gather, self.host, self.landing)}
-        return sum(b.numel() * b.element_size() for b in bufs.values())
-
-
-STAGES = (("gather", "producer"), ("d2h", "link.d2h"), ("h2d", "link.h2d"))
-
-
-@contextlib.contextmanager
-def compute_threads(device, threads: int | None):
-    """Torch intra-op threads for the run; on a CPU producer by default one core fewer than
-    the machine has, so the copy lanes get a core (at least one either way).
-    Oversubscribed OpenMP teams stall for hundreds of ms on a busy box."""
-    if threads is None and torch.device(device).type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-class Backend:
-    """The lanes of a producer/decoder pair and how readiness is marked on the producer."""
-
-    def __init__(self, producer, decoder, clock: Callable[[], float], link_gbps) -> None:
-        self.producer, self.decoder = torch.device(producer), torch.device(decoder)
-        self.clock, self.cuda = clock, self.producer.type == "cuda"
-        if self.cuda:
-            self.times = {d: EventClock(d, clock) for d in {self.producer, self.decoder}
-                          if d.type == "cuda"}
-            copy_stream = torch.cuda.Stream(device=self.producer)
-        self.lanes = {name: self._lane(name, link_gbps, copy_stream if self.cuda else None)
-                      for name, _ in STAGES}
-
-    def _lane(self, name: str, link_gbps, copy_stream) -> Lane:
-        paced = link_gbps if name != "gather" else None
-        device = self.decoder if name == "h2d" else self.producer
-        if device.type != "cuda":
-            return HostLane(name, self.clock, paced)
-        stream = copy_stream if name != "h2d" else torch.cuda.Stream(device=device)
-        return CudaLane(name, self.clock, paced, stream, self.times[device])
-
-    def mark_ready(self) -> Mark:
-        """Everything the producer computed so far: a CUDA event on the compute stream (no
-        host wait), or done at once on CPU (compute there is synchronous)."""
-        if not self.cuda:
-            return HostMark.now(self.clock)
-        return record(torch.cuda.current_stream(self.producer), self.times[self.producer])
-
-    def host_buffer(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(elems, dtype=dtype, pin_memory=self.cuda)
-
-    def make_ring(self, elems: int, dtype: torch.dtype) -> Ring:
-        host = self.host_buffer(elems, dtype)
-        gather_buf = torch.empty(elems, dtype=dtype, device=self.producer)
-        landing = host if self.decoder.type == "cpu" else torch.empty(
-            elems, dtype=dtype, device=self.decoder)
-        return Ring(gather_buf, host, landing)
-
-    def close(self) -> None:
-        for lane in self.lanes.values():
-            lane.close()
 
 
 @attrs.frozen
@@ -376,5 +299,5 @@ def measure_copy_bandwidth(device, nbytes: int = 256 << 20, repeats: int = 5) ->
     }
 
 
-__all__ = ["CopierConfig", "CopyFault", "CopyJob", "CopyResult", "Copier", "CudaMark",
-           "Ring", "StageTime", "compute_threads", "measure_copy_bandwidth"]
+__all__ = ["CopierConfig", "CopyFault", "CopyJob", "CopyResult", "Copier", "StageTime",
+           "measure_copy_bandwidth"]

@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from pdgpu import host
-from pdgpu.copier import Copier, CopierConfig, CopyJob, compute_threads
+from pdgpu.copier import Copier, CopierConfig, CopyJob
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.faults import DEBUG_BREAKS, Faults
 from pdgpu.ledger import Ledger, Life
@@ -34,6 +34,7 @@ from pdgpu.model import Transformer
 from pdgpu.payload import fill_payload, payload_matches
 from pdgpu.recorder import Recorder, engine_metrics
 from pdgpu.source_cache import RequestKV, SourceCache
+from pdgpu.streams import compute_threads
 from pdgpu.workload import EngineConfig, Plan, Request, setup_check
 from pdref import events as ev
 from pdref.events import Mode

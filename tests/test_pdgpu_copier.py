@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from pdgpu.copier import Backend, Copier, CopierConfig, CopyJob, measure_copy_bandwidth
+from pdgpu.copier import Copier, CopierConfig, CopyJob, measure_copy_bandwidth
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.source_cache import SourceCache, gather, token_slots
-from pdgpu.streams import CudaLane, EventClock, HostMark, record
+from pdgpu.streams import Backend, CudaLane, EventClock, HostMark, record
 from pdref.geometry import Geometry
 
 GEO = Geometry(layers=3, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)

@@ -9,7 +9,6 @@ import attrs
 import pytest
 import torch
 
-from pdgpu.copier import Backend
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine import Engine, EngineError, _Loop, _Pending
 from pdgpu.ledger import Ledger
@@ -17,7 +16,7 @@ from pdgpu.model import build_model
 from pdgpu.payload import fill_payload, payload_matches, payload_values
 from pdgpu.recorder import Recorder
 from pdgpu.source_cache import SourceCache
-from pdgpu.streams import HostMark
+from pdgpu.streams import Backend, HostMark
 from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
 from pdref import events as ev
 from pdref.check import check_lines
