@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=("whole", "chunk", "layer"), default="chunk",
                      help="handoff: whole = one copy after prefill, chunk = a copy per prefill "
                           "chunk, layer = a copy per layer")
-    run.add_argument("--trace", help="write the run's JSONL trace here (DESIGN.md contract)")
+    run.add_argument("--trace", help="write the run's JSONL trace here (specs/contract.md)")
     run.add_argument("--debug", choices=tuple(DEBUG_BREAKS), help="break the protocol on purpose")
     run.add_argument("--no-compute", action="store_true",
                      help="export only: a known payload instead of prefill, checked at the decoder")

@@ -130,7 +130,7 @@ def stage_means(stages: list[ev.Stage]) -> dict:
 
 
 def engine_metrics(rec: Recorder, wall_s: float, extra: dict) -> dict:
-    """DESIGN.md's metrics from the trace (pdref.metrics), plus the engine's own figures."""
+    """contract.md's metrics from the trace (pdref.metrics), plus the engine's own figures."""
     metrics = run_metrics(rec.header, rec.trace())
     metrics.update(stage_means(rec.stages))
     metrics.update(extra)

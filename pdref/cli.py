@@ -1,4 +1,4 @@
-"""`pdref check TRACE...`: verify traces against the specification (DESIGN.md, 'Command lines')."""
+"""`pdref check TRACE...`: verify traces against the specification (specs/contract.md)."""
 
 from __future__ import annotations
 

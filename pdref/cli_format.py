@@ -38,7 +38,7 @@ def size(n: int) -> str:
 def metric_text(key: str, value) -> str:
     """One metric's value with its unit beside it, JSON words for null and booleans.
 
-    Names follow DESIGN.md: `_s` seconds, `bytes` in the name bytes, `_frac` a fraction,
+    Names follow contract.md: `_s` seconds, `bytes` in the name bytes, `_frac` a fraction,
     `_pct` percent, `gbps` GB/s.
     """
     if value is None or isinstance(value, bool):

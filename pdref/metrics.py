@@ -1,4 +1,4 @@
-"""Metrics computed from a trace, one function for both shells (DESIGN.md, 'Metrics').
+"""Metrics computed from a trace, one function for both shells (contract.md, 'Metrics').
 
 Simulated and measured runs are measured the same way by construction: both shells hand
 their events to `run_metrics` / `life_metrics` instead of timing things themselves.
@@ -119,7 +119,7 @@ def life_metrics(events: Iterable, fences: bool = True) -> tuple[list[LifeMetric
 
 
 def run_metrics(header: ev.Header, events: Iterable, report_token: bool = True) -> dict:
-    """DESIGN.md's metrics of a run, for its last request that produced.
+    """contract.md's metrics of a run, for its last request that produced.
 
     Times run from that request's first event (so a failed life and its retry both count,
     and earlier requests of a back-to-back run do not); in a one-request run that is the

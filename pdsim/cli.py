@@ -54,7 +54,7 @@ def _commands():
 def _run_args(p) -> None:
     add_run_options(p)
     p.add_argument("--trace", default=None,
-                   help="write the run's JSONL trace here (DESIGN.md contract)")
+                   help="write the run's JSONL trace here (specs/contract.md)")
     p.add_argument("--json", action="store_true", help="print metrics as one JSON object")
 
 

@@ -1,4 +1,4 @@
-"""Metrics of a simulated run: DESIGN.md's (computed by pdref from the events, exactly as for an
+"""Metrics of a simulated run: contract.md's (computed by pdref from the events, exactly as for an
 engine run) plus the simulator's own: pipeline lower bound and gap, and for workloads TTFT
 percentiles, pool occupancy and throughput."""
 
@@ -12,7 +12,7 @@ from pdsim.sim import SimResult
 
 
 def single_metrics(result: SimResult) -> dict:
-    """DESIGN.md metrics of a one-request run, with the lower bound and the gap to it."""
+    """contract.md metrics of a one-request run, with the lower bound and the gap to it."""
     cfg, request = result.cfg, result.requests[0]
     out = run_metrics(result.header, result.events, report_token=False)
     bound = lower_bound_s(cfg, request)

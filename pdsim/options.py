@@ -61,7 +61,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
-    """DESIGN.md's workload options plus the simulator's own."""
+    """contract.md's workload options plus the simulator's own."""
     add_model_options(p)
     p.add_argument("--prompt", type=int, default=None,
                    help=f"prompt tokens per request (default: {DEFAULT_PROMPT})")

@@ -45,5 +45,5 @@ def simulate_point(model, hw_path: str, point: EnginePoint, mode: str) -> SimRes
 
 
 def predict(model, hw_path: str, point: EnginePoint, mode: str) -> dict:
-    """DESIGN.md metrics of the simulated run (handoff_s, tail_s, peak_staging_bytes, ...)."""
+    """contract.md metrics of the simulated run (handoff_s, tail_s, peak_staging_bytes, ...)."""
     return single_metrics(simulate_point(model, hw_path, point, mode))

@@ -25,7 +25,7 @@ def test_run_writes_a_trace_pdref_accepts_and_prints_json(tmp_path, capsys):
 
 
 def test_run_text_output_names_design_metrics(capsys):
-    """Plain output lists DESIGN.md's metric names, one per line."""
+    """Plain output lists contract.md's metric names, one per line."""
     assert main(["run", *SMALL_RUN, "--link-gbps", "5"]) == 0
     out = capsys.readouterr().out
     for name in ("bytes", "spans", "prefill_s", "handoff_s", "tail_s", "peak_staging_bytes",

@@ -27,7 +27,7 @@ NAMES = ("a", "b", "c", "d")
 PRODUCERS = ("p0", "p1")
 
 # ---------------------------------------------------------------------------------------------
-# The simple model: sets and dicts only, written from DESIGN.md, following apply.py's check
+# The simple model: sets and dicts only, written from contract.md, following apply.py's check
 # order where one event breaks two rules. It shares nothing with pdref.
 # ---------------------------------------------------------------------------------------------
 

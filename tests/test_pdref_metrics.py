@@ -31,7 +31,7 @@ def one_run(fail_first: bool = False) -> list:
 
 
 def test_run_metrics_of_a_hand_made_run():
-    """prefill, handoff, tail, bytes, spans and peak staging follow DESIGN.md's definitions."""
+    """prefill, handoff, tail, bytes, spans and peak staging follow contract.md's definitions."""
     m = run_metrics(HEADER, one_run())  # times count from the request's reserve at 0.2
     assert abs(m["prefill_s"] - 0.3) < 1e-12 and abs(m["handoff_s"] - 0.6) < 1e-12
     assert abs(m["tail_s"] - 0.3) < 1e-12

@@ -1,4 +1,4 @@
-"""Calibration of the shipped a100-pcie profile against shared/BRIEF.md's measured figures."""
+"""The shipped a100-pcie profile against the reference figures in specs/contract.md."""
 
 import pytest
 

@@ -10,7 +10,7 @@ from pdsim.cli import main
 
 
 def test_run_prints_design_metric_names(capsys):
-    """`pdsim run --json` prints DESIGN.md's metric names plus the lower bound and gap."""
+    """`pdsim run --json` prints contract.md's metric names plus the lower bound and gap."""
     assert main(["run", "--json", "--mode", "chunk", "--prompt", "1024"]) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("mode", "prompt", "prefix", "chunk", "max_pending", "bytes", "spans",

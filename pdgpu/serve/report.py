@@ -1,4 +1,4 @@
-"""Results and summary of a serving run (DESIGN.md, 'Serving runs'), from the decoder's
+"""Results and summary of a serving run (contract.md, 'Serving runs'), from the decoder's
 record of each request and from the trace (handoff times via pdref.metrics)."""
 
 from __future__ import annotations
