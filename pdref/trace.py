@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import attrs
 import orjson
 
 from pdref import events as ev
@@ -110,7 +111,17 @@ _GEOMETRY = (("layers", _pos_int), ("kv_heads", _pos_int), ("head_dim", _pos_int
 _HEADER_KEYS = {"kind", "version", "source", "mode", "geometry", "pool_pages", "max_pending"}
 
 
-_SPECS_V2 = {kind: (ev.EVENT_TYPES[kind], _COMMON + spec) for kind, spec in FIELDS.items()}
+def _with_defaults(cls, spec):
+    """(name, check, required, default) per field, in the event class's field order, so an
+    event is built positionally (no keyword dict per line: the checker's hot path)."""
+    fields = attrs.fields_dict(cls)
+    out = tuple((name, check, required, fields[name].default) for name, check, required in spec)
+    assert tuple(f[0] for f in out) == tuple(fields), cls
+    return out
+
+
+_SPECS_V2 = {kind: (ev.EVENT_TYPES[kind], _with_defaults(ev.EVENT_TYPES[kind], _COMMON + spec))
+             for kind, spec in FIELDS.items()}
 # Version 1 has no fence: there it is an unknown kind.
 _SPECS = {1: {k: v for k, v in _SPECS_V2.items() if k != "fence"}, 2: _SPECS_V2}
 
@@ -122,13 +133,15 @@ def _event_from(obj: dict, specs: dict):
         if type(kind) is str and kind in _SPECS_V2:
             raise _Bad(f"kind {kind!r} needs a version 2 trace (this one is version 1)")
         raise _Bad(f"unknown kind {kind!r}")
-    args = {}
-    for name, check, required in spec:
+    args = []
+    for name, check, required, default in spec:
         if name in obj:
-            args[name] = check(obj[name], name)
+            args.append(check(obj[name], name))
         elif required:
             raise _Bad(f"{kind} needs field {name!r}")
-    return cls(**args)
+        else:
+            args.append(default)
+    return cls(*args)
 
 
 def _header_from(obj: dict) -> ev.Header:
