@@ -242,7 +242,7 @@ def _serve(args, config, workload, producers, endpoint, run: ServeRun) -> None:
 
 def _serve_decoder_role(config, workload, producers, endpoint, opts, bar, run) -> None:
     store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)
-    transport = GlooTransport(store, 0, producers + 1)
+    transport = GlooTransport(store, 0, producers + 1, opts.connect_timeout_s)
     try:
         run_decoder(transport, config, workload, opts.connect_timeout_s, progress=bar, run=run)
     except BaseException as e:

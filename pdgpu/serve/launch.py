@@ -72,7 +72,7 @@ def _expect(transport, ops: tuple[str, ...], timeout_s: float):
 def run_producer(endpoint: Endpoint, rank: int, world_size: int, opts: ProducerOptions) -> int:
     """One producer rank, until the decoder says shutdown; its exit code."""
     store = open_store(endpoint, rank, world_size, opts.connect_timeout_s)
-    transport = GlooTransport(store, rank, world_size)
+    transport = GlooTransport(store, rank, world_size, opts.connect_timeout_s)
     producer = None
     try:
         setup = _expect(transport, ("setup",), opts.connect_timeout_s)
@@ -94,7 +94,7 @@ def run_producer(endpoint: Endpoint, rank: int, world_size: int, opts: ProducerO
     finally:
         if producer is not None:
             producer.close()
-        transport.close()
+        transport.close(wait_s=0.0)  # os._exit follows: its receiving thread needs no join
 
 
 def _tell_decoder(transport, message: str) -> None:
@@ -127,7 +127,7 @@ class LocalProducers:
     def __init__(self, world_size: int, endpoint: Endpoint, opts: ProducerOptions) -> None:
         ctx = mp.get_context(START_METHOD)
         if START_METHOD == "forkserver":  # one torch import for every producer, not one each
-            ctx.set_forkserver_preload(["pdgpu.serve.launch"])
+            ctx.set_forkserver_preload(["pdgpu.serve.preload"])
         self.procs = [ctx.Process(target=producer_process, daemon=True, name=f"pdgpu-p{r}",
                                   args=(r, world_size, endpoint.host, endpoint.port, opts))
                       for r in range(1, world_size)]
@@ -261,9 +261,10 @@ def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: P
     procs = LocalProducers(world, Endpoint(endpoint.host, store.port), opts)
     if on_start is not None:
         on_start(procs.pids)
+    import pdgpu.serve.preload  # noqa: F401 - torch's lazy imports, while producers start
     run = run if run is not None else ServeRun()
     try:
-        transport = GlooTransport(store, 0, world)
+        transport = GlooTransport(store, 0, world, opts.connect_timeout_s, alive=procs.check)
         try:
             run_decoder(transport, config, workload, opts.connect_timeout_s, procs.check,
                         progress, run)

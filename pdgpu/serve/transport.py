@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Protocol
 from urllib.parse import urlparse
@@ -74,22 +75,50 @@ def open_store(endpoint: Endpoint, rank: int, world_size: int, timeout_s: float)
                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-class GlooTransport:
-    """torch.distributed over gloo: a process group of `world_size` ranks."""
+IDLE_WAIT = timedelta(days=7)  # a receiving thread may wait this long for the next message
 
-    def __init__(self, store, rank: int, world_size: int, timeout_s: float = 3600.0) -> None:
-        self.rank, self.world_size = rank, world_size
+
+def connect_gloo(store, rank: int, world_size: int, timeout_s: float, alive=lambda: None):
+    """A gloo process group of its own (no torch.distributed global state, so one process
+    may run several in turn). Connects in a helper thread while `alive()` checks the peers
+    (it raises when one died); TransportError after `timeout_s`."""
+    result: dict = {}
+
+    def connect() -> None:
         try:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout_s))
+            result["pg"] = dist.ProcessGroupGloo(store, rank, world_size,
+                                                 timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - torch raises several types for one cause
-            raise TransportError(f"rank {rank}: cannot join the process group ({e})") from None
+            result["error"] = e
+
+    thread = threading.Thread(target=connect, daemon=True, name="pdgpu-connect")
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.1)
+        alive()
+    if "error" in result:
+        raise TransportError(f"rank {rank}: cannot join the process group "
+                             f"({_first_line(result['error'])})")
+    return result["pg"]
+
+
+class GlooTransport:
+    """torch.distributed point-to-point over gloo, in a process group of `world_size` ranks.
+
+    Sends wait at most the connect timeout (a live peer's receiving thread always waits for
+    the next message); receives wait up to IDLE_WAIT (a producer may idle a long time)."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float = 60.0,
+                 alive=lambda: None) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.pg = connect_gloo(store, rank, world_size, timeout_s, alive)
         self.inbox: queue.Queue = queue.Queue()
         self.closing = threading.Event()
         self._send_lock = threading.Lock()
-        for peer in self.peers():
-            threading.Thread(target=self._receive, args=(peer,), daemon=True,
-                             name=f"pdgpu-recv-{peer}").start()
+        self._threads = [threading.Thread(target=self._receive, args=(peer,), daemon=True,
+                                          name=f"pdgpu-recv-{peer}") for peer in self.peers()]
+        for thread in self._threads:
+            thread.start()
 
     def peers(self) -> list[int]:
         return [r for r in range(self.world_size) if r != self.rank]
@@ -105,7 +134,7 @@ class GlooTransport:
             with self._send_lock:
                 for t in (header, raw, *tensors):
                     if t.numel():
-                        dist.send(t, dst)
+                        self.pg.send([t], dst, 0).wait()
         except Exception as e:  # noqa: BLE001
             raise TransportError(f"send to rank {dst} failed ({_first_line(e)})") from None
 
@@ -119,13 +148,14 @@ class GlooTransport:
             raise item
         return item
 
-    def close(self) -> None:
-        """Stop the receiving threads' error reports and leave the process group."""
+    def close(self, wait_s: float = 5.0) -> bool:
+        """Quiet the receiving threads and wait until each one's peer hung up (call once the
+        peers are told to stop or are stopped); False when one is still blocked."""
         self.closing.set()
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a peer that is gone already: nothing left to free
-            pass
+        deadline = time.monotonic() + wait_s
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     def _receive(self, peer: int) -> None:
         try:
@@ -137,17 +167,24 @@ class GlooTransport:
 
     def _receive_one(self, peer: int) -> Message:
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [2]
-        dist.recv(header, peer)
+        self._recv(header, peer, IDLE_WAIT)
         raw = torch.empty(int(header[0]), dtype=torch.uint8)  # [n]
-        dist.recv(raw, peer)
+        self._recv(raw, peer)
         meta = orjson.loads(raw.numpy().tobytes())
         tensors = []
         for dtype, shape in meta["tensors"]:
             t = torch.empty(shape, dtype=DTYPES[dtype])
             if t.numel():
-                dist.recv(t, peer)
+                self._recv(t, peer)
             tensors.append(t)
         return Message(peer, meta["op"], meta["body"], tuple(tensors))
+
+    def _recv(self, tensor: torch.Tensor, peer: int, wait: timedelta | None = None) -> None:
+        work = self.pg.recv([tensor], peer, 0)
+        if wait is None:
+            work.wait()
+        else:
+            work.wait(wait)
 
 
 def _first_line(e: Exception) -> str:
