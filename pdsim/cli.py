@@ -12,6 +12,7 @@ import sys
 from pdref.models import ProfileError
 from pdref.plan import PlanError
 from pdsim.engine_runs import EngineRunError
+from pdsim.faults import add_fault_options, fault_spec
 from pdsim.metrics import single_metrics, workload_metrics
 from pdsim.options import Parser, UsageError, add_run_options, run_setup
 from pdsim.report import format_metrics, write_trace
@@ -23,8 +24,10 @@ INPUT_ERRORS = (UsageError, ProfileError, PlanError, ValueError, OSError)
 
 def cmd_run(args) -> int:
     cfg, requests = run_setup(args)
-    result = simulate(cfg, requests)
-    metrics = single_metrics(result) if len(requests) == 1 else workload_metrics(result)
+    faults = fault_spec(args, cfg.producers)
+    result = simulate(cfg, requests, faults)
+    single = len(requests) == 1 and faults is None
+    metrics = single_metrics(result) if single else workload_metrics(result)
     if args.trace:
         write_trace(args.trace, result)
     print(json.dumps(metrics) if args.json else format_metrics(metrics))
@@ -56,6 +59,7 @@ def _run_args(p) -> None:
     p.add_argument("--trace", default=None,
                    help="write the run's JSONL trace here (specs/contract.md)")
     p.add_argument("--json", action="store_true", help="print metrics as one JSON object")
+    add_fault_options(p)
 
 
 def _parser(commands) -> Parser:

@@ -28,5 +28,8 @@ class Decoder:
         self.env.after(decode, self._release, job)
 
     def _release(self, job) -> None:
+        if job.ended:  # cancelled while it decoded: its abort ended the life
+            return
+        job.ended = True
         self.sim.emit(ev.Release(self.env.now, job.req))
         self.sim.dispatch()

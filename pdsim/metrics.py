@@ -31,20 +31,39 @@ def single_metrics(result: SimResult) -> dict:
 
 
 def workload_metrics(result: SimResult) -> dict:
-    """Aggregate metrics of a many-request run: TTFT p50/p99, occupancy, throughput."""
+    """Aggregate metrics of a many-request run: TTFT p50/p99, occupancy, throughput; with
+    faults also the outcome counts and leaked pages. Latencies and rates count the lives
+    that ended ok (released), with TTFT from the request's arrival (so retries cost)."""
     lives, peak = life_metrics(result.events)
+    ok = [life for life in lives if life.outcome == "released"]
     cfg = result.cfg
     makespan = max((life.end_t for life in lives), default=0.0)
     occupancy, peak_pages = _occupancy(result)
     out = {"mode": str(cfg.mode), "chunk": cfg.chunk, "max_pending": cfg.max_pending,
-           **dict(cfg.labels), "requests": len(lives), "producers": cfg.producers,
+           **dict(cfg.labels), "requests": len(result.requests), "producers": cfg.producers,
            "pool_pages": cfg.pool_pages, "bytes": sum(life.bytes for life in lives),
            "spans": sum(life.spans for life in lives)}
-    out.update(_latencies(result, lives))
-    out.update(_rates(lives, makespan))
+    if result.outcomes:
+        out.update(outcome_counts(result, lives))
+    out.update(_latencies(result, ok))
+    out.update(_rates(ok, makespan))
     out.update(pool_occupancy_mean=occupancy, pool_peak_pages=peak_pages,
                peak_staging_bytes=peak, events=len(result.events))
     return out
+
+
+def outcome_counts(result: SimResult, lives) -> dict:
+    """ok / cancelled / failed requests, lives spent, failed spans, fences, leaked pages."""
+    statuses = [o.status for o in result.outcomes]
+    return {"ok": statuses.count("ok"), "cancelled": statuses.count("cancelled"),
+            "failed": statuses.count("failed"), "lives": len(lives),
+            "failed_spans": sum(life.failed_spans for life in lives),
+            "fences": sum(e.kind == "fence" for e in result.events),
+            "leaked_pages": result.leaked_pages}
+
+
+def _percentile(values, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 def _latencies(result: SimResult, lives) -> dict:
@@ -52,10 +71,11 @@ def _latencies(result: SimResult, lives) -> dict:
     arrival = {r.req: r.arrival for r in result.requests}
     ttft = np.array([life.ready_t - arrival[life.req] for life in lives])
     wait = np.array([life.reserve_t - arrival[life.req] for life in lives])
-    return {"ttft_p50_s": float(np.percentile(ttft, 50)),
-            "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "queue_wait_p99_s": float(np.percentile(wait, 99)),
-            "tail_mean_s": float(np.mean([life.ready_t - life.produced_t for life in lives]))}
+    tails = [life.ready_t - life.produced_t for life in lives]
+    return {"ttft_p50_s": _percentile(ttft, 50),
+            "ttft_p99_s": _percentile(ttft, 99),
+            "queue_wait_p99_s": _percentile(wait, 99),
+            "tail_mean_s": float(np.mean(tails)) if tails else None}
 
 
 def _rates(lives, makespan: float) -> dict:
@@ -66,20 +86,67 @@ def _rates(lives, makespan: float) -> dict:
 
 
 def _occupancy(result: SimResult) -> tuple[float, int]:
-    """Time-averaged fraction of pool pages held, and the most pages held at once."""
-    held: dict[str, int] = {}
-    used = peak = 0
+    """Time-averaged fraction of pool pages held (quarantined ones too), and the most pages
+    held at once."""
+    pool = _PoolUse()
     area = last_t = 0.0
     for e in result.events:
-        if e.kind not in ("reserve", "release", "abort"):
-            continue
-        area += used * (e.t - last_t)
-        last_t = e.t
-        if e.kind == "reserve":
-            held[e.req] = len(e.pages)
-            used += len(e.pages)
-        else:
-            used -= held.pop(e.req, 0)
-        peak = max(peak, used)
+        if e.kind in _WRITER_KINDS:
+            getattr(pool, e.kind)(e)
+        elif e.kind in _POOL_KINDS:  # the pages held may change here
+            area += pool.used * (e.t - last_t)
+            last_t = e.t
+            getattr(pool, e.kind)(e)
     mean = area / (last_t * result.cfg.pool_pages) if last_t > 0 else 0.0
-    return mean, peak
+    return mean, pool.peak
+
+
+_POOL_KINDS = frozenset(("reserve", "release", "abort", "fence"))
+_WRITER_KINDS = frozenset(("issue", "land"))
+
+
+class _PoolUse:
+    """Pages held by live slabs and by aborted slabs until their last writer's fence."""
+
+    def __init__(self) -> None:
+        self.used = self.peak = 0
+        self.held: dict[str, int] = {}  # live request -> pages
+        self.writers: dict[object, str] = {}  # span not yet landed or fenced -> request
+        self.quarantine: dict[str, list[int]] = {}  # req -> [pages, writers left] (per life)
+        self.owner: dict[object, str] = {}  # unfenced span of an ended life -> its quarantine
+
+    def reserve(self, e) -> None:
+        self.held[e.req] = len(e.pages)
+        self.used += len(e.pages)
+        self.peak = max(self.peak, self.used)
+
+    def issue(self, e) -> None:
+        self.writers[e.span] = e.req
+
+    def land(self, e) -> None:
+        self.writers.pop(e.span, None)
+
+    def release(self, e) -> None:
+        self.used -= self.held.pop(e.req, 0)
+
+    def abort(self, e) -> None:
+        pages = self.held.pop(e.req, 0)
+        mine = [s for s, req in self.writers.items() if req == e.req]
+        if not mine:
+            self.used -= pages
+            return
+        key = f"{e.req}@{e.t}#{len(self.quarantine)}"
+        self.quarantine[key] = [pages, len(mine)]
+        for span in mine:
+            del self.writers[span]
+            self.owner[span] = key
+
+    def fence(self, e) -> None:
+        self.writers.pop(e.span, None)  # a failed span of a live life
+        key = self.owner.pop(e.span, None)
+        if key is None:
+            return
+        held = self.quarantine[key]
+        held[1] -= 1
+        if not held[1]:
+            self.used -= self.quarantine.pop(key)[0]

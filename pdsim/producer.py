@@ -33,6 +33,7 @@ class Job:
     spans_issued: int = 0
     spans_landed: int = 0
     produced: bool = False
+    ended: bool = False  # the life was released or aborted (faults: nothing more happens)
 
     @property
     def req(self) -> str:
@@ -57,10 +58,13 @@ class Producer:
     def start(self, request: RequestSpec) -> None:
         cfg = self.sim.cfg
         steps = plan_steps(cfg, request)
-        self.job = Job(request, steps, spans_total=sum(len(s.spans) for s in steps))
+        self.job = self._new_job(request, steps)
         self.sim.monitor.reserve(self.env.now, request.req, request.prompt, request.prefix,
                                  self.name)
         self._next_step(self.job)
+
+    def _new_job(self, request: RequestSpec, steps: list[Step]) -> Job:
+        return Job(request, steps, spans_total=sum(len(s.spans) for s in steps))
 
     def _next_step(self, job: Job) -> None:
         if job.index == len(job.steps):
@@ -142,8 +146,12 @@ class Producer:
         nbytes = region.bytes(cfg.geometry)
         job.spans_issued += 1
         self.sim.emit(ev.Issue(now, job.req, span, region.layers, region.tokens, nbytes))
-        start = max(now, self.worker_free)
         moved = copied_bytes(cfg, nbytes, job.spans_issued == job.spans_total)
+        self._schedule_copy(job, span, max(now, self.worker_free), moved)
+
+    def _schedule_copy(self, job: Job, span: int, start: float, moved: int) -> None:
+        """The worker copies `moved` bytes from `start`, then the span lands."""
+        cfg = self.sim.cfg
         plan = cfg.costs.stage_plan(moved)
         self.worker_free = start + cfg.costs.copy_s(moved)
         self.gathers.append((start + plan[0][1], start + plan[0][2]))
@@ -166,6 +174,10 @@ class Producer:
         self.lands.popleft()
         job.spans_landed += 1
         self.sim.try_admit(job)
+        self._unblock()
+
+    def _unblock(self) -> None:
+        """A pending slot came free: the blocked job issues its next spans."""
         if self.blocked is not None and self.sim.monitor.can_issue(self.name):
             blocked, self.blocked = self.blocked, None
             self._issue_ready(blocked)

@@ -27,6 +27,8 @@ class SimResult:
     events: tuple
     requests: tuple[RequestSpec, ...]
     steps: int  # heap events handled
+    outcomes: tuple = ()  # with faults: one fault_sim.Outcome per request, in workload order
+    leaked_pages: int = 0  # pages not back in the pool at the end
 
 
 def make_header(cfg: SimConfig) -> ev.Header:
@@ -55,13 +57,16 @@ class Sim:
         self.header = make_header(cfg)
         self.events: list = []
         self.monitor = Monitor(self.header, sink=self.events.append)
-        self.producers = [Producer(self.env, self, cfg.producer_name(i))
+        self.producers = [self._make_producer(cfg.producer_name(i))
                           for i in range(cfg.producers)]
         self.decoder = Decoder(self.env, self)
         self.queue: deque[RequestSpec] = deque()
         self._spans = 0
         for request in self.requests:
             self.env.at(request.arrival, self._arrive, request)
+
+    def _make_producer(self, name: str) -> Producer:
+        return Producer(self.env, self, name)
 
     def emit(self, event) -> None:
         self.monitor.emit(event)
@@ -99,5 +104,10 @@ class Sim:
         return SimResult(self.cfg, self.header, tuple(self.events), self.requests, self.env.steps)
 
 
-def simulate(cfg: SimConfig, requests) -> SimResult:
-    return Sim(cfg, requests).run()
+def simulate(cfg: SimConfig, requests, faults=None) -> SimResult:
+    """Play `requests`; with an active `faults.FaultSpec`, through `fault_sim.FaultSim`."""
+    if faults is None or not faults.active:
+        return Sim(cfg, requests).run()
+    from pdsim.fault_sim import FaultSim  # it builds on Sim
+
+    return FaultSim(cfg, requests, faults).run()
