@@ -129,7 +129,9 @@ class Engine:
                          extra=tuple(sorted(extra.items())))
 
     def _extra_metrics(self) -> dict:
-        return {"link_gbps": self.config.link_gbps, "device": str(self.config.device),
+        nothing_computed = {"first_token": None} if self.config.no_compute else {}
+        return {**nothing_computed, "link_gbps": self.config.link_gbps,
+                "device": str(self.config.device),
                 "threads": self.threads_used, "warmup_s": self.warmup_s,
                 "no_compute": self.config.no_compute,
                 "staging_alloc_bytes": self.copier.staging_bytes,
@@ -228,6 +230,9 @@ class Engine:
     # -- the step loop -----------------------------------------------------------------------
 
     def _run_steps(self, rec: Recorder, loop: _Loop) -> None:
+        """The one loop: launch each step, emit `computed` for the steps whose readiness mark
+        completed, issue what they made ready (whole mode: after `produced`), and surface
+        what the watcher hit while landing; then the same for the steps still running."""
         r, c = loop.life.request, self.config
         steps = plan_steps(c.mode, self.geometry, r.prompt, r.prefix, c.chunk,
                            compute=not c.no_compute)

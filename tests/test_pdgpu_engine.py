@@ -307,7 +307,7 @@ def test_export_only_lands_the_payload_byte_exact(mode):
     for layer in range(TINY.layers):
         want = payload_values(layer, (16, 90), kv.dtype, kv.device)[0, :, 0, 0]  # [74]
         assert torch.equal(kv[layer, :, :, :, :], want.view(1, -1, 1, 1).expand_as(kv[layer]))
-    assert result.outcomes[0].first_token is None
+    assert result.outcomes[0].first_token is None and result.metrics["first_token"] is None
     assert [e.kind for e in result.events].count("computed") == 1
     assert _check(result).ok
 
