@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -279,7 +280,10 @@ def cmd_serve(args) -> int:
     config, workload, producers, endpoint = prepare(args)
     if args.role == "producer":
         opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout)
-        return run_producer(endpoint, args.rank, args.world_size, opts)
+        code = run_producer(endpoint, args.rank, args.world_size, opts)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # its receiving thread may still block in gloo: don't wait for it
     run = ServeRun()
     try:
         _serve(args, config, workload, producers, endpoint, run)

@@ -12,6 +12,7 @@ loop, only on its receiving thread. KV payloads travel as tensors through the sa
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 from datetime import timedelta
@@ -136,7 +137,7 @@ class GlooTransport:
                     if t.numel():
                         self.pg.send([t], dst, 0).wait()
         except Exception as e:  # noqa: BLE001
-            raise TransportError(f"send to rank {dst} failed ({_first_line(e)})") from None
+            raise TransportError(f"send to {peer_name(dst)} failed: {_first_line(e)}") from None
 
     def get(self, timeout: float | None = None) -> Message | None:
         """The next message from any peer; None when none came within `timeout` seconds."""
@@ -163,7 +164,8 @@ class GlooTransport:
                 self.inbox.put(self._receive_one(peer))
         except Exception as e:  # noqa: BLE001 - the link broke: tell the owner once
             if not self.closing.is_set():
-                self.inbox.put(TransportError(f"link to rank {peer} broke ({_first_line(e)})"))
+                self.inbox.put(TransportError(f"link to {peer_name(peer)} broke: "
+                                              f"{_first_line(e)}"))
 
     def _receive_one(self, peer: int) -> Message:
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [2]
@@ -187,6 +189,13 @@ class GlooTransport:
             work.wait(wait)
 
 
+def peer_name(rank: int) -> str:
+    """Rank 0 is the decoder, rank r >= 1 is producer p<r>."""
+    return "the decoder" if rank == 0 else f"producer p{rank}"
+
+
 def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
+    """The cause in one line, without gloo's source-file prefix."""
+    lines = str(e).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[0]) if lines else ""
+    return text[:160] or type(e).__name__

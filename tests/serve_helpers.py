@@ -1,0 +1,127 @@
+"""Shared by the pdgpu serve tests: runs in this process (the forkserver that forks the
+producers stays warm between tests), process accounting, a context-sensitive checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from pdgpu.checkpoint import save_checkpoint
+from pdgpu.cli import main
+from pdgpu.generate import generate
+from pdgpu.model import build_model
+from pdgpu.serve.models import load_served_model
+from pdref.check import check_lines
+from pdref.models import load_model
+
+
+def processes() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, process group, command line) of every process on the machine."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":  # a zombie is already dead
+            out[int(entry.name)] = (int(fields[1]), int(fields[2]), cmd)
+    return out
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below `root`."""
+    table = processes()
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, (ppid, _, _) in table.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def forkserver_pid() -> int | None:
+    import multiprocessing.forkserver as fs
+    return fs._forkserver._forkserver_pid
+
+
+def producers_alive() -> set[int]:
+    """Producer processes forked for this test process (children of its forkserver)."""
+    server = forkserver_pid()
+    return descendants(server) if server else set()
+
+
+def kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def serve(tmp_path: Path, *args: str) -> tuple[int, list[dict], list[bytes]]:
+    """`pdgpu serve ARGS` in this process: (exit code, results lines, trace lines). Asserts
+    that no producer outlives the run (killing any that does)."""
+    results, trace = tmp_path / "results.jsonl", tmp_path / "trace.jsonl"
+    try:
+        code = main(["serve", "--results", str(results), "--trace", str(trace),
+                     "--no-progress", "--connect-timeout", "60", *args])
+    finally:
+        left = producers_alive()
+        kill(left)
+    assert not left, f"producer processes left behind: {left}"
+    lines = [json.loads(x) for x in results.read_text().splitlines()] if results.exists() else []
+    events = trace.read_bytes().splitlines() if trace.exists() else []
+    return code, lines, events
+
+
+def trace_ok(lines: list[bytes]) -> None:
+    verdict = check_lines(lines, "trace")
+    assert verdict.ok, (verdict.code, verdict.line, verdict.message)
+
+
+def events_of(lines: list[bytes], kind: str) -> list[dict]:
+    return [e for e in map(json.loads, lines[1:]) if e["kind"] == kind]
+
+
+def write_sensitive_checkpoint(folder: Path) -> Path:
+    """A tiny Qwen3 in Hugging Face layout whose weights are large enough that every output
+    token depends on the whole context (at the presets' 0.02 init it echoes its input)."""
+    model = build_model(load_model("tiny"), seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(8)
+    save_checkpoint(model, folder)
+    return folder
+
+
+def reference(model_arg: str, tokens, output_tokens: int, chunk: int, prefix: int,
+              seed: int = 0) -> list[int]:
+    """`pdgpu generate`'s tokens (the same function), one thread like the serving ranks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_served_model(model_arg, seed, None)
+        return generate(model, list(tokens), output_tokens, chunk, prefix)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def drawn_prompts(path: Path, count: int, lengths, vocab: int, prefix: int, out: int,
+                  seed: int = 0) -> list[dict]:
+    """Write a prompts file with a shared prefix; its lines."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, vocab, (prefix,), generator=gen).tolist()
+    lines = []
+    for i in range(count):
+        n = lengths[i % len(lengths)]
+        tokens = shared + torch.randint(0, vocab, (n - prefix,), generator=gen).tolist()
+        lines.append({"req": f"q{i}", "tokens": tokens, "output_tokens": out})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return lines

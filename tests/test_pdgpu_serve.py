@@ -1,0 +1,171 @@
+"""pdgpu serve: served tokens equal the single-process reference in every mode, with prefix
+reuse and 1..3 producers; verify turns broken copies into `fail`; pool backpressure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from serve_helpers import (
+    drawn_prompts,
+    events_of,
+    reference,
+    serve,
+    trace_ok,
+    write_sensitive_checkpoint,
+)
+
+from pdgpu.decode_kv import DecodeBatch, SequenceKV
+from pdgpu.model import build_model
+from pdgpu.serve.config import Capabilities, producer_capabilities, refusal
+from pdgpu.serve.digest import first_mismatch, row_digests
+from pdref.events import Mode
+from pdref.models import load_model
+
+CHUNK = 16
+PREFIX = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(write_sensitive_checkpoint(tmp_path_factory.mktemp("ckpt") / "sensitive"))
+
+
+def _assert_parity(model: str, prompts: list[dict], results: list[dict], prefix: int) -> None:
+    for line, result in zip(prompts, results, strict=True):
+        want = reference(model, line["tokens"], line["output_tokens"], CHUNK, prefix)
+        assert result["status"] == "ok", result
+        assert result["output"] == want, (line["req"], result["output"], want)
+
+
+@pytest.mark.parametrize(("mode", "producers"), [("whole", 1), ("chunk", 2), ("layer", 3)])
+def test_served_tokens_equal_generate_in_every_mode(tmp_path, checkpoint, mode, producers):
+    """An HF checkpoint, a shared prefix, N producers: every request's tokens equal generate."""
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 4, [37, 64, 50, 81], 256, PREFIX, 6)
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--mode", mode, "--producers", str(producers),
+        "--prompts", str(tmp_path / "p.jsonl"), "--prefix", str(PREFIX), "--chunk", str(CHUNK),
+        "--verify")
+    assert code == 0
+    _assert_parity(checkpoint, prompts, results, PREFIX)
+    trace_ok(trace)
+    used = {e["producer"] for e in events_of(trace, "reserve")}
+    assert used == {f"p{r}" for r in range(1, producers + 1)}  # least-loaded spreads the work
+    assert len(events_of(trace, "land")) >= 4 and not events_of(trace, "fail")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_presets_serve_like_generate(tmp_path, preset):
+    """The built-in presets (seeded weights, drawn prompts) match generate too."""
+    vocab = load_model(preset).vocab
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 3, [40, 57, 33], vocab, PREFIX, 4, seed=1)
+    code, results, trace = serve(
+        tmp_path, "--model", preset, "--producers", "2", "--prompts", str(tmp_path / "p.jsonl"),
+        "--prefix", str(PREFIX), "--chunk", str(CHUNK), "--verify")
+    assert code == 0
+    _assert_parity(preset, prompts, results, PREFIX)
+    trace_ok(trace)
+
+
+def test_small_pool_backpressure_keeps_arrival_order(tmp_path, checkpoint):
+    """A pool that holds one request: reserves wait for pages, in arrival order, none lost."""
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 4, [80, 30, 64, 20], 256, 0, 3, seed=2)
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
+        "--chunk", str(CHUNK), "--pool-pages", "5", "--producers", "2", "--verify", "--json")
+    assert code == 0
+    _assert_parity(checkpoint, prompts, results, 0)
+    trace_ok(trace)
+    assert [e["req"] for e in events_of(trace, "reserve")] == ["q0", "q1", "q2", "q3"]
+    held, peak = {}, 0
+    for e in map(json.loads, trace[1:]):
+        if e["kind"] == "reserve":
+            held[e["req"]] = len(e["pages"])
+        elif e["kind"] in ("release", "abort"):
+            del held[e["req"]]
+        peak = max(peak, sum(held.values()))
+    assert peak == 5  # never overcommitted; q0 (80 tokens, 5 pages) filled it
+
+
+def test_verify_turns_a_dropped_last_row_into_fail(tmp_path, checkpoint):
+    """A copy that drops each span's last token row: every span fails, no wrong answer."""
+    drawn_prompts(tmp_path / "p.jsonl", 2, [40, 50], 256, 0, 3)
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
+        "--chunk", str(CHUNK), "--verify", "--debug", "drop-last-row", "--retries", "1")
+    assert code == 1
+    assert [r["status"] for r in results] == ["failed", "failed"]
+    assert all(r["output"] == [] and r["attempts"] == 2 for r in results)
+    fails = events_of(trace, "fail")
+    assert fails and all("checksum mismatch" in f["error"] for f in fails)
+    assert not events_of(trace, "admit")
+    trace_ok(trace)
+
+
+def test_without_verify_a_dropped_row_is_a_wrong_answer(tmp_path, checkpoint):
+    """The same bug without --verify passes every live check but changes the tokens."""
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 2, [40, 50], 256, 0, 6)
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
+        "--chunk", str(CHUNK), "--debug", "drop-last-row")
+    assert code == 0 and all(r["status"] == "ok" for r in results)
+    trace_ok(trace)
+    wrong = [r for line, r in zip(prompts, results, strict=True)
+             if r["output"] != reference(checkpoint, line["tokens"], 6, CHUNK, 0)]
+    assert wrong  # what --verify is for
+
+
+def test_verify_catches_source_pages_reused_under_a_copy(tmp_path, checkpoint):
+    """Source pages freed at produced and overwritten before the copy: fail, then retry;
+    every request that ends ok has the reference tokens."""
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 4, [60, 70, 64, 50], 256, 0, 4)
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
+        "--mode", "whole", "--chunk", str(CHUNK), "--verify", "--debug", "early-reuse")
+    assert events_of(trace, "fail")
+    assert code == (0 if all(r["status"] == "ok" for r in results) else 1)
+    for line, r in zip(prompts, results, strict=True):
+        if r["status"] == "ok":
+            assert r["output"] == reference(checkpoint, line["tokens"], 4, CHUNK, 0)
+    trace_ok(trace)
+
+
+def test_decode_step_is_batch_invariant():
+    """A request's logits are bit-identical alone and in a batch with others."""
+    torch.set_num_threads(1)
+    model = build_model(load_model("small"), seed=0)
+    spec = model.spec
+    contexts = [torch.randn(spec.layers, 2, n, spec.kv_heads, spec.head_dim) for n in (5, 9, 3)]
+    tokens = torch.tensor([7, 11, 13])
+
+    def step(indices):
+        batch = DecodeBatch([SequenceKV(contexts[i], 20) for i in indices])
+        return model.decode_step(tokens[indices], batch.positions("cpu"), batch)
+
+    together = step([0, 1, 2])
+    for i in range(3):
+        assert torch.equal(step([i])[0], together[i])
+
+
+def test_row_digest_sees_one_ulp_and_names_the_row():
+    """A one-ulp change of one element changes exactly that row's digest."""
+    kv = torch.randn(3, 2, 5, 2, 16)
+    expected = row_digests(kv)
+    assert first_mismatch(kv, expected) is None
+    bad = kv.clone()
+    bad[1, 0, 4, 1, 7] = torch.nextafter(bad[1, 0, 4, 1, 7], torch.tensor(10.0))
+    assert first_mismatch(bad, expected) == (1, 4)
+
+
+def test_refusal_rules():
+    """Layer mode with recurrent state is CFG-1; streaming needs kv_progress; whole is fine."""
+    plain = producer_capabilities("p1", recurrent=False, kv_progress=True)
+    hybrid = producer_capabilities("p2", recurrent=True, kv_progress=True)
+    blind = producer_capabilities("p3", recurrent=False, kv_progress=False)
+    assert refusal(Mode.LAYER, [plain]) is None
+    assert "CFG-1" in refusal(Mode.LAYER, [plain, hybrid])
+    assert refusal(Mode.CHUNK, [hybrid]) is None
+    assert "kv_progress" in refusal(Mode.CHUNK, [blind])
+    assert refusal(Mode.WHOLE, [blind, hybrid]) is None
+    assert Capabilities.from_json(hybrid.to_json()) == hybrid

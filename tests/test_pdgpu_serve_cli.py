@@ -1,0 +1,180 @@
+"""pdgpu serve / generate command lines: bad input refused before any process starts,
+unservable configurations refused at the handshake, Ctrl-C and roles on separate machines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from serve_helpers import descendants, kill, processes, producers_alive, serve, trace_ok
+
+from pdgpu.cli import main
+
+PDGPU = [sys.executable, "-m", "pdgpu"]
+
+
+def _one_line_exit_2(capsys, argv) -> str:
+    before = producers_alive()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("pdgpu: error:"), err
+    assert producers_alive() <= before  # nothing started, nothing left
+    return err
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (["--producers", "0"], "--producers"),
+    (["--producers", "-2"], "--producers"),
+    (["--output-tokens", "0"], "--output-tokens"),
+    (["--pool-pages", "3", "--prompt-range", "100:120"], "pool-pages"),
+    (["--prompt-range", "9:3"], "prompt-range"),
+    (["--prefix", "8", "--prompt-range", "16:32"], "prefix"),
+    (["--prompts", "/nonexistent/prompts.jsonl"], "prompts"),
+    (["--init-method", "http://x"], "init-method"),
+    (["--role", "producer", "--rank", "0", "--world-size", "2",
+      "--init-method", "tcp://127.0.0.1:1"], "rank"),
+    (["--device", "cuda"], "device"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, args, field):
+    """Each bad field: one line naming it, exit 2, no process started."""
+    err = _one_line_exit_2(capsys, ["serve", "--no-progress", *args])
+    assert field in err
+
+
+def test_token_outside_vocab_in_prompts_file(tmp_path, capsys):
+    """A token id outside the vocabulary names the request and the rule."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"req": "a", "tokens": [1, 2, 256], "output_tokens": 2}) + "\n")
+    err = _one_line_exit_2(capsys, ["serve", "--prompts", str(path)])
+    assert "256" in err and "vocab=256" in err
+
+
+def test_port_in_use_is_refused(capsys):
+    """A rendezvous port another socket holds: one line, exit 2, no producer started."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        err = _one_line_exit_2(capsys, ["serve", "--init-method", f"tcp://127.0.0.1:{port}",
+                                        "--connect-timeout", "5"])
+    assert "init-method" in err and str(port) in err
+
+
+def test_generate_refuses_out_of_vocab_and_prints_json(capsys):
+    """generate: a bad token is exit 2; --json prints the output token list."""
+    _one_line_exit_2(capsys, ["generate", "--tokens", "1,999"])
+    assert main(["generate", "--tokens", "5,6,7", "--output-tokens", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["output"]) == 3 and all(0 <= t < 256 for t in out["output"])
+
+
+@pytest.mark.parametrize(("args", "word"), [
+    (["--model", "qwen3-next-80b-a3b", "--mode", "layer"], "CFG-1"),
+    (["--no-kv-progress", "--mode", "chunk"], "kv_progress"),
+])
+def test_handshake_refuses_unservable_runs(tmp_path, capsys, args, word):
+    """Producers announce capabilities first; the run is refused before any reserve."""
+    code, results, trace = serve(tmp_path, "--producers", "2", "--requests", "2", *args)
+    assert code == 2 and not results and not trace
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and word in err
+
+
+def test_whole_mode_without_kv_progress_serves(tmp_path):
+    """A producer without kv_progress still serves whole mode."""
+    code, results, trace = serve(tmp_path, "--no-kv-progress", "--mode", "whole",
+                                 "--requests", "2", "--output-tokens", "2", "--verify")
+    assert code == 0 and [r["status"] for r in results] == ["ok", "ok"]
+    trace_ok(trace)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_alive(pgid: int) -> list[int]:
+    return [pid for pid, (_, group, _) in processes().items() if group == pgid]
+
+
+def test_a_producer_killed_mid_run_stops_the_run_cleanly(tmp_path, capsys):
+    """Any error (here a producer SIGKILLed while serving): exit 1 with one line naming the
+    cause, every other process stopped, the trace complete and legal."""
+    def killer():
+        deadline = time.monotonic() + 30
+        while len(producers_alive()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        kill(sorted(producers_alive())[:1])
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    code, _, trace = serve(tmp_path, "--producers", "2", "--requests", "5000",
+                           "--concurrency", "4", "--output-tokens", "64")
+    thread.join()
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "producer p" in err[0], err
+    if trace:  # killed after the models were up: live requests aborted, trace complete
+        trace_ok(trace)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_and_closes_the_trace(tmp_path):
+    """SIGINT to the process group mid-run: exit 130, one line, no process left, the trace
+    complete (live requests aborted) and legal."""
+    trace = tmp_path / "t.jsonl"
+    proc = subprocess.Popen(
+        [*PDGPU, "serve", "--producers", "2", "--requests", "5000", "--concurrency", "4",
+         "--output-tokens", "64", "--prompt-range", "32:64", "--trace", str(trace)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(descendants(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # forkserver + 2 producers
+        time.sleep(4)  # handshake, models, serving
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        assert err.decode().strip().splitlines()[-1].startswith("pdgpu: interrupted")
+        time.sleep(0.5)
+        assert not _group_alive(proc.pid)
+        lines = trace.read_bytes().splitlines()
+        trace_ok(lines)
+        assert any(b'"abort"' in line for line in lines)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill(_group_alive(proc.pid))
+
+
+def test_roles_on_separate_machines(tmp_path):
+    """Decoder and producers started on their own with --init-method/--rank/--world-size."""
+    port, results = _free_port(), tmp_path / "r.jsonl"
+    common = ["--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "3",
+              "--connect-timeout", "60"]
+    decoder = subprocess.Popen(
+        [*PDGPU, "serve", "--role", "decoder", "--rank", "0", *common, "--requests", "3",
+         "--output-tokens", "3", "--results", str(results), "--verify", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    procs = [decoder] + [subprocess.Popen(
+        [*PDGPU, "serve", "--role", "producer", "--rank", str(r), *common],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        for r in (1, 2)]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+        assert codes == [0, 0, 0], [p.stderr.read().decode()[-500:] for p in procs]
+        lines = [json.loads(x) for x in results.read_text().splitlines()]
+        assert [x["status"] for x in lines] == ["ok"] * 3
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
