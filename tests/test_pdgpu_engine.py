@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -356,17 +357,23 @@ def test_decoder_pool_takes_only_free_pages_and_follows_the_spec():
 
 
 class LaggingDevice:
-    """Readiness marks that complete `lag` s after they are recorded, in order: a device
-    running behind the host, as CUDA's compute stream does (the host only launches)."""
+    """Readiness marks that complete `lag` s after they are recorded, in record order: a
+    device running behind the host, as CUDA's compute stream does (the host only launches)."""
 
     def __init__(self, lag: float) -> None:
-        self.lag, self.last = lag, 0.0
+        self.lag, self.marks = lag, queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True).start()
 
     def mark_ready(self, backend):
         mark = HostMark(backend.clock)
-        self.last = max(time.perf_counter() + self.lag, self.last)
-        threading.Timer(self.last - time.perf_counter(), mark.set).start()
+        self.marks.put((time.perf_counter() + self.lag, mark))
         return mark
+
+    def _run(self) -> None:
+        while True:
+            due, mark = self.marks.get()
+            time.sleep(max(0.0, due - time.perf_counter()))
+            mark.set()
 
 
 def test_host_running_ahead_emits_computed_late_and_still_overlaps(monkeypatch):
