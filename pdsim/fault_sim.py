@@ -163,7 +163,7 @@ class FaultSim(Sim):
             self.finish(job.req, Status.FAILED, f"{reason}; no producer left")
         else:
             self.queue.appendleft(job.request)
-            self.dispatch()
+        self.dispatch()  # the retry, or a request that waited for these pages
 
     # -- producer death ----------------------------------------------------------------------
 
