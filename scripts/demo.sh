@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PY=${PYTHON:-python3}
+source scripts/python.sh
 "$PY" -m pdsim demo --out "${1:-demo-out}"

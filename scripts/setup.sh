@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# Install the project and its dependencies into the current Python (idempotent).
-# torch is pinned first to the CPU build 2.13.0: an open range would pull a multi-GB CUDA build.
+# Install the project and its dependencies (idempotent) into the project's virtual environment
+# .venv, created here on first use (PYTHON=/path/to/python installs into that one instead).
+# torch is pinned to 2.13.0 and installed first. Which build pip picks depends on the index:
+# this project's machines carry the CPU build of 2.13.0 on local disk, and pip takes it; on
+# PyPI the default Linux wheel is the CUDA build (several GB). On another machine without a
+# GPU, ask for the CPU build: TORCH_INDEX=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-    "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+source scripts/python.sh
+if [ -z "${PYTHON:-}" ] && [ ! -x "$PY" ]; then
+    echo "setup: creating the virtual environment .venv"
+    python3 -m venv .venv
 fi
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+echo "setup: installing into $("$PY" -c 'import sys; print(sys.prefix)')"
+PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+    "${PIP[@]}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "torch==2.13.0"
+fi
+"${PIP[@]}" -e ".[dev]"

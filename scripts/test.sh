@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PY=${PYTHON:-python3}
+source scripts/python.sh
 "$PY" -m ruff check .
 "$PY" -m pytest "$@"
