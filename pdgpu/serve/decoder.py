@@ -264,9 +264,8 @@ class Decoder:
         """After the producers are gone: abort every live life, fence what it left unfenced."""
         for t in self.tracked.values():
             if t.status in ("prefill", "running"):
-                spans = [s.span for s in self.ledger.monitor.state.live(t.req).in_flight]
-                self.ledger.abort(t.req, reason)
-                for span in spans:
+                self.ledger.abort(t.req, reason)  # cancels its spans in flight
+                for span in self.ledger.monitor.unfenced(t.req):
                     self.ledger.fence(t.req, span)  # the transport is torn down: no writer
             if t.status not in ("ok", "failed"):
                 t.status = "cancelled"

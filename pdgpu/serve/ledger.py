@@ -107,9 +107,7 @@ class Ledger:
 
     def fence(self, req: str, span: int) -> None:
         """Contract v2: the writer of a failed or cancelled span has stopped."""
-        fence = getattr(ev, "Fence", None)
-        if fence is not None and self.header.version >= 2:
-            self._emit(fence, req, span)
+        self._emit(ev.Fence, req, span)
 
     def produced(self, req: str, token: int) -> None:
         self._emit(ev.Produced, req, token)
