@@ -29,7 +29,7 @@ timeout 90 "$PY" -m pdgpu compare --model qwen3-0.6b --prompt 2048 --chunk 256 \
 "$PY" -m pdref check "$OUT"/whole.jsonl "$OUT"/chunk.jsonl "$OUT"/layer.jsonl
 
 echo "== 3. overlap benchmark, qwen3-0.6b, 8192 tokens, chunk 256 (decoder $DECODER)"
-timeout 150 "$PY" bench/engine_overlap.py --model qwen3-0.6b --prompt 8192 --chunk 256 \
+timeout 210 "$PY" bench/engine_overlap.py --model qwen3-0.6b --prompt 8192 --chunk 256 \
     --device cuda:0 --decoder-device "$DECODER" --link-gbps 0 --repeats 3 \
     --out "$OUT/engine_overlap.json" | tee "$OUT/engine_overlap.txt"
 
