@@ -210,6 +210,13 @@ class FakeDevice:
     def __init__(self) -> None:
         self.recorded, self.syncs, self.lock = [], [], threading.Lock()
 
+    def run_until(self, stop: threading.Event) -> None:
+        """Complete whatever was recorded, every millisecond, until `stop`."""
+        while not stop.wait(0.001):
+            with self.lock:
+                for event in self.recorded:
+                    event.complete()
+
     def run(self) -> float:
         time.sleep(0.02)  # let the lanes enqueue what they can
         with self.lock:
@@ -260,7 +267,7 @@ class FakeCudaBackend(Backend):
     """Backend with CUDA lanes on fake streams (gather and d2h share the producer's copy
     stream, h2d has the decoder's) and readiness marks recorded on a fake compute stream."""
 
-    def __init__(self, clock, device: FakeDevice) -> None:
+    def __init__(self, clock, device: FakeDevice, link_gbps=None) -> None:
         self.producer = self.decoder = torch.device("cpu")
         self.clock, self.cuda = clock, False
         anchor = FakeEvent()
@@ -271,8 +278,8 @@ class FakeCudaBackend(Backend):
         self.compute = FakeStream("compute")
         copy, decode = FakeStream("copy"), FakeStream("decode")
         self.lanes = {"gather": CudaLane("gather", clock, None, copy, self.events),
-                      "d2h": CudaLane("d2h", clock, None, copy, self.events),
-                      "h2d": CudaLane("h2d", clock, None, decode, self.events)}
+                      "d2h": CudaLane("d2h", clock, link_gbps, copy, self.events),
+                      "h2d": CudaLane("h2d", clock, link_gbps, decode, self.events)}
 
     def mark_ready(self):
         return record(self.compute, self.events)
@@ -317,3 +324,25 @@ def test_cuda_lanes_chain_events_and_report_only_after_the_device_ran(fake_cuda)
     assert all(r.done_t >= max(s.end for s in r.stages) for r in reports)
     assert set(fake_cuda.syncs) == {"pdgpu-watcher"}
     assert copier.free_slots == 2
+
+
+def test_cuda_link_pacing_holds_each_direction_and_orders_the_next_on_the_host(fake_cuda):
+    """With link pacing on the CUDA path, d2h and h2d each last at least bytes / rate (the
+    lane waits its event, then holds), and h2d starts only after d2h's held end."""
+    backend = FakeCudaBackend(_clock(), fake_cuda, link_gbps=0.001)
+    copier, _, request, pool = _copier(backend=backend)
+    slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
+    stop = threading.Event()
+    threading.Thread(target=fake_cuda.run_until, args=(stop,), daemon=True).start()
+    try:
+        copier.submit(_job(copier, request, slab, 0, (0, 8)))
+        result = copier.wait()
+    finally:
+        stop.set()
+        copier.close()
+    stage = {s.name: s for s in result.stages}
+    floor = 3 * 2 * 8 * 2 * 4 * 4 / 1e6 * 0.95
+    assert result.error is None
+    assert stage["d2h"].end - stage["d2h"].start >= floor
+    assert stage["h2d"].end - stage["h2d"].start >= floor
+    assert stage["h2d"].start >= stage["d2h"].end
