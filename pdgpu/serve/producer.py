@@ -260,4 +260,4 @@ class Producer:
 
     def close(self) -> None:
         self.outbox.put(None)
-        self.sender.join(timeout=5)
+        self.sender.join(timeout=1)
