@@ -131,6 +131,19 @@ def test_verify_catches_source_pages_reused_under_a_copy(tmp_path, checkpoint):
     trace_ok(trace)
 
 
+def test_a_protocol_break_in_a_producer_stops_the_run_with_its_code(tmp_path, capsys):
+    """A producer that announces a span before computing it: the decoder's live check stops
+    the run with COPY-1 (exit 1, one line); the trace up to there, aborted, is legal."""
+    drawn_prompts(tmp_path / "p.jsonl", 2, [40, 50], 256, 0, 3)
+    code, results, trace = serve(tmp_path, "--prompts", str(tmp_path / "p.jsonl"),
+                                 "--chunk", str(CHUNK), "--debug", "issue-early")
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "COPY-1" in err[0], err
+    assert {r["status"] for r in results} == {"cancelled"}
+    trace_ok(trace)
+
+
 def test_decode_step_is_batch_invariant():
     """A request's logits are bit-identical alone and in a batch with others."""
     torch.set_num_threads(1)

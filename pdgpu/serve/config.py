@@ -15,6 +15,8 @@ DEBUG_BUGS = {
     "drop-last-row": "the producer's copy drops each span's last token row",
     "early-reuse": "the producer frees a request's source pages at `produced`, while its "
                    "copies are still queued, and the next prefill overwrites them",
+    # A protocol break the live check must stop with its code.
+    "issue-early": "the producer announces each streamed span before computing it (COPY-1)",
 }
 
 

@@ -163,6 +163,11 @@ class Producer:
     def _compute(self, job: Job) -> None:
         start = self.now()
         step = job.steps.pop(0)
+        if self.config.debug == "issue-early" and self.config.mode is not Mode.WHOLE:
+            region = Region((step, step + 1), (job.prefix, job.prompt)) \
+                if self.config.mode is Mode.LAYER else Region((0, self.geometry.layers), step)
+            self._send("issue", handle=job.handle, layers=region.layers,
+                       tokens=region.tokens, bytes=region.bytes(self.geometry))
         if self.config.mode is Mode.LAYER:
             chunks = plan_chunks(job.prompt, job.prefix, self.config.chunk)
             job.hidden = [self.model.run_layer(step, h, a, job.kv)
