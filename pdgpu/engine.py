@@ -307,6 +307,9 @@ class Engine:
             seen = self.copier.completions
             if rec.ask("can_issue") or rec.failed(req):
                 break
+            if not self.copier.in_flight:  # nothing will land: waiting would never end
+                raise EngineError(f"request {req!r}: pdref refuses an issue with no copy in "
+                                  "flight (max_pending held by spans that never end)")
             self.copier.wait_progress(seen)
             self._raise_copy_errors()
             waited = True
