@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pdgpu.checkpoint import CheckpointError
 from pdgpu.serve.config import DEBUG_BUGS, ServeConfig
 from pdgpu.serve.decoder import ServeError
 from pdgpu.serve.launch import (
@@ -44,6 +45,7 @@ from pdgpu.serve.workload import (
 from pdgpu.workload import WorkloadError
 from pdref.cli_format import format_metrics
 from pdref.events import Mode
+from pdref.models import ProfileError
 from pdref.trace import TraceWriter
 from pdref.violations import Violation
 
@@ -269,6 +271,24 @@ def _write_outputs(args, run: ServeRun) -> None:
         write_results(run.decoder, args.results)
 
 
+def _producer_role(args, endpoint: Endpoint) -> None:
+    """This process is one producer rank; it ends here (os._exit: its receiving thread may
+    still block in gloo, and an interpreter exit would abort on it)."""
+    opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout)
+    code = 1
+    try:
+        code = run_producer(endpoint, args.rank, args.world_size, opts)
+    except KeyboardInterrupt:
+        print("pdgpu: interrupted (Ctrl-C): this producer stopped", file=sys.stderr)
+        code = 130
+    except (TransportError, ServeError) as e:
+        print(f"pdgpu: serve error: {e}", file=sys.stderr)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def _summary_text(values: dict) -> str:
     keys = SUMMARY_ORDER + tuple(k for k in values if k not in SUMMARY_ORDER)
     rate = values["tokens_per_s"]  # ends in _s but is a rate, not seconds
@@ -279,11 +299,7 @@ def _summary_text(values: dict) -> str:
 def cmd_serve(args) -> int:
     config, workload, producers, endpoint = prepare(args)
     if args.role == "producer":
-        opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout)
-        code = run_producer(endpoint, args.rank, args.world_size, opts)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # its receiving thread may still block in gloo: don't wait for it
+        _producer_role(args, endpoint)
     run = ServeRun()
     try:
         _serve(args, config, workload, producers, endpoint, run)
@@ -345,3 +361,9 @@ def run_command(args) -> int:
     except KeyboardInterrupt:
         print("pdgpu: interrupted (Ctrl-C): every process stopped", file=sys.stderr)
         return 130
+    except (OSError, ProfileError, CheckpointError):
+        raise  # pdgpu.cli prints these: one line, exit 2
+    except Exception as e:  # noqa: BLE001 - any other error: one line naming it, exit 1
+        print(f"pdgpu: serve error: {type(e).__name__}: {str(e).strip()[:300]}",
+              file=sys.stderr)
+        return 1
