@@ -16,6 +16,7 @@ from pdsim.faults import add_fault_options, fault_spec
 from pdsim.metrics import single_metrics, workload_metrics
 from pdsim.options import Parser, UsageError, add_run_options, run_setup
 from pdsim.report import format_metrics, write_trace
+from pdsim.results import write_results
 from pdsim.sim import simulate
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -30,6 +31,8 @@ def cmd_run(args) -> int:
     metrics = single_metrics(result) if single else workload_metrics(result)
     if args.trace:
         write_trace(args.trace, result)
+    if args.results:
+        write_results(args.results, result)
     print(json.dumps(metrics) if args.json else format_metrics(metrics))
     return EXIT_OK
 
@@ -59,6 +62,9 @@ def _run_args(p) -> None:
     p.add_argument("--trace", default=None,
                    help="write the run's JSONL trace here (specs/contract.md)")
     p.add_argument("--json", action="store_true", help="print metrics as one JSON object")
+    p.add_argument("--results", default=None,
+                   help="write one JSON line per request here: status (ok, cancelled, "
+                        "failed), ttft_s, e2e_s, attempts")
     add_fault_options(p)
 
 

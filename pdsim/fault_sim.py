@@ -39,6 +39,7 @@ class Outcome:
     req: str
     status: Status
     attempts: int
+    t: float  # when it was decided: release, cancel, or the last failure
     reason: str | None = None
 
 
@@ -119,7 +120,7 @@ class FaultSim(Sim):
     def finish(self, req: str, status: Status, reason: str | None = None) -> None:
         ticket = self.tickets[req]
         ticket.job = ticket.producer = None
-        ticket.outcome = Outcome(req, status, ticket.attempts, reason)
+        ticket.outcome = Outcome(req, status, ticket.attempts, self.env.now, reason)
 
     # -- cancellation ------------------------------------------------------------------------
 

@@ -299,3 +299,26 @@ def test_run_command_with_faults_prints_outcomes_and_writes_a_legal_trace(tmp_pa
     assert out["ok"] + out["cancelled"] + out["failed"] == out["requests"] == 20
     assert out["leaked_pages"] == 0 and out["cancelled"] >= 1
     assert check_lines(trace.open("rb")).ok
+
+
+def test_results_file_has_one_line_per_request_matching_the_summary(tmp_path, capsys):
+    """`--results`: one line per request; statuses, attempts and TTFTs agree with the summary
+    and the trace."""
+    results, trace = tmp_path / "r.jsonl", tmp_path / "t.jsonl"
+    argv = ["run", "--json", "--requests", "16", "--rate", "20", "--prompt-range", "256:1024",
+            "--producers", "2", "--bandwidth-scale", "0.05", "--fail-rate", "0.08",
+            "--cancel-rate", "0.3", "--seed", "5", "--results", str(results),
+            "--trace", str(trace)]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["req"] for r in rows] == [f"r{i}" for i in range(16)]
+    for status in ("ok", "cancelled", "failed"):
+        assert sum(r["status"] == status for r in rows) == summary[status]
+    assert sum(r["attempts"] for r in rows) == summary["lives"]
+    ttfts = sorted(r["ttft_s"] for r in rows if r["status"] == "ok")
+    assert all(r["ttft_s"] is None for r in rows if r["status"] != "ok")
+    mid = len(ttfts) // 2
+    median = ttfts[mid] if len(ttfts) % 2 else (ttfts[mid - 1] + ttfts[mid]) / 2
+    assert median == pytest.approx(summary["ttft_p50_s"])
+    assert all(r["e2e_s"] >= (r["ttft_s"] or 0) >= 0 for r in rows)

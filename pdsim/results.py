@@ -1,0 +1,40 @@
+"""Per-request results of a `pdsim run` (`--results FILE.jsonl`, the serving-run format of
+specs/contract.md): one line per request, `{"req", "status", "output", "ttft_s", "e2e_s",
+"attempts"}` plus `reason` when it did not end ok. The simulator generates no tokens:
+`output` is null. TTFT runs from arrival to the moment the decoder could admit its ok life
+(every span landed, first token produced); e2e from arrival to its release, or to the moment
+it was cancelled or failed."""
+
+from __future__ import annotations
+
+import json
+
+from pdref.metrics import life_metrics
+from pdsim.report import write_atomic
+from pdsim.sim import SimResult
+
+
+def request_results(result: SimResult) -> list[dict]:
+    """One dict per request, in workload order."""
+    lives, _ = life_metrics(result.events)
+    ok = {life.req: life for life in lives if life.outcome == "released"}
+    count: dict[str, int] = {}
+    for life in lives:
+        count[life.req] = count.get(life.req, 0) + 1
+    outcomes = {o.req: o for o in result.outcomes}
+    rows = []
+    for request in result.requests:
+        outcome, life = outcomes.get(request.req), ok.get(request.req)
+        row = {"req": request.req, "status": "ok" if outcome is None else str(outcome.status),
+               "output": None,
+               "ttft_s": None if life is None else life.ready_t - request.arrival,
+               "e2e_s": (life.end_t if outcome is None else outcome.t) - request.arrival,
+               "attempts": count.get(request.req, 0)}
+        if outcome is not None and outcome.reason is not None:
+            row["reason"] = outcome.reason
+        rows.append(row)
+    return rows
+
+
+def write_results(path: str, result: SimResult) -> None:
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in request_results(result)))
