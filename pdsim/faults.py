@@ -9,9 +9,11 @@ asked of the simulator first:
   producer acknowledges the cancel `--fence-delay` later (`fence`).
 - `--span-timeout S`: any span not landed S after its issue fails then (queued spans behind
   a stall too); its writer stops at its copy's end or at the acknowledged cancel.
-- `--cancel-rate P`: a request is cancelled at a drawn moment of its first life (`abort` with
-  spans in flight); the cancelled writers are fenced when they stop (their copy's end), and
-  the life's pages come back only at its last fence.
+- `--cancel-rate P`: a request is cancelled at a drawn moment after its first `reserve`,
+  uniform over a fault-free life's length (pipeline lower bound plus decode), so often while
+  its spans are in flight (`abort` with spans in flight; a queued retry leaves the queue); the
+  cancelled writers are fenced when they stop (their copy's end: a copy worker cannot drop a
+  span it accepted), and the life's pages come back only at its last fence.
 - `--kill-producer I@T`: producer I dies at T; `--heartbeat-timeout` later its spans fail and
   are fenced (the transport is torn down) and its requests are retried on the others;
   `--restart-producers` brings it back `--restart-delay` after that.
@@ -162,7 +164,8 @@ def add_fault_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stall-rate", type=float, default=0.0,
                    help="chance a span's writer hangs until its deadline (needs --span-timeout)")
     g.add_argument("--cancel-rate", type=float, default=0.0,
-                   help="chance a request is cancelled at a drawn moment of its first life")
+                   help="chance a request is cancelled, at a drawn moment within a fault-free "
+                        "life's length after its first reserve")
     g.add_argument("--kill-producer", type=parse_kill, action="append", default=None,
                    metavar="I@SECONDS", help="producer I dies at SECONDS (repeatable)")
     g.add_argument("--span-timeout", type=float, default=None,
