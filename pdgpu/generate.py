@@ -28,8 +28,9 @@ def first_token(model: Transformer, hidden: torch.Tensor) -> int:
 
 @torch.no_grad()
 def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: int = 64,
-             prefix: int = 0, page_tokens: int = 16) -> list[int]:
-    """The `output_tokens` greedy tokens after `tokens` (the first one from prefill)."""
+             prefix: int = 0, page_tokens: int = 16, eos: int | None = None) -> list[int]:
+    """The `output_tokens` greedy tokens after `tokens` (the first one from prefill), or
+    fewer, ending with `eos` when that token comes first."""
     if output_tokens < 1:
         raise ValueError(f"output_tokens must be >= 1, got {output_tokens}")
     device = model.inv_freq.device
@@ -44,6 +45,6 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
     out = [first_token(model, hidden)]
     context = kv.kv.index_select(2, kv.slots)  # [L, 2, prompt, KVH, D]
     batch = DecodeBatch([SequenceKV(context, len(tokens) + output_tokens)])
-    while len(out) < output_tokens:
+    while len(out) < output_tokens and out[-1] != eos:
         out.append(decode_tokens(model, batch, [out[-1]])[0])
     return out

@@ -86,6 +86,7 @@ def add_parsers(sub) -> None:
     gen.add_argument("--prefix", type=_int(0), default=0,
                      help="prefill the first P tokens as their own chunks (like a prefix cache)")
     gen.add_argument("--json", action="store_true", help='print {"output": [...], ...}')
+    gen.add_argument("--eos-token", type=_int(0), help="stop after this token (default: none)")
 
 
 def _model_args(p) -> None:
@@ -114,6 +115,8 @@ def _serve_args(p) -> None:
                       help="closed loop: requests in the system at once (default: all)")
     p.add_argument("--prompt-range", default="64:128", help="drawn prompt lengths A:B")
     p.add_argument("--output-tokens", type=_int(1), default=8, help="tokens per request")
+    p.add_argument("--eos-token", type=_int(0),
+                   help="a request also ends after this token (default: none)")
     p.add_argument("--prefix", type=_int(0), default=0, help="shared prompt prefix tokens")
     p.add_argument("--prompts", help='JSONL: {"req", "tokens", "output_tokens"} per line')
     p.add_argument("--results", help="write one JSON line per request here")
@@ -208,6 +211,11 @@ def _config(args, workload: Workload) -> ServeConfig:
         source_pages=prefix_pages + 2 * (spec_pages - prefix_pages), threads=args.threads)
 
 
+def _check_eos(eos: int | None, vocab: int) -> None:
+    if eos is not None and eos >= vocab:
+        raise WorkloadError(f"eos-token must be in [0, vocab={vocab}), got {eos}")
+
+
 def prepare(args) -> tuple[ServeConfig, Workload, int, Endpoint | None]:
     """Every check that needs no process: (config, workload, producers, endpoint)."""
     producers, endpoint = _roles(args)
@@ -217,6 +225,7 @@ def prepare(args) -> tuple[ServeConfig, Workload, int, Endpoint | None]:
     _check_out(args.trace, "trace")
     _check_out(args.results, "results")
     spec = model_spec(args.model, args.dtype)
+    _check_eos(args.eos_token, spec.vocab)
     workload = _workload(args, spec.vocab)
     return _config(args, workload), workload, producers, endpoint
 
@@ -235,19 +244,22 @@ def _serve(args, config, workload, producers, endpoint, run: ServeRun) -> None:
     bar = _progress(args, len(workload.requests))
     try:
         if args.role == "decoder":
-            _serve_decoder_role(config, workload, producers, endpoint, opts, bar, run)
+            _serve_decoder_role(config, workload, producers, endpoint, opts, bar, run,
+                                args.eos_token)
             return
         endpoint = endpoint or Endpoint(LOCALHOST, 0)
-        serve_local(config, workload, producers, opts, endpoint, bar, run=run)
+        serve_local(config, workload, producers, opts, endpoint, bar, run=run,
+                    eos=args.eos_token)
     finally:
         bar.close()
 
 
-def _serve_decoder_role(config, workload, producers, endpoint, opts, bar, run) -> None:
+def _serve_decoder_role(config, workload, producers, endpoint, opts, bar, run, eos) -> None:
     store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)
     transport = GlooTransport(store, 0, producers + 1, opts.connect_timeout_s)
     try:
-        run_decoder(transport, config, workload, opts.connect_timeout_s, progress=bar, run=run)
+        run_decoder(transport, config, workload, opts.connect_timeout_s, progress=bar, run=run,
+                    eos=eos)
     except BaseException as e:
         for rank in transport.peers():
             try:
@@ -330,12 +342,13 @@ def cmd_generate(args) -> int:
                             f"<= the prompt ({len(tokens)}), got {args.prefix}")
     if spec.arch not in ENGINE_ARCHS:
         raise WorkloadError(f"model: arch {spec.arch!r} has no engine implementation")
+    _check_eos(args.eos_token, spec.vocab)
     from pdgpu.generate import generate
     torch.set_num_threads(args.threads)
     model = load_served_model(args.model, args.seed, args.dtype)
     start = time.perf_counter()
     output = generate(model, tokens, args.output_tokens, args.chunk, args.prefix,
-                      args.page_tokens)
+                      args.page_tokens, args.eos_token)
     wall = time.perf_counter() - start
     if args.json:
         print(json.dumps({"output": output, "prompt": len(tokens), "model": spec.name,

@@ -88,6 +88,20 @@ def test_small_pool_backpressure_keeps_arrival_order(tmp_path, checkpoint):
     assert peak == 5  # never overcommitted; q0 (80 tokens, 5 pages) filled it
 
 
+def test_eos_ends_a_request_like_generate(tmp_path, checkpoint):
+    """--eos-token: a request ends right after that token, exactly where generate stops."""
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 3, [40, 52, 61], 256, 0, 8, seed=4)
+    eos = reference(checkpoint, prompts[0]["tokens"], 8, CHUNK, 0)[2]
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
+        "--chunk", str(CHUNK), "--eos-token", str(eos), "--verify")
+    assert code == 0
+    assert results[0]["output"][-1] == eos and len(results[0]["output"]) <= 3
+    for line, r in zip(prompts, results, strict=True):
+        assert r["output"] == reference(checkpoint, line["tokens"], 8, CHUNK, 0, eos=eos)
+    trace_ok(trace)
+
+
 def test_verify_turns_a_dropped_last_row_into_fail(tmp_path, checkpoint):
     """A copy that drops each span's last token row: every span fails, no wrong answer."""
     drawn_prompts(tmp_path / "p.jsonl", 2, [40, 50], 256, 0, 3)

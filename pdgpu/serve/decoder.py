@@ -67,11 +67,11 @@ class Decoder:
     def __init__(self, transport: Transport, ledger: Ledger, model, workload: Workload,
                  prefix_kv: torch.Tensor, retries: int, verify: bool,
                  clock_offsets: dict[int, float], check_peers: Callable[[], None] = lambda: None,
-                 progress=None, stall_s: float = 300.0) -> None:
+                 progress=None, stall_s: float = 300.0, eos: int | None = None) -> None:
         self.transport, self.ledger, self.model = transport, ledger, model
         self.workload, self.prefix_kv = workload, prefix_kv
         self.retries, self.verify, self.check_peers = retries, verify, check_peers
-        self.progress, self.stall_s = progress, stall_s
+        self.progress, self.stall_s, self.eos = progress, stall_s, eos
         self.clock_offsets = clock_offsets  # producer clock + offset = this perf_counter
         self.tracked = {r.req: Tracked(r) for r in workload.requests}
         self.future = deque(workload.requests)  # not yet arrived
@@ -217,8 +217,12 @@ class Decoder:
         t.token_t = [t.life.produced_t]
         t.status = "running"
         self.running.append(t)
-        if len(t.output) >= t.request.output_tokens:
+        if self._complete(t):
             self._release(t)
+
+    def _complete(self, t: Tracked) -> bool:
+        """At its output-token count, or it just produced the end-of-sequence token."""
+        return len(t.output) >= t.request.output_tokens or t.output[-1] == self.eos
 
     def _abort(self, t: Tracked) -> None:
         self._give_back_source(t)
@@ -241,7 +245,7 @@ class Decoder:
         for t, token in zip(list(self.running), tokens, strict=True):
             t.output.append(token)
             t.token_t.append(now)
-            if len(t.output) >= t.request.output_tokens:
+            if self._complete(t):
                 self._release(t)
 
     def _release(self, t: Tracked) -> None:

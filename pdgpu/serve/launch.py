@@ -219,7 +219,8 @@ def prefix_cache(model, config: ServeConfig) -> torch.Tensor:
 
 
 def run_decoder(transport, config: ServeConfig, workload: Workload, timeout_s: float,
-                check_peers=lambda: None, progress=None, run: ServeRun | None = None):
+                check_peers=lambda: None, progress=None, run: ServeRun | None = None,
+                eos: int | None = None):
     """The decoder rank: handshake, models, the serving loop; fills and returns `run`."""
     run = run if run is not None else ServeRun()
     handshake(transport, config, timeout_s, check_peers)
@@ -234,7 +235,7 @@ def run_decoder(transport, config: ServeConfig, workload: Workload, timeout_s: f
         offsets[msg.src] = time.perf_counter() - msg.body["now"]
     run.ledger.restart_clock()
     run.decoder = Decoder(transport, run.ledger, model, workload, prefix_kv, config.retries,
-                          config.verify, offsets, check_peers, progress)
+                          config.verify, offsets, check_peers, progress, eos=eos)
     start = time.perf_counter()
     run.decoder.run()
     run.wall_s = time.perf_counter() - start
@@ -253,7 +254,7 @@ def end_on_error(run: ServeRun, error: BaseException) -> None:
 
 def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: ProducerOptions,
                 endpoint: Endpoint, progress=None, on_start=None,
-                run: ServeRun | None = None) -> ServeRun:
+                run: ServeRun | None = None, eos: int | None = None) -> ServeRun:
     """Decoder here, `producers` processes started from here; the run, or its error raised
     after every producer is stopped and every live request aborted."""
     world = producers + 1
@@ -267,7 +268,7 @@ def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: P
         transport = GlooTransport(store, 0, world, opts.connect_timeout_s, alive=procs.check)
         try:
             run_decoder(transport, config, workload, opts.connect_timeout_s, procs.check,
-                        progress, run)
+                        progress, run, eos)
             procs.stop(grace_s=10.0)
         finally:
             transport.close()
