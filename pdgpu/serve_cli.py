@@ -8,7 +8,6 @@ exit after the run started (a run stopped early aborts its live requests in the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -18,7 +17,8 @@ from pathlib import Path
 import torch
 
 from pdgpu.checkpoint import CheckpointError
-from pdgpu.serve.config import DEBUG_BUGS, ServeConfig
+from pdgpu.serve.args import add_parsers  # noqa: F401 - pdgpu.cli registers it from here
+from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.decoder import ServeError
 from pdgpu.serve.launch import (
     ProducerOptions,
@@ -44,100 +44,12 @@ from pdgpu.serve.workload import (
 )
 from pdgpu.workload import WorkloadError
 from pdref.cli_format import format_metrics
-from pdref.events import Mode
 from pdref.models import ProfileError
 from pdref.trace import TraceWriter
 from pdref.violations import Violation
 
 COMMANDS = ("serve", "generate")
 LOCALHOST = "127.0.0.1"
-
-
-def _int(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def add_parsers(sub) -> None:
-    serve = sub.add_parser("serve", help="a decoder and N producer processes serving requests")
-    _model_args(serve)
-    _serve_args(serve)
-    gen = sub.add_parser("generate", help="single-process greedy reference (no handoff)")
-    _model_args(gen)
-    gen.add_argument("--tokens", required=True, help="prompt token ids, comma separated")
-    gen.add_argument("--output-tokens", type=_int(1), default=8, help="tokens to generate")
-    gen.add_argument("--prefix", type=_int(0), default=0,
-                     help="prefill the first P tokens as their own chunks (like a prefix cache)")
-    gen.add_argument("--json", action="store_true", help='print {"output": [...], ...}')
-    gen.add_argument("--eos-token", type=_int(0), help="stop after this token (default: none)")
-
-
-def _model_args(p) -> None:
-    p.add_argument("--model", default="tiny", help="preset name, profile .toml, or HF folder")
-    p.add_argument("--seed", type=_int(0), default=0, help="weights and drawn-prompt seed")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="override the model's dtype (default: the model's own)")
-    p.add_argument("--chunk", type=_int(1), default=64, help="prefill chunk tokens")
-    p.add_argument("--page-tokens", type=_int(1), default=16, help="tokens per KV page")
-    p.add_argument("--threads", type=_int(1), default=1, help="torch threads per process")
-
-
-def _serve_args(p) -> None:
-    p.add_argument("--mode", choices=tuple(map(str, Mode)), default="chunk", help="handoff mode")
-    p.add_argument("--max-pending", type=_int(1), default=2, help="spans in flight per producer")
-    p.add_argument("--pool-pages", type=_int(1), help="decoder handoff pool pages (default: "
-                   "the slabs of the workload's largest concurrent requests)")
-    p.add_argument("--link-gbps", type=_positive, help="pace each span to this many GB/s "
-                   "(default: unpaced)")
-    p.add_argument("--device", default="cpu", help="device of every process (cpu: gloo)")
-    p.add_argument("--producers", type=_int(1), default=1, help="producer processes")
-    p.add_argument("--requests", type=_int(1), default=4, help="requests to draw")
-    load = p.add_mutually_exclusive_group()
-    load.add_argument("--rate", type=_positive, help="Poisson arrivals per second")
-    load.add_argument("--concurrency", type=_int(1),
-                      help="closed loop: requests in the system at once (default: all)")
-    p.add_argument("--prompt-range", default="64:128", help="drawn prompt lengths A:B")
-    p.add_argument("--output-tokens", type=_int(1), default=8, help="tokens per request")
-    p.add_argument("--eos-token", type=_int(0),
-                   help="a request also ends after this token (default: none)")
-    p.add_argument("--prefix", type=_int(0), default=0, help="shared prompt prefix tokens")
-    p.add_argument("--prompts", help='JSONL: {"req", "tokens", "output_tokens"} per line')
-    p.add_argument("--results", help="write one JSON line per request here")
-    p.add_argument("--trace", help="write the run's version-2 trace here")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.add_argument("--verify", action="store_true",
-                   help="check each landed span against compute-time checksums")
-    p.add_argument("--retries", type=_int(0), default=2, help="retries after a failed copy")
-    p.add_argument("--debug", choices=tuple(DEBUG_BUGS), help="a hand-made copy bug")
-    p.add_argument("--no-kv-progress", dest="kv_progress", action="store_false",
-                   help="producers announce no kv_progress (they can serve whole mode only)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
-                   help="no progress bar (default: one on a terminal)")
-    p.add_argument("--init-method", help="tcp://HOST:PORT of the rendezvous (default: "
-                   "a free port here)")
-    p.add_argument("--role", choices=("decoder", "producer"),
-                   help="run one role of a multi-machine run (with --rank, --world-size)")
-    p.add_argument("--rank", type=_int(0), help="this role's rank (decoder: 0)")
-    p.add_argument("--world-size", type=_int(2), help="decoder + producers")
-    p.add_argument("--connect-timeout", type=_positive, default=60.0,
-                   help="seconds to wait for every rank")
 
 
 # -- checks before anything starts ------------------------------------------------------------
