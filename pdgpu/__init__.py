@@ -11,5 +11,9 @@ Modules (one concept each):
   recorder      the live pdref Monitor, the run clock, stage events, metrics
   engine        schedule -> run -> finish, per request, in whole / chunk / layer mode
   compare       the modes side by side: KV parity with whole, ratios
-  cli           `pdgpu run` and `pdgpu compare`
+  cli           `pdgpu run` and `pdgpu compare` (and registers serve_cli's commands)
+  decode_kv     a request's K/V for decoding and the batch the model's decode_step takes
+  generate      `pdgpu generate`: single-process greedy reference, no handoff
+  serve/        `pdgpu serve`: decoder and producer processes over torch.distributed
+  serve_cli     `pdgpu serve` and `pdgpu generate` on the command line
 """
