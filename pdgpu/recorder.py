@@ -5,8 +5,8 @@ stops the run). Both the engine's thread and the copier's watcher emit (a span l
 the watcher sees its last stage complete), so stamping and applying hold one lock: `t` never
 decreases in emission order. `stage` events are timed by whoever did the work (a stage is
 reported after it ends, with its real start, earlier than events emitted meanwhile), so they
-are checked for form (`end >= t`) and the Monitor's per-event rule, kept aside, and merged
-into the trace by time when the run ends.
+go through `Monitor.stage` (form and per-event rule, not ordered against protocol events),
+are kept aside, and are merged into the trace by time when the run ends.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import threading
 import time
 
 from pdref import events as ev
-from pdref.apply import apply
 from pdref.metrics import run_metrics
 from pdref.monitor import Monitor
-from pdref.violations import Violation
 
 STAGE_NAMES = ("compute", "head", "blocked", "fill", "gather", "d2h", "h2d")
 
@@ -31,7 +29,7 @@ class Recorder:
         self.header = header
         self.protocol: list = []
         self.stages: list[ev.Stage] = []
-        self.monitor = Monitor(header, sink=self.protocol.append)
+        self.monitor = Monitor(header, sink=self.protocol.append, stage_sink=self.stages.append)
         self.check_s = 0.0  # wall seconds in live checks
         self.check_cpu_s = 0.0  # CPU seconds of the checking threads in live checks
         self._spans = itertools.count()
@@ -89,12 +87,9 @@ class Recorder:
 
     def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None,
               tokens=None):
-        if end < start:
-            raise Violation("TRACE-2", f"stage {name} ends at {end}, before it starts at {start}")
         event = ev.Stage(start, req, name, end, span, resource, tokens)
         with self._lock:
-            apply(self.monitor.state, event)
-            self.stages.append(event)
+            self.monitor.stage(event)
 
     def free_page_ids(self) -> tuple[int, ...]:
         """The decoder pages the specification's pool holds free (none quarantined)."""

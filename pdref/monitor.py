@@ -17,10 +17,12 @@ from pdref.violations import Violation
 class Monitor:
     """Live specification check of a run: `emit` every event as it happens."""
 
-    def __init__(self, header: ev.Header, sink: Callable[[object], None] | None = None) -> None:
+    def __init__(self, header: ev.Header, sink: Callable[[object], None] | None = None,
+                 stage_sink: Callable[[object], None] | None = None) -> None:
         self.header = header
         self.state: SystemState = initial_state(header)
         self.sink = sink
+        self.stage_sink = stage_sink if stage_sink is not None else sink
         self.events = 0
         self.last_t = 0.0
 
@@ -33,6 +35,19 @@ class Monitor:
         self.events += 1
         if self.sink is not None:
             self.sink(event)
+
+    def stage(self, event: ev.Stage) -> None:
+        """An informational stage reported once it ended: its `t` is its start, usually before
+        protocol events emitted while it ran, so it is not ordered against them. Checked for
+        form (`end >= t`, TRACE-2) and applied; handed to `stage_sink`, whose writer merges
+        stages into the trace by time."""
+        if event.end < event.t:
+            raise Violation("TRACE-2", f"stage {event.name} ends at {event.end}, before it "
+                            f"starts at {event.t}", event)
+        self.state = apply(self.state, event)
+        self.events += 1
+        if self.stage_sink is not None:
+            self.stage_sink(event)
 
     def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0"):
         """Allocate the lowest free pages for [prefix, prompt) and emit the reserve; page ids."""

@@ -77,3 +77,16 @@ def test_layer_mode_of_recurrent_model_refused_at_construction():
     recurrent = Geometry(layers=2, kv_heads=1, head_dim=4, dtype_bytes=2, recurrent=True)
     with pytest.raises(Violation, match="CFG-1"):
         Monitor(ev.Header("test", ev.Mode.LAYER, recurrent, 4, 1))
+
+
+def test_stage_reported_after_it_ended_goes_to_the_stage_sink():
+    """Monitor.stage takes a stage whose t precedes later protocol events; end < t is TRACE-2."""
+    protocol, stages = [], []
+    geo = Geometry(layers=1, kv_heads=1, head_dim=2, dtype_bytes=1, page_tokens=4)
+    m = Monitor(ev.Header("t", "chunk", geo, 8, 1), protocol.append, stages.append)
+    m.reserve(1.0, "r", 4, 0)
+    m.stage(ev.Stage(0.5, "r", "compute", 0.9))
+    assert [e.kind for e in protocol] == ["reserve"] and [e.name for e in stages] == ["compute"]
+    with pytest.raises(Violation) as info:
+        m.stage(ev.Stage(0.5, "r", "gather", 0.4))
+    assert info.value.code == "TRACE-2" and len(stages) == 1
