@@ -1,7 +1,8 @@
 """`pdsim sweep`: a grid over chunk sizes, prompts, modes, max_pending and bandwidths.
 
-Runs on a process pool (both cores by default) with a progress bar, prints a table naming
-the best chunk size per prompt, and writes CSV / JSON / a PNG atomically on request.
+Runs on a process pool (both cores by default) or, with `--ray [ADDRESS]`, on a Ray cluster
+(pdsim/ray_sweep.py), with a progress bar; prints a table naming the best chunk size per
+prompt, and writes CSV / JSON / a PNG atomically on request.
 """
 
 from __future__ import annotations
@@ -37,6 +38,22 @@ class Point:
     chunk: int
     max_pending: int
     bandwidth_scale: float
+
+
+@attrs.frozen
+class RayTarget:
+    """Where `--ray` sends the sweep: a cluster's address, or None for a private local one."""
+
+    address: str | None
+
+
+def _ray_target(text: str) -> RayTarget:
+    host, _, port = text.strip().rpartition(":")
+    if text.strip() != "auto" and ("://" in host or not (host and port.isdigit()
+                                                          and 0 < int(port) < 65536)):
+        raise argparse.ArgumentTypeError(f"ADDRESS must be HOST:PORT of a Ray head (pdsim runs "
+                                         f"on a node of the cluster) or auto, got {text!r}")
+    return RayTarget(text.strip())
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -83,7 +100,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="tokens the decoder already holds (every point)")
     p.add_argument("--no-compute", action="store_true",
                    help="export-only what-if: the copy path alone")
-    p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="worker processes, or the CPUs of the local Ray cluster (--ray with "
+                        "an ADDRESS uses the cluster's own CPUs)")
+    p.add_argument("--ray", nargs="?", const=RayTarget(None), default=None, type=_ray_target,
+                   metavar="ADDRESS", help="run on a Ray cluster: HOST:PORT of its head or "
+                   "auto; no ADDRESS: a local cluster for this command only")
+    p.add_argument("--ray-timeout", type=float, default=30.0,
+                   help="seconds a Ray cluster at ADDRESS has to answer before it is refused")
     p.add_argument("--csv", default=None, help="write rows as CSV to this file")
     p.add_argument("--json", default=None, help="write rows as JSON to this file")
     p.add_argument("--png", default=None, help="plot completion and tail vs chunk size")
@@ -164,11 +188,27 @@ def command(args) -> int:
     base = attrs.evolve(base, no_compute=args.no_compute)
     if "layer" in args.modes and base.geometry.recurrent:
         raise UsageError("--modes: layer is refused for a recurrent model (CFG-1)")
-    rows = run_sweep(base, grid(args), args.prefix, args.jobs, progress=not args.quiet)
+    if args.ray is None:
+        rows = run_sweep(base, grid(args), args.prefix, args.jobs, progress=not args.quiet)
+    else:
+        rows = _run_on_ray(base, grid(args), args)
     _write_outputs(args, rows, base)
     if not args.quiet:
         print(format_table(rows))
     return 0
+
+
+def _run_on_ray(base: SimConfig, points: list[Point], args) -> list[dict]:
+    if not args.ray_timeout > 0:
+        raise UsageError(f"--ray-timeout must be > 0 seconds, got {args.ray_timeout}")
+    try:
+        from pdsim.ray_sweep import run_on_ray
+    except ModuleNotFoundError as e:
+        if e.name != "ray":
+            raise
+        raise UsageError("--ray needs the ray package: pip install 'pdhandoff[ray]'") from None
+    return run_on_ray(base, points, args.prefix, args.ray.address, args.jobs, args.ray_timeout,
+                      progress=not args.quiet)
 
 
 def _write_outputs(args, rows: list[dict], base: SimConfig) -> None:

@@ -1,0 +1,139 @@
+"""`pdsim sweep --ray [ADDRESS]`: the sweep's grid points as Ray tasks, rows in grid order.
+
+Without an address this command starts a private local cluster (its CPUs = `--jobs`, a small
+object store, its temp dir and logs in a fresh folder) and shuts it down and removes the
+folder before returning, also on an error or Ctrl-C. With an address (`HOST:PORT` of a
+cluster's head, or `auto`) the cluster must answer a probe within `--ray-timeout` seconds,
+else the command refuses it in one line; the probe runs in a child process because Ray's own
+connect retries for minutes and writes its retries to stderr. The driver ships its own pdsim
+and pdref to the workers, so every node runs the code whose rows the process pool would give.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import ray
+from tqdm import tqdm
+
+import pdref
+import pdsim
+from pdsim.config import SimConfig
+from pdsim.options import UsageError
+from pdsim.sweep import Point, evaluate
+
+OBJECT_STORE_BYTES = 128 * 2**20  # rows are a few hundred bytes; Ray's default is 30% of RAM
+TCP_TIMEOUT_S = 5.0  # a head that does not accept a connection by then is unreachable
+BATCHES_PER_CPU = 8  # small batches keep the bar moving and the CPUs evenly loaded
+QUIET = dict(logging_level=logging.ERROR, log_to_driver=False)
+PROBE = """
+import logging, sys, ray
+ray.init(address=sys.argv[1], logging_level=logging.ERROR, log_to_driver=False)
+print(int(ray.cluster_resources().get("CPU", 0)))
+ray.shutdown()
+"""
+
+
+def run_on_ray(base: SimConfig, points: list[Point], prefix: int, address: str | None,
+               jobs: int, timeout_s: float, progress: bool = True) -> list[dict]:
+    """Every point's metrics, in grid order, on a Ray cluster (a private local one if None)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a sweep sends nothing anywhere
+    cluster = _local_cluster(jobs) if address is None else _remote_cluster(address, timeout_s)
+    with cluster as cpus:
+        return _rows(base, points, prefix, cpus, progress)
+
+
+@contextlib.contextmanager
+def _local_cluster(cpus: int) -> Iterator[int]:
+    with tempfile.TemporaryDirectory(prefix="pdsim-ray-", ignore_cleanup_errors=True) as temp:
+        _init("could not start a local Ray cluster", num_cpus=cpus, _temp_dir=temp,
+              object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
+        try:
+            yield cpus
+        finally:
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def _remote_cluster(address: str, timeout_s: float) -> Iterator[int]:
+    cpus = _probe(address, timeout_s)
+    _init(f"cannot connect to a Ray cluster at {address}", address=address,
+          runtime_env={"py_modules": [pdsim, pdref]})
+    try:
+        yield cpus
+    finally:
+        ray.shutdown()
+
+
+def _init(failure: str, **options) -> None:
+    try:
+        ray.init(**options, **QUIET)
+    except Exception as e:  # Ray raises many kinds; the command says what failed in one line
+        ray.shutdown()
+        raise UsageError(f"--ray: {failure}: {_first_line(e)}") from e
+
+
+def _probe(address: str, timeout_s: float) -> int:
+    """The cluster's CPU count; a UsageError naming --ray if it does not answer in time."""
+    if address != "auto":
+        _check_tcp(address)
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE, address], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"--ray: no Ray cluster answered at {address} within "
+                         f"--ray-timeout={timeout_s:g} s") from None
+    if done.returncode != 0:
+        raise UsageError(f"--ray: cannot connect to a Ray cluster at {address}: "
+                         f"{_last_line(done.stderr)}")
+    cpus = int(done.stdout.split()[-1])
+    if cpus < 1:
+        raise UsageError(f"--ray: the Ray cluster at {address} has no CPUs")
+    return cpus
+
+
+def _check_tcp(address: str) -> None:
+    host, _, port = address.rpartition(":")  # checked by the parser: HOST:PORT
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=TCP_TIMEOUT_S).close()
+    except OSError as e:
+        reason = "timed out" if isinstance(e, TimeoutError) else e.strerror or str(e)
+        raise UsageError(f"--ray: cannot reach a Ray cluster at {address}: {reason}") from None
+
+
+def _rows(base: SimConfig, points: list[Point], prefix: int, cpus: int,
+          progress: bool) -> list[dict]:
+    size = max(1, math.ceil(len(points) / (cpus * BATCHES_PER_CPU)))
+    batches = [points[i:i + size] for i in range(0, len(points), size)]
+    task, base_ref = ray.remote(_evaluate_batch), ray.put(base)
+    pending = {task.remote(base_ref, batch, prefix): i for i, batch in enumerate(batches)}
+    done: list[list[dict] | None] = [None] * len(batches)
+    with tqdm(total=len(points), disable=not progress, unit="cfg", file=sys.stderr) as bar:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            index = pending.pop(ready[0])
+            done[index] = ray.get(ready[0])
+            bar.update(len(batches[index]))
+    return [row for batch in done for row in batch]
+
+
+def _evaluate_batch(base: SimConfig, points: list[Point], prefix: int) -> list[dict]:
+    return [evaluate(base, point, prefix) for point in points]
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _last_line(stderr: str) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else "the probe exited without a message"
