@@ -68,8 +68,9 @@ def test_presets_serve_like_generate(tmp_path, preset):
     trace_ok(trace)
 
 
-def test_small_pool_backpressure_keeps_arrival_order(tmp_path, checkpoint):
-    """A pool that holds one request: reserves wait for pages, in arrival order, none lost."""
+def test_small_pool_backpressure_keeps_arrival_order(tmp_path, checkpoint, capsys):
+    """A pool that holds one request: reserves wait for pages, in arrival order, none lost;
+    the summary and result lines carry DESIGN.md's names."""
     prompts = drawn_prompts(tmp_path / "p.jsonl", 4, [80, 30, 64, 20], 256, 0, 3, seed=2)
     code, results, trace = serve(
         tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
@@ -86,6 +87,13 @@ def test_small_pool_backpressure_keeps_arrival_order(tmp_path, checkpoint):
             del held[e["req"]]
         peak = max(peak, sum(held.values()))
     assert peak == 5  # never overcommitted; q0 (80 tokens, 5 pages) filled it
+    out = json.loads(capsys.readouterr().out)
+    assert {"requests", "ok", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
+            "itl_p99_s", "handoff_p50_s", "peak_pool_pages", "leaked_pages", "wall_s"} <= set(out)
+    assert (out["requests"], out["ok"], out["peak_pool_pages"], out["leaked_pages"]) == (4, 4, 5, 0)
+    assert out["ttft_p50_s"] <= out["ttft_p99_s"] and out["itl_p50_s"] <= out["itl_p99_s"]
+    assert all(set(r) == {"req", "status", "output", "ttft_s", "e2e_s", "attempts"}
+               and r["ttft_s"] <= r["e2e_s"] for r in results)
 
 
 def test_eos_ends_a_request_like_generate(tmp_path, checkpoint):
