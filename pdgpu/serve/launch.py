@@ -264,16 +264,17 @@ def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: P
         on_start(procs.pids)
     import pdgpu.serve.preload  # noqa: F401 - torch's lazy imports, while producers start
     run = run if run is not None else ServeRun()
+    transport = None
     try:
         transport = GlooTransport(store, 0, world, opts.connect_timeout_s, alive=procs.check)
-        try:
-            run_decoder(transport, config, workload, opts.connect_timeout_s, procs.check,
-                        progress, run, eos)
-            procs.stop(grace_s=10.0)
-        finally:
-            transport.close()
+        run_decoder(transport, config, workload, opts.connect_timeout_s, procs.check,
+                    progress, run, eos)
+        procs.stop(grace_s=10.0)
     except BaseException as e:
-        procs.stop(grace_s=5.0 if isinstance(e, Refused) else 0.0)
+        procs.stop(grace_s=5.0 if isinstance(e, Refused) else 0.0)  # before the close below
         end_on_error(run, e)
         raise
+    finally:
+        if transport is not None:
+            transport.close()  # every producer is gone: the receiving threads end at once
     return run
