@@ -116,16 +116,16 @@ class FaultyProducer(Producer):
 
     def _schedule_copy(self, job: FaultJob, span: int, start: float, moved: int) -> None:
         cfg = self.sim.cfg
-        fate = self.draws.span_fate(self.env.now, start, start + cfg.costs.copy_s(moved))
+        copy_end = start + cfg.costs.copy_s(moved)
+        fate = self.draws.span_fate(self.env.now, start, copy_end)
         run = SpanRun(span, job, fate)
         self.runs[span] = job.runs[span] = run
         self.worker_free = fate.stop_t
-        if fate.stalled:
-            if cfg.stages:
-                self.sim.stage(self.env.now, job.req, "stalled", fate.stop_t - self.env.now,
-                               span, f"{self.name}.copy")
-        else:
-            plan = cfg.costs.stage_plan(moved)
+        if fate.stalled and cfg.stages:
+            self.sim.stage(self.env.now, job.req, "stalled", fate.stop_t - self.env.now,
+                           span, f"{self.name}.copy")
+        plan = self._stages_run(fate, start, copy_end, moved)
+        if plan:
             self.gathers.append((start + plan[0][1], start + plan[0][2]))
             if cfg.stages:
                 self._schedule_stages(job.req, span, start, plan)
@@ -133,6 +133,17 @@ class FaultyProducer(Producer):
         if fate.fail_t is not None:
             self.env.at(fate.fail_t, self._fail, run)
         self.env.at(fate.stop_t, self._stop, run)
+
+    def _stages_run(self, fate: SpanFate, start: float, copy_end: float, moved: int) -> list:
+        """The stages the writer ran: none when it hung, those before its stop when a
+        deadline stopped it early, else all."""
+        if fate.stalled:
+            return []
+        plan = self.sim.cfg.costs.stage_plan(moved)
+        if fate.stop_t >= copy_end:
+            return plan
+        cut = fate.stop_t - start
+        return [(name, a, min(b, cut)) for name, a, b in plan if a < cut]
 
     def _fail(self, run: SpanRun) -> None:
         """The span's failure is detected: `fail` (unless it was cancelled or lost before)."""
