@@ -17,6 +17,7 @@ import torch
 from pdgpu.serve.digest import first_mismatch
 from pdgpu.source_cache import paged_kv, token_slots
 from pdref import events as ev
+from pdref.apply import apply
 from pdref.monitor import Monitor
 from pdref.violations import Violation
 
@@ -80,7 +81,9 @@ class Ledger:
 
     def land(self, req: str, span: int, kv: torch.Tensor, digests: torch.Tensor | None):
         """Write the span's kv [nl, 2, nt, KVH, D] into the slab; `land`, or `fail` when its
-        bytes in the slab differ from the compute-time digests. The error text or None."""
+        bytes in the slab differ from the compute-time digests. The error text or None.
+        The `land` is tried on the current state first (pure), so a span pdref would refuse
+        (e.g. over tokens that already landed, COV-2) writes nothing."""
         life = self.monitor.state.live(req)
         found = life.find_span(span) if life is not None else None
         if found is None:
@@ -89,7 +92,8 @@ class Ledger:
         if tuple(kv.shape[:3]) != (l1 - l0, 2, b - a):
             return self._fail(req, span, f"payload shape {list(kv.shape)} does not match "
                                          f"layers [{l0}, {l1}) x tokens [{a}, {b})")
-        prefix = self.monitor.state.live(req).prefix
+        apply(self.monitor.state, ev.Land(self.now(), req, span))  # refused: nothing written
+        prefix = life.prefix
         index = self.slots[req][a - prefix:b - prefix]  # [nt]
         self.kv[l0:l1].index_copy_(2, index, kv.to(self.kv.device))
         if digests is not None:
