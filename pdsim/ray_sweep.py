@@ -33,6 +33,7 @@ from pdsim.sweep import Point, evaluate
 OBJECT_STORE_BYTES = 128 * 2**20  # rows are a few hundred bytes; Ray's default is 30% of RAM
 TCP_TIMEOUT_S = 5.0  # a head that does not accept a connection by then is unreachable
 BATCHES_PER_CPU = 8  # small batches keep the bar moving and the CPUs evenly loaded
+RAY_ENVIRONMENT = ("RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")
 QUIET = dict(logging_level=logging.ERROR, log_to_driver=False)
 PROBE = """
 import logging, sys, ray
@@ -45,10 +46,24 @@ ray.shutdown()
 def run_on_ray(base: SimConfig, points: list[Point], prefix: int, address: str | None,
                jobs: int, timeout_s: float, progress: bool = True) -> list[dict]:
     """Every point's metrics, in grid order, on a Ray cluster (a private local one if None)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a sweep sends nothing anywhere
     cluster = _local_cluster(jobs) if address is None else _remote_cluster(address, timeout_s)
-    with cluster as cpus:
+    with _restored_environment(), cluster as cpus:
         return _rows(base, points, prefix, cpus, progress)
+
+
+@contextlib.contextmanager
+def _restored_environment() -> Iterator[None]:
+    """Ray's settings for this command only: ray.init itself sets RAY_AUTH_MODE in os.environ."""
+    saved = {name: os.environ.get(name) for name in RAY_ENVIRONMENT}
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a sweep reports nothing anywhere
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -93,7 +108,7 @@ def _probe(address: str, timeout_s: float) -> int:
                          f"--ray-timeout={timeout_s:g} s") from None
     if done.returncode != 0:
         raise UsageError(f"--ray: cannot connect to a Ray cluster at {address}: "
-                         f"{_last_line(done.stderr)}")
+                         f"{_probe_error(done.stderr)}")
     cpus = int(done.stdout.split()[-1])
     if cpus < 1:
         raise UsageError(f"--ray: the Ray cluster at {address} has no CPUs")
@@ -134,6 +149,10 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _last_line(stderr: str) -> str:
+def _probe_error(stderr: str) -> str:
+    """The probe's failure in one line; a missing token says how Ray wants it given."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    if any("AuthenticationError" in line for line in lines):
+        return ("the cluster refused this driver's token: export RAY_AUTH_MODE=token and the "
+                "cluster's token (RAY_AUTH_TOKEN, or the file ~/.ray/auth_token)")
     return lines[-1] if lines else "the probe exited without a message"
