@@ -1,0 +1,80 @@
+"""pdgpu.serve.ledger: each decoder resource operation is its pdref event, refused with
+nothing done when pdref refuses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdgpu.serve.digest import row_digests
+from pdgpu.serve.ledger import Ledger
+from pdref import events as ev
+from pdref.geometry import Geometry
+from pdref.violations import Violation
+
+GEO = Geometry(layers=2, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)
+
+
+def _ledger(pool_pages: int = 4) -> Ledger:
+    header = ev.Header("test", "chunk", GEO, pool_pages, 2)
+    return Ledger(header, "cpu", torch.float32)
+
+
+def _span(ledger: Ledger, req: str, tokens) -> tuple[int, torch.Tensor]:
+    ledger.computed(req, (0, 2), tokens)
+    n = tokens[1] - tokens[0]
+    span = ledger.issue(req, (0, 2), tokens, GEO.region_bytes((0, 2), tokens))
+    return span, torch.randn(2, 2, n, 2, 4)  # [nl, 2, nt, KVH, D]
+
+
+def test_landed_bytes_are_what_admit_hands_to_decoding():
+    """Two spans land; the admitted context is the prefix cache then exactly their bytes."""
+    ledger = _ledger()
+    ledger.reserve("r", 8, 0, "p1")
+    parts = []
+    for tokens in ((0, 4), (4, 8)):
+        span, kv = _span(ledger, "r", tokens)
+        assert ledger.land("r", span, kv, row_digests(kv)) is None
+        parts.append(kv)
+    ledger.produced("r", 3)
+    ledger.reuse("r", (0, 8))
+    context = ledger.admit("r", torch.zeros(2, 2, 0, 2, 4))
+    assert torch.equal(context, torch.cat(parts, dim=2))
+
+
+def test_a_span_landing_twice_or_over_landed_tokens_writes_nothing():
+    """A second land is REQ-1 and a span over landed tokens is COV-2: slab bytes unchanged."""
+    ledger = _ledger()
+    ledger.reserve("r", 4, 0, "p1")
+    span, kv = _span(ledger, "r", (0, 4))
+    ledger.land("r", span, kv, None)
+    before = ledger.kv.clone()
+    with pytest.raises(Violation) as again:
+        ledger.land("r", span, torch.ones_like(kv), None)
+    assert again.value.code == "REQ-1"
+    other, _ = _span(ledger, "r", (0, 4))
+    with pytest.raises(Violation) as overlap:
+        ledger.land("r", other, torch.ones_like(kv), None)
+    assert overlap.value.code == "COV-2"
+    assert torch.equal(ledger.kv, before)
+
+
+def test_a_checksum_mismatch_is_fail_then_fence_and_never_admitted():
+    """Bytes that differ from the compute-time digests: fail + fence; admit refused; the
+    abort gives every page back."""
+    ledger = _ledger()
+    ledger.reserve("r", 4, 0, "p1")
+    span, kv = _span(ledger, "r", (0, 4))
+    digests = row_digests(kv)
+    kv[1, 0, 3] += 1.0  # the copy changed one row on the way
+    error = ledger.land("r", span, kv, digests)
+    assert error == "checksum mismatch at layer 1 token 3"
+    assert [e.kind for e in ledger.protocol[-2:]] == ["fail", "fence"]
+    ledger.produced("r", 1)
+    with pytest.raises(Violation) as refused:
+        ledger.admit("r", torch.zeros(2, 2, 0, 2, 4))
+    assert refused.value.code == "ADM-1"
+    ledger.reuse("r", (0, 4))
+    ledger.abort("r", "copy failed")
+    assert ledger.used_pages == 0 and ledger.peak_pages == 1
+    ledger.monitor.close()  # LIFE-1: nothing held, nothing unfenced
