@@ -12,6 +12,7 @@ its detection `declare_dead` fails and fences what its worker held.
 from __future__ import annotations
 
 import enum
+import functools
 
 import attrs
 
@@ -134,6 +135,15 @@ class FaultyProducer(Producer):
             self.env.at(fate.fail_t, self._fail, run)
         self.env.at(fate.stop_t, self._stop, run)
 
+    def _schedule_stages(self, req: str, span: int, start: float, plan, emit=None) -> None:
+        super()._schedule_stages(req, span, start, plan, functools.partial(self._emit_stages,
+                                                                            span))
+
+    def _emit_stages(self, span: int, stages) -> None:
+        """Stage events of a writer still running on this worker (not after a death)."""
+        if not self.down and span in self.runs:
+            self.sim.emit_all(stages)
+
     def _stages_run(self, fate: SpanFate, start: float, copy_end: float, moved: int) -> list:
         """The stages the writer ran: none when it hung, those before its stop when a
         deadline stopped it early, else all."""
@@ -195,7 +205,6 @@ class FaultyProducer(Producer):
             self.sim.emit(ev.Fence(self.env.now, run.job.req, run.span))
             run.state = SpanState.DONE
             del run.job.runs[run.span]
-            self.sim.lost_spans.add(run.span)
             jobs[id(run.job)] = run.job
         self.runs.clear()
         self.lands.clear()

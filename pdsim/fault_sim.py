@@ -75,7 +75,6 @@ class FaultSim(Sim):
     def __init__(self, cfg, requests, faults: FaultSpec) -> None:
         faults.check_producers(cfg.producers)
         self.faults, self.draws = faults, Draws(faults)
-        self.lost_spans: set[int] = set()  # spans of killed workers: no more stage events
         super().__init__(cfg, requests)
         self.decoder = FaultyDecoder(self.env, self)
         self.tickets = {r.req: Ticket(r, self.draws.cancel_fraction()) for r in self.requests}
@@ -84,11 +83,6 @@ class FaultSim(Sim):
 
     def _make_producer(self, name: str) -> FaultyProducer:
         return FaultyProducer(self.env, self, name, self.draws)
-
-    def emit_all(self, events) -> None:
-        for event in events:
-            if event.span not in self.lost_spans:
-                self.monitor.emit(event)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -160,14 +160,16 @@ class Producer:
         self.lands.append(self.worker_free)
         self.env.at(self.worker_free, self._land, job, span)
 
-    def _schedule_stages(self, req: str, span: int, start: float, plan) -> None:
-        """Stage events at their start times; stages starting together share one heap event."""
+    def _schedule_stages(self, req: str, span: int, start: float, plan, emit=None) -> None:
+        """Stage events at their start times; stages starting together share one heap event
+        (handed to `emit`, by default straight to the trace)."""
+        emit = emit or self.sim.emit_all
         groups: dict[float, list] = {}
         for name, a, b in plan:
             groups.setdefault(start + a, []).append(
                 ev.Stage(start + a, req, name, start + b, span, f"{self.name}.{name}"))
         for t, stages in groups.items():
-            self.env.at(t, self.sim.emit_all, stages)
+            self.env.at(t, emit, stages)
 
     def _land(self, job: Job, span: int) -> None:
         self.sim.emit(ev.Land(self.env.now, job.req, span))

@@ -54,6 +54,9 @@ def assert_sound(result) -> None:
     released = sum(e.kind == "release" for e in result.events)
     assert m["ok"] == released
     assert m["lives"] == sum(e.kind == "reserve" for e in result.events)
+    fences = {e.span: e.t for e in result.events if e.kind == "fence"}
+    for e in result.events:  # no stage of a writer starts after it stopped
+        assert e.kind != "stage" or e.span not in fences or e.t <= fences[e.span]
 
 
 KINDS = {
