@@ -1,0 +1,150 @@
+"""`pdsim sweep --ray`: rows equal to the process pool, clean cluster lifetime, bad addresses."""
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pdsim.cli import main
+
+# Costly points first (16384 tokens, chunk 64, layer mode): batches finish out of grid order.
+GRID = ["sweep", "--modes", "layer,chunk", "--prompts", "16384,512", "--chunks", "64,256,1024",
+        "--max-pending", "1,2"]
+HEAD = """
+import logging, sys, ray
+context = ray.init(num_cpus=2, _temp_dir=sys.argv[1], include_dashboard=False,
+                   object_store_memory=128 * 2**20, logging_level=logging.ERROR,
+                   log_to_driver=False)
+print(context.address_info["gcs_address"], flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+def _ray_processes() -> set[int]:
+    """Live processes of Ray: its binaries, its Python workers and agents (ray::...)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if b"/ray/" in cmdline or cmdline.startswith(b"ray::"):
+            found.add(int(entry.name))
+    return found
+
+
+def _no_new_ray_processes(before: set[int], wait_s: float = 5.0) -> set[int]:
+    """Ray processes started since `before` that are still alive after up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while (left := _ray_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _outputs(tmp_path: Path, name: str, extra: list[str]) -> tuple[str, str]:
+    csv, js = tmp_path / f"{name}.csv", tmp_path / f"{name}.json"
+    assert main([*GRID, "--csv", str(csv), "--json", str(js), *extra]) == 0
+    return csv.read_text(), js.read_text()
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_local_ray_cluster_rows_equal_the_process_pool(tmp_path, capsys):
+    """--ray without an address: same CSV and JSON as the pool, a bar, no Ray left behind."""
+    before, temps = _ray_processes(), set(Path(tempfile.gettempdir()).glob("pdsim-ray-*"))
+    pool = _outputs(tmp_path, "pool", ["--quiet", "--jobs", "2"])
+    capsys.readouterr()
+    ray_rows = _outputs(tmp_path, "ray", ["--ray", "--jobs", "2"])
+    out, err = capsys.readouterr()
+    assert ray_rows == pool and pool[0].count("\n") == 1 + 2 * 2 * 3 * 2
+    assert "best for prompt 16384" in out
+    bar = err.replace("\r", "\n").strip().splitlines()
+    assert bar and all("cfg" in line for line in bar) and "24/24" in bar[-1]
+    assert not _no_new_ray_processes(before)
+    assert set(Path(tempfile.gettempdir()).glob("pdsim-ray-*")) == temps
+    assert "RAY_AUTH_MODE" not in os.environ or os.environ["RAY_AUTH_MODE"] != "token"
+
+
+def test_unreachable_address_is_one_line_exit_2(tmp_path, capsys):
+    """A port where nothing listens is refused at once, in one line naming --ray."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    csv = tmp_path / "s.csv"
+    err = _refused(capsys, [*GRID, "--ray", f"127.0.0.1:{port}", "--csv", str(csv)])
+    assert "--ray" in err and f"127.0.0.1:{port}" in err and "refused" in err
+    assert not csv.exists()
+
+
+def test_silent_listener_is_refused_within_the_timeout(capsys):
+    """Something that accepts connections but never answers as Ray: exit 2 after --ray-timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)  # the kernel completes handshakes; nobody ever speaks
+        start = time.monotonic()
+        err = _refused(capsys, [*GRID, "--ray", f"127.0.0.1:{s.getsockname()[1]}",
+                                "--ray-timeout", "1.5"])
+        elapsed = time.monotonic() - start
+    assert "--ray" in err and "1.5 s" in err and 1.5 <= elapsed < 10
+
+
+@pytest.mark.parametrize("address, words", [
+    ("nohost", "HOST:PORT"), ("ray://head:10001", "HOST:PORT"), ("head:0", "HOST:PORT"),
+    ("head:70000", "HOST:PORT"),
+])
+def test_malformed_address_is_refused_by_the_parser(capsys, address, words):
+    """An ADDRESS that is not HOST:PORT or auto is refused before anything starts."""
+    err = _refused(capsys, [*GRID, "--ray", address])
+    assert "--ray" in err and words in err
+
+
+def test_timeout_must_be_positive(capsys):
+    """--ray-timeout 0 is refused, not taken as 'no limit'."""
+    err = _refused(capsys, [*GRID, "--ray", "--ray-timeout", "0"])
+    assert "--ray-timeout" in err
+
+
+def test_missing_ray_package_says_how_to_install(monkeypatch, capsys):
+    """Without the ray package, --ray is one line naming the extra to install."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.delitem(sys.modules, "pdsim.ray_sweep", raising=False)
+    err = _refused(capsys, [*GRID, "--ray"])
+    assert "--ray" in err and "pdhandoff[ray]" in err
+
+
+@pytest.mark.slow
+def test_cluster_address_rows_equal_the_process_pool(tmp_path):
+    """A cluster started elsewhere, given by address (token auth): same rows; no token: refused."""
+    before = _ray_processes()
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_AUTH_MODE", None)
+    temp = tempfile.TemporaryDirectory(prefix="pdsim-head-")  # Ray's sockets: <= 107 bytes
+    head = subprocess.Popen([sys.executable, "-c", HEAD, temp.name], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = head.stdout.readline().strip()
+        assert address, "the head did not start"
+        csv = [tmp_path / f"{name}.csv" for name in ("pool", "ray")]
+        sweep = ["pdsim", *GRID, "--quiet", "--csv"]
+        subprocess.run([*sweep, str(csv[0])], check=True, env=env)
+        no_token = subprocess.run([*sweep, str(csv[1]), "--ray", address], env=env,
+                                  capture_output=True, text=True)
+        assert no_token.returncode == 2 and "RAY_AUTH_MODE=token" in no_token.stderr
+        subprocess.run([*sweep, str(csv[1]), "--ray", address], check=True,
+                       env=dict(env, RAY_AUTH_MODE="token"))
+        assert csv[1].read_text() == csv[0].read_text()
+    finally:
+        head.communicate(timeout=60)
+        temp.cleanup()
+    assert not _no_new_ray_processes(before, wait_s=10)
