@@ -106,7 +106,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", nargs="?", const=RayTarget(None), default=None, type=_ray_target,
                    metavar="ADDRESS", help="run on a Ray cluster: HOST:PORT of its head or "
                    "auto; no ADDRESS: a local cluster for this command only")
-    p.add_argument("--ray-timeout", type=float, default=30.0,
+    p.add_argument("--ray-timeout", type=float, default=30.0, metavar="S",
                    help="seconds a Ray cluster at ADDRESS has to answer before it is refused")
     p.add_argument("--csv", default=None, help="write rows as CSV to this file")
     p.add_argument("--json", default=None, help="write rows as JSON to this file")
