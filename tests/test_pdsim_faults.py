@@ -203,6 +203,10 @@ def test_killed_producer_is_detected_and_its_requests_retried_elsewhere():
             assert e.producer == "p0"
     lost = [e for e in result.events if getattr(e, "reason", None) == "producer p1 lost"]
     assert lost and all(e.t == pytest.approx(kill_t + beat) for e in lost)
+    failed = [e for e in result.events if e.kind == "fail"]
+    fenced = {e.span: e.t for e in result.events if e.kind == "fence"}
+    assert failed and all(e.error == "producer p1 lost" and fenced[e.span] == e.t
+                          == pytest.approx(kill_t + beat) for e in failed)
     assert all(o.status == "ok" for o in result.outcomes)
 
 
