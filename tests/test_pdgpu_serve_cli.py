@@ -178,3 +178,26 @@ def test_roles_on_separate_machines(tmp_path):
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_killed_decoder_leaves_no_orphan(tmp_path):
+    """SIGKILL of the decoder alone (no cleanup runs): its producers and forkserver notice the
+    broken link and exit within seconds."""
+    proc = subprocess.Popen(
+        [*PDGPU, "serve", "--producers", "2", "--requests", "5000", "--concurrency", "4",
+         "--output-tokens", "64", "--prompt-range", "32:64"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(descendants(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(3)
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _group_alive(proc.pid)
+    finally:
+        kill(_group_alive(proc.pid))
