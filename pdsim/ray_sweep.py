@@ -15,10 +15,12 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 
 import ray
@@ -69,12 +71,37 @@ def _restored_environment() -> Iterator[None]:
 @contextlib.contextmanager
 def _local_cluster(cpus: int) -> Iterator[int]:
     with tempfile.TemporaryDirectory(prefix="pdsim-ray-", ignore_cleanup_errors=True) as temp:
-        _init("could not start a local Ray cluster", num_cpus=cpus, _temp_dir=temp,
-              object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
         try:
+            with _interrupt_after_start():
+                _init("could not start a local Ray cluster", num_cpus=cpus, _temp_dir=temp,
+                      object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
             yield cpus
         finally:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _interrupt_after_start() -> Iterator[None]:
+    """Hold a first Ctrl-C until ray.init returns: interrupted half way, it leaves processes
+    that ray.shutdown does not know (seen: its agents outlived the command); a second one
+    interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum, frame):
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
