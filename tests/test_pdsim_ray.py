@@ -1,6 +1,7 @@
 """`pdsim sweep --ray`: rows equal to the process pool, clean cluster lifetime, bad addresses."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -148,3 +149,22 @@ def test_cluster_address_rows_equal_the_process_pool(tmp_path):
         head.communicate(timeout=60)
         temp.cleanup()
     assert not _no_new_ray_processes(before, wait_s=10)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_local_cluster_starts_leaves_nothing():
+    """Ctrl-C during Ray's start: the command stops, and no Ray process or temp dir is left."""
+    before, temp = _ray_processes(), Path(tempfile.gettempdir())
+    temps = set(temp.glob("pdsim-ray-*"))
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "pdsim.cli", *GRID, "--quiet", "--ray"], stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell's & ignores it
+    deadline = time.monotonic() + 30
+    while set(temp.glob("pdsim-ray-*")) == temps and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # inside ray.init (2..10 s here); without the hold this left agents
+    sweep.send_signal(signal.SIGINT)
+    err = sweep.communicate(timeout=60)[1].decode()
+    assert sweep.returncode != 0 and "KeyboardInterrupt" in err
+    assert not _no_new_ray_processes(before)
+    assert set(temp.glob("pdsim-ray-*")) == temps
