@@ -70,7 +70,7 @@ def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
     # Until the first reuse, held and computed are the same value: extend it once.
     held = computed if life.held is life.computed else life.held.union(event.layers,
                                                                         event.tokens)
-    return state.with_life(life.replace(computed=computed, held=held))
+    return state.with_life(life.with_coverage(computed, held))
 
 
 def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
@@ -98,7 +98,7 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
         raise Violation("COPY-2", f"producer {life.producer!r} already has "
                         f"{state.max_pending} spans in flight or unfenced (max_pending)", event)
     return state.with_life(
-        life.replace(in_flight=life.in_flight + (span,)),
+        life.with_flight(life.in_flight + (span,)),
         pending=_adjust_pending(state, life.producer, 1),
         spans_used=state.spans_used.set(event.span, event.req),
     )
@@ -125,7 +125,7 @@ def apply_land(state: SystemState, event: ev.Land) -> SystemState:
             progress = progress.add(span.layers, span.tokens)
         except ProgressError as e:  # bounds were checked at issue (COV-1): this is overlap
             raise Violation("COV-2", f"span {event.span!r} cannot land: {e}", event) from None
-    return state.with_life(life.replace(progress=progress, in_flight=rest),
+    return state.with_life(life.with_flight(rest, progress),
                            pending=_adjust_pending(state, life.producer, -1))
 
 
@@ -246,7 +246,7 @@ def apply_stage(state: SystemState, event: ev.Stage) -> SystemState:
     return state
 
 
-_APPLY = {
+TRANSITIONS = {  # event class -> its transition
     ev.Reserve: apply_reserve, ev.Computed: apply_computed, ev.Issue: apply_issue,
     ev.Land: apply_land, ev.Fail: apply_fail, ev.Reuse: apply_reuse,
     ev.Produced: apply_produced, ev.Admit: apply_admit, ev.Release: apply_release,
@@ -256,7 +256,7 @@ _APPLY = {
 
 def apply(state: SystemState, event) -> SystemState:
     """The state after `event`, or a Violation naming the rule it breaks."""
-    return _APPLY[type(event)](state, event)
+    return TRANSITIONS[type(event)](state, event)
 
 
 def check_end(state: SystemState) -> None:

@@ -100,6 +100,13 @@ class IntervalSet:
         a, b = r
         if b <= a:
             return self
+        starts, ends = self.starts, self.ends
+        if not starts:
+            return IntervalSet((a,), (b,))
+        if a >= ends[-1]:  # the common case: spans and chunks arrive in token order
+            if a > ends[-1]:
+                return IntervalSet(starts + (a,), ends + (b,))
+            return IntervalSet(starts, ends[:-1] + (b,))  # adjacent: the last range grows
         lo = bisect_left(self.ends, a)  # first range ending at or after a (adjacent merges)
         hi = bisect_right(self.starts, b)  # ranges starting at or before b (adjacent merges)
         if lo < hi:

@@ -55,10 +55,11 @@ class _Tracker:
         self.peak_staging = 0
 
     def feed(self, e) -> None:
-        if e.kind == "fence":
+        kind = e.kind
+        if kind == "fence":
             self._retire(e.span)
             return
-        if e.kind == "reserve":
+        if kind == "reserve":
             start = min(self.first_seen.pop(e.req, e.t), e.t)
             self.live[e.req] = LifeMetrics(e.req, start, e.t, e.prompt, e.prefix)
             return
@@ -66,7 +67,9 @@ class _Tracker:
         if life is None:
             self.first_seen.setdefault(e.req, e.t)
             return
-        getattr(self, f"on_{e.kind}", lambda *_: None)(life, e)
+        handler = _HANDLERS.get(kind)  # stage and computed change no metric of a live life
+        if handler is not None:
+            handler(self, life, e)
 
     def _retire(self, span) -> int:
         _, size = self.in_flight.pop(span, ("", 0))
@@ -107,6 +110,10 @@ class _Tracker:
     def _end(self, life: LifeMetrics, e, outcome: str) -> None:
         life.end_t, life.outcome = e.t, outcome
         self.done.append(self.live.pop(e.req))
+
+
+_HANDLERS = {kind: getattr(_Tracker, f"on_{kind}") for kind in
+             ("issue", "land", "fail", "produced", "admit", "release", "abort")}
 
 
 def life_metrics(events: Iterable, fences: bool = True) -> tuple[list[LifeMetrics], int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdref import events as ev
-from pdref.apply import apply, check_end, initial_state
+from pdref.apply import TRANSITIONS, apply, check_end, initial_state
 from pdref.state import SystemState
 from pdref.violations import Violation
 
@@ -28,10 +28,11 @@ class Monitor:
 
     def emit(self, event) -> None:
         """Apply `event`; raises Violation (state unchanged) when it breaks a rule."""
-        if event.t < self.last_t:
-            raise Violation("TRACE-2", f"t {event.t} is before the previous t {self.last_t}", event)
-        self.state = apply(self.state, event)
-        self.last_t = event.t
+        t = event.t
+        if t < self.last_t:
+            raise Violation("TRACE-2", f"t {t} is before the previous t {self.last_t}", event)
+        self.state = TRANSITIONS[type(event)](self.state, event)  # `apply`, one call less
+        self.last_t = t
         self.events += 1
         if self.sink is not None:
             self.sink(event)

@@ -79,6 +79,19 @@ class RequestLife:
     def replace(self, **changes) -> RequestLife:
         return _replace_life(self, **changes)
 
+    # The hot transitions build the next life positionally (no generic replace).
+    def with_coverage(self, computed: Coverage, held: Coverage) -> RequestLife:
+        return RequestLife(self.req, self.producer, self.prompt, self.prefix, self.pages,
+                           self.progress, computed, held, self.phase, self.in_flight,
+                           self.failed, self.serial, self.unfenced)
+
+    def with_flight(self, in_flight: tuple[Span, ...], progress: LayerProgress | None = None):
+        """The life with these spans in flight and, after a land, its new progress."""
+        return RequestLife(self.req, self.producer, self.prompt, self.prefix, self.pages,
+                           self.progress if progress is None else progress, self.computed,
+                           self.held, self.phase, in_flight, self.failed, self.serial,
+                           self.unfenced)
+
     def find_span(self, span: SpanId) -> Span | None:
         for s in self.in_flight:
             if s.span == span:

@@ -12,6 +12,7 @@ import sys
 from pdref.models import ProfileError
 from pdref.plan import PlanError
 from pdsim.engine_runs import EngineRunError
+from pdsim.env import gc_paused
 from pdsim.faults import add_fault_options, fault_spec
 from pdsim.metrics import single_metrics, workload_metrics
 from pdsim.options import Parser, UsageError, add_run_options, run_setup
@@ -26,13 +27,14 @@ INPUT_ERRORS = (UsageError, ProfileError, PlanError, ValueError, OSError)
 def cmd_run(args) -> int:
     cfg, requests = run_setup(args)
     faults = fault_spec(args, cfg.producers)
-    result = simulate(cfg, requests, faults)
-    single = len(requests) == 1 and faults is None
-    metrics = single_metrics(result) if single else workload_metrics(result)
-    if args.trace:
-        write_trace(args.trace, result)
-    if args.results:
-        write_results(args.results, result)
+    with gc_paused():  # the run's objects live until the end: nothing for the GC to find
+        result = simulate(cfg, requests, faults)
+        single = len(requests) == 1 and faults is None
+        metrics = single_metrics(result) if single else workload_metrics(result)
+        if args.trace:
+            write_trace(args.trace, result)
+        if args.results:
+            write_results(args.results, result)
     print(json.dumps(metrics) if args.json else format_metrics(metrics))
     return EXIT_OK
 

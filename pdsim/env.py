@@ -6,8 +6,26 @@ Processes receive the Env explicitly and schedule their continuations with `at`/
 
 from __future__ import annotations
 
+import gc
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector. A run allocates millions of short-lived acyclic
+    objects (events, spec states) that reference counting frees at once, yet each
+    allocation burst triggers collections that rescan the growing heap of kept events: a
+    quarter to a third of a run. The few cycles made meanwhile are collected afterwards."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class Env:
@@ -40,8 +58,14 @@ class Env:
         return True
 
     def run(self) -> None:
-        while self.step():
-            pass
+        """Handle events until none is left (`step` inlined: this loop is the hot path)."""
+        heap, pop = self._heap, heapq.heappop
+        with gc_paused():
+            while heap:
+                t, _, callback, args = pop(heap)
+                self.now = t
+                self.steps += 1
+                callback(*args)
 
     @property
     def pending(self) -> int:
