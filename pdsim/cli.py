@@ -5,6 +5,7 @@ Bad input is one line on stderr naming the field and the rule, exit 2, and nothi
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -27,7 +28,9 @@ INPUT_ERRORS = (UsageError, ProfileError, PlanError, ValueError, OSError)
 def cmd_run(args) -> int:
     cfg, requests = run_setup(args)
     faults = fault_spec(args, cfg.producers)
-    with gc_paused():  # the run's objects live until the end: nothing for the GC to find
+    # The run's objects live until the end: nothing for the collector to find. A process
+    # started for this command exits next: its objects are frozen, never scanned.
+    with gc_paused(freeze=getattr(args, "process_exits", False)):
         result = simulate(cfg, requests, faults)
         single = len(requests) == 1 and faults is None
         metrics = single_metrics(result) if single else workload_metrics(result)
@@ -39,24 +42,28 @@ def cmd_run(args) -> int:
     return EXIT_OK
 
 
-def _commands():
-    from pdsim import calibrate, demo, explain, sweep, timeline, validate
+def _lazy(module: str, name: str):
+    """`pdsim.<module>.<name>`, imported when first called: `pdsim run` should not pay for
+    networkx, tqdm or matplotlib, which other commands' modules import."""
+    def call(*args):
+        return getattr(importlib.import_module(f"pdsim.{module}"), name)(*args)
 
-    return {
+    return call
+
+
+def _commands():
+    commands = {
         "run": ("simulate one run or workload; print metrics", _run_args, cmd_run),
-        "sweep": ("grid over chunk sizes, prompts, modes, bounds, bandwidths",
-                  sweep.add_args, sweep.command),
-        "explain": ("dependency graph and critical path of one run",
-                    explain.add_args, explain.command),
-        "timeline": ("Gantt PNG and Perfetto trace of one run",
-                     timeline.add_args, timeline.command),
-        "calibrate": ("fit a hw profile from traces' stage events",
-                      calibrate.add_args, calibrate.command),
-        "validate": ("run the engine over a grid, calibrate on part, predict the rest",
-                     validate.add_args, validate.command),
-        "demo": ("the main job: engine, calibration, prediction, sweeps, checks, report",
-                 demo.add_args, demo.command),
+        "sweep": "grid over chunk sizes, prompts, modes, bounds, bandwidths",
+        "explain": "dependency graph and critical path of one run",
+        "timeline": "Gantt PNG and Perfetto trace of one run",
+        "calibrate": "fit a hw profile from traces' stage events",
+        "validate": "run the engine over a grid, calibrate on part, predict the rest",
+        "demo": "the main job: engine, calibration, prediction, sweeps, checks, report",
     }
+    return {name: entry if isinstance(entry, tuple)
+            else (entry, _lazy(name, "add_args"), _lazy(name, "command"))
+            for name, entry in commands.items()}
 
 
 def _run_args(p) -> None:
@@ -70,20 +77,31 @@ def _run_args(p) -> None:
     add_fault_options(p)
 
 
-def _parser(commands) -> Parser:
+def _parser(commands, only: str | None = None) -> Parser:
+    """The parser; with `only`, options for that subcommand alone (the others are listed by
+    `pdsim --help`, but their modules are not imported)."""
     parser = Parser(prog="pdsim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, (text, add_args, _) in commands.items():
-        add_args(sub.add_parser(name, help=text, description=text))
+        subparser = sub.add_parser(name, help=text, description=text)
+        if only is None or name == only:
+            add_args(subparser)
     return parser
+
+
+def _chosen(argv: list[str]) -> str:
+    """The subcommand an argument list names: its first word (pdsim has no global option)."""
+    return next((word for word in argv if not word.startswith("-")), "")
 
 
 def main(argv: list[str] | None = None) -> int:
     commands = _commands()
     try:
-        args = _parser(commands).parse_args(argv)
+        words = sys.argv[1:] if argv is None else argv
+        args = _parser(commands, only=_chosen(words)).parse_args(words)
     except SystemExit as e:
         return int(e.code or 0)
+    args.process_exits = argv is None  # the command line of this process, not a caller's
     try:
         return commands[args.command][2](args)
     except BrokenPipeError:  # e.g. `pdsim run | head`: the reader left, nothing to report
