@@ -7,7 +7,7 @@ two rules always reports the same code.
 from __future__ import annotations
 
 from pdref import events as ev
-from pdref.intervals import contains, fmt, is_empty
+from pdref.intervals import contains, fmt
 from pdref.pool import PoolError, QuarantineError
 from pdref.progress import Coverage, LayerProgress, ProgressError
 from pdref.state import Phase, Quarantine, RequestLife, Span, SystemState, Unfenced
@@ -111,16 +111,20 @@ def _region(event) -> str:
 def _retire(state: SystemState, event) -> tuple[tuple[Span, ...], RequestLife, Span]:
     """(the other spans in flight, the live request, its span) named by a land/fail event."""
     life = _live(state, event)
+    in_flight = life.in_flight
+    if in_flight and in_flight[0].span == event.span:  # the usual order: oldest lands first
+        return in_flight[1:], life, in_flight[0]
     span = life.find_span(event.span)
     if span is None:
         raise Violation("REQ-1", f"span {event.span!r} is not in flight for {event.req!r}", event)
-    return tuple(s for s in life.in_flight if s is not span), life, span
+    return tuple(s for s in in_flight if s is not span), life, span
 
 
 def apply_land(state: SystemState, event: ev.Land) -> SystemState:
     rest, life, span = _retire(state, event)
     progress = life.progress
-    if not (is_empty(span.layers) or is_empty(span.tokens)):  # an empty span publishes nothing
+    (l0, l1), (a, b) = span.layers, span.tokens
+    if l0 < l1 and a < b:  # an empty span publishes nothing
         try:
             progress = progress.add(span.layers, span.tokens)
         except ProgressError as e:  # bounds were checked at issue (COV-1): this is overlap

@@ -26,6 +26,18 @@ def page_runs(pages: tuple[int, ...]) -> list[tuple[int, int]]:
     return [(ordered[i], ordered[j - 1] + 1) for i, j in pairwise(bounds) if j > i]
 
 
+def _one_run(pages: tuple[int, ...], num_pages: int) -> list[tuple[int, int]] | None:
+    """[(a, b)] when `pages` is exactly a, a+1, ..., b-1 inside [0, num_pages) (so in range
+    and distinct), else None."""
+    if not pages:
+        return None
+    first = pages[0]
+    end = first + len(pages)
+    if first < 0 or end > num_pages or pages[-1] != end - 1 or pages != tuple(range(first, end)):
+        return None
+    return [(first, end)]
+
+
 class QuarantineError(PoolError):
     """A reservation that takes a quarantined page (an unfenced writer may still write it)."""
 
@@ -64,12 +76,14 @@ class Pool:
         """Take exactly these page ids; raises PoolError (QuarantineError for a quarantined
         page) naming the first bad one. Checks: ids in range, no id twice, none quarantined,
         none held by a live slab (so never more than are free)."""
-        if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
-            bad = next(p for p in pages if not 0 <= p < self.num_pages)
-            raise PoolError(f"page {bad} is outside [0, {self.num_pages})")
-        if len(set(pages)) != len(pages):
-            raise PoolError("a page id is listed twice")
-        runs = page_runs(pages)
+        runs = _one_run(pages, self.num_pages)  # the allocator's answer: no other check needed
+        if runs is None:
+            if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
+                bad = next(p for p in pages if not 0 <= p < self.num_pages)
+                raise PoolError(f"page {bad} is outside [0, {self.num_pages})")
+            if len(set(pages)) != len(pages):
+                raise PoolError("a page id is listed twice")
+            runs = page_runs(pages)
         if len(self.quarantined):
             for run in runs:
                 hit = self.quarantined.first_overlap(run)

@@ -68,7 +68,7 @@ class Coverage:
         if layers[1] <= layers[0] or tokens[1] <= tokens[0]:
             return self
         if len(self.sets) == 1 and layers[0] <= 0 and layers[1] >= self.num_layers:
-            return Coverage(self.num_layers, self.starts, (self.sets[0].union(tokens),))
+            return _one_band_union(self, tokens[0], tokens[1])
         return self._map(layers, lambda s: s.union(tokens))
 
     def remove_tokens(self, tokens: Range) -> Coverage:
@@ -108,6 +108,24 @@ class Coverage:
 
     def tokens_of(self, layer: int) -> IntervalSet:
         return self.sets[bisect_right(self.starts, layer) - 1]
+
+
+# One-band coverage values recur: chunk k of every request extends [prefix, k * chunk) by
+# the same chunk. Shared (immutable) results save two objects per `computed` and `land`.
+_UNIONS: dict[tuple, Coverage] = {}
+_UNIONS_MAX = 8192
+
+
+def _one_band_union(cov: Coverage, a: int, b: int) -> Coverage:
+    """`cov` (one band, every layer) with tokens [a, b) added on every layer."""
+    tokens = cov.sets[0]
+    key = (cov.num_layers, tokens.starts, tokens.ends, a, b)
+    found = _UNIONS.get(key)
+    if found is None:
+        if len(_UNIONS) >= _UNIONS_MAX:
+            _UNIONS.clear()
+        found = _UNIONS[key] = Coverage(cov.num_layers, cov.starts, (tokens.union((a, b)),))
+    return found
 
 
 class ProgressError(ValueError):
