@@ -1,7 +1,11 @@
-"""Simulator speed: events per second, a 10,000-config sweep, a 10,000-request workload.
+"""Simulator speed: events per second, a 10,000-config sweep, a 10,000-request workload, and
+the whole `pdsim run` process on that workload (start-up and imports included).
 
-    python bench/sim_speed.py            # full figures (about a minute on 2 cores)
-    python bench/sim_speed.py --quick    # a tenth of the sizes
+    python bench/sim_speed.py                   # full figures (a few minutes on 2 cores)
+    python bench/sim_speed.py --quick           # a tenth of the sizes
+    python bench/sim_speed.py --process-only    # only the whole-process figure
+    python bench/sim_speed.py --process-only --baseline DIR   # and another checkout's, in
+                                                # alternating rounds (DIR: its repository root)
 
 Every simulated event goes through pdref's Monitor (the spec), as in any pdsim run.
 """
@@ -11,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 
@@ -74,21 +80,76 @@ def workload_speed(base: SimConfig, count: int, stages: bool) -> dict:
             "events_per_s": len(result.events) / wall}
 
 
+TARGET_PROCESS_RPS = 2500  # issue 12: simulated requests per second, whole process
+
+
+def process_command(count: int) -> list[str]:
+    """The issue's workload: Poisson arrivals, prompts 512..8192, 65 output tokens each."""
+    return [sys.executable, "-m", "pdsim", "run", "--model", "qwen3-0.6b", "--hw", "h200",
+            "--requests", str(count), "--rate", "2", "--prompt-range", "512:8192",
+            "--output-tokens", "65", "--json"]
+
+
+def _timed_process(count: int, root: str | None) -> tuple[float, str]:
+    """Wall seconds of one whole `pdsim run` process, and its output. `root`: run that
+    checkout's code instead (PYTHONPATH), for side-by-side rounds."""
+    env = dict(os.environ)
+    if root is not None:
+        env["PYTHONPATH"] = root
+    start = time.perf_counter()
+    done = subprocess.run(process_command(count), capture_output=True, text=True, env=env,
+                          check=True, cwd=root)
+    return time.perf_counter() - start, done.stdout
+
+
+def process_speed(count: int, rounds: int, baseline: str | None = None) -> dict:
+    """Whole-process requests per second, median of `rounds`; with `baseline`, that checkout
+    runs in alternating rounds and its summary must be identical."""
+    walls: dict[str, list[float]] = {"this": [], "baseline": []}
+    outputs = set()
+    for _ in range(rounds):
+        for name, root in (("this", None), ("baseline", baseline)):
+            if name == "baseline" and baseline is None:
+                continue
+            wall, out = _timed_process(count, root)
+            walls[name].append(wall)
+            outputs.add(out)
+    median = statistics.median(walls["this"])
+    out = {"command": " ".join(["pdsim"] + process_command(count)[3:]), "rounds": rounds,
+           "wall_s": [round(w, 3) for w in walls["this"]], "median_s": round(median, 3),
+           "requests_per_s": round(count / median), "target_requests_per_s": TARGET_PROCESS_RPS,
+           "meets_target": count / median >= TARGET_PROCESS_RPS,
+           "load_avg": os.getloadavg()[0]}
+    if baseline is not None:
+        base = statistics.median(walls["baseline"])
+        out.update(baseline_wall_s=[round(w, 3) for w in walls["baseline"]],
+                   baseline_median_s=round(base, 3), baseline_requests_per_s=round(count / base),
+                   speedup=round(base / median, 2), same_summary=len(outputs) == 1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tenth of the sizes")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--process-only", action="store_true",
+                   help="only the whole `pdsim run` process figure")
+    p.add_argument("--rounds", type=int, default=3, help="whole-process rounds (median)")
+    p.add_argument("--baseline", default=None,
+                   help="another checkout's root: its whole process too, alternating rounds")
     args = p.parse_args(argv)
     scale = 10 if args.quick else 1
-    base = base_config()
-    figures = {
-        "cpu_count": os.cpu_count(),
-        "single": events_per_second(base, 200 // scale),
-        "sweep": sweep_speed(base, 10_000 // scale, args.jobs),
-        "workload": workload_speed(base, 10_000 // scale, stages=True),
-        "workload_no_stages": workload_speed(base, 10_000 // scale, stages=False),
-    }
+    figures = {"cpu_count": os.cpu_count()}
+    if not args.process_only:
+        base = base_config()
+        figures.update(
+            single=events_per_second(base, 200 // scale),
+            sweep=sweep_speed(base, 10_000 // scale, args.jobs),
+            workload=workload_speed(base, 10_000 // scale, stages=True),
+            workload_no_stages=workload_speed(base, 10_000 // scale, stages=False),
+        )
+    figures["process"] = process_speed(10_000 // scale, args.rounds, args.baseline)
     text = json.dumps(figures, indent=1)
     print(text)
     if args.json:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from itertools import pairwise
+from itertools import compress, pairwise
+from operator import sub
 
 import attrs
 
@@ -20,8 +21,10 @@ def page_runs(pages: tuple[int, ...]) -> list[tuple[int, int]]:
     ):
         return [(pages[0], pages[-1] + 1)]  # the allocator's usual answer: one ascending run
     ordered = sorted(pages)
-    # A run ends wherever the next id is not the next integer.
-    cuts = [i for i, (a, b) in enumerate(pairwise(ordered), 1) if b != a + 1]
+    # A run ends wherever the next id is not the next integer (steps computed in C: a slab
+    # has hundreds of pages).
+    steps = map(sub, ordered[1:], ordered)
+    cuts = list(compress(range(1, len(ordered)), map((1).__ne__, steps)))
     bounds = [0, *cuts, len(ordered)]
     return [(ordered[i], ordered[j - 1] + 1) for i, j in pairwise(bounds) if j > i]
 
