@@ -56,6 +56,8 @@ class _Tracker:
 
     def feed(self, e) -> None:
         kind = e.kind
+        if kind == "stage" and e.req in self.live:  # most events: nothing to record
+            return
         if kind == "fence":
             self._retire(e.span)
             return

@@ -91,12 +91,15 @@ def _occupancy(result: SimResult) -> tuple[float, int]:
     pool = _PoolUse()
     area = last_t = 0.0
     for e in result.events:
-        if e.kind in _WRITER_KINDS:
-            getattr(pool, e.kind)(e)
-        elif e.kind in _POOL_KINDS:  # the pages held may change here
+        kind = e.kind
+        if kind == "stage":  # most events, and none changes what the pool holds
+            continue
+        if kind in _WRITER_KINDS:
+            getattr(pool, kind)(e)
+        elif kind in _POOL_KINDS:  # the pages held may change here
             area += pool.used * (e.t - last_t)
             last_t = e.t
-            getattr(pool, e.kind)(e)
+            getattr(pool, kind)(e)
     mean = area / (last_t * result.cfg.pool_pages) if last_t > 0 else 0.0
     return mean, pool.peak
 
