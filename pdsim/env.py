@@ -49,6 +49,19 @@ class Env:
         heapq.heappush(self._heap, (t, self._seq, callback, args))
         self._seq += 1
 
+    def reserve_seqs(self, count: int) -> int:
+        """Set aside `count` sequence numbers for events scheduled later with `at_seq`; the
+        first of them. Such an event orders among equal times as if scheduled now."""
+        first = self._seq
+        self._seq += count
+        return first
+
+    def at_seq(self, t: float, seq: int, callback: Callable, *args) -> None:
+        """`at` with a sequence number from `reserve_seqs`."""
+        if t < self.now:
+            raise ValueError(f"cannot schedule at {t}, before now {self.now}")
+        heapq.heappush(self._heap, (t, seq, callback, args))
+
     def after(self, delay: float, callback: Callable, *args) -> None:
         self.at(self.now + delay, callback, *args)
 
