@@ -133,15 +133,13 @@ def _event_from(obj: dict, specs: dict):
         if type(kind) is str and kind in _SPECS_V2:
             raise _Bad(f"kind {kind!r} needs a version 2 trace (this one is version 1)")
         raise _Bad(f"unknown kind {kind!r}")
-    args = []
-    for name, check, required, default in spec:
-        if name in obj:
-            args.append(check(obj[name], name))
-        elif required:
-            raise _Bad(f"{kind} needs field {name!r}")
-        else:
-            args.append(default)
-    return cls(*args)
+    # Fields in order, so the first bad or missing one is reported; an optional field's
+    # default passes its own check unchanged.
+    try:
+        return cls(*[check(obj[name] if required else obj.get(name, default), name)
+                     for name, check, required, default in spec])
+    except KeyError as missing:
+        raise _Bad(f"{kind} needs field {missing.args[0]!r}") from None
 
 
 def _header_from(obj: dict) -> ev.Header:
