@@ -4,7 +4,9 @@ compute(chunk [a, b))  = chunk_s + token_s * (b - a) + pair_s * sum_{i=a}^{b-1} 
   with dense_attention: pair_s * n * b instead (an engine that runs a chunk's attention as
   a dense masked n x b rectangle pays for the masked-out pairs too; calibrated profiles only)
 copy(span of n bytes)  = span_s + gather_byte_s * n + link_latency_s + link_byte_s * n
+  (one span alone; how spans share the copier, serial or pipelined: pdsim/copier.py)
 head (the first token's LM head, after the last chunk) = head_s (calibrated profiles only)
+fill (export only: writing the payload of n bytes) = fill_byte_s * n (calibrated profiles only)
 While a gather overlaps a compute chunk, the chunk runs slower by `contention` times the
 overlapped time. `pdsim calibrate` fits these same terms from engine traces.
 """
@@ -15,7 +17,7 @@ import attrs
 
 from pdref.geometry import Geometry
 from pdref.models import ModelSpec
-from pdsim.profiles import HwProfile, LinkProfile, non_negative
+from pdsim.profiles import COPIERS, HwProfile, LinkProfile, non_negative
 
 
 @attrs.frozen
@@ -29,17 +31,19 @@ class Costs:
     gather_byte_s: float = attrs.field(validator=non_negative)
     link_stages: tuple[tuple[str, float], ...]  # (stage name, seconds per byte)
     link_latency_s: float = attrs.field(validator=non_negative)
-    pipelined: bool = True
+    streamed: bool = True  # a span's link stages overlap (the link profile's `pipelined`)
+    copier: str = attrs.field(default="serial", validator=attrs.validators.in_(COPIERS))
     contention: float = attrs.field(default=0.0, validator=non_negative)
     decode_token_s: float = attrs.field(default=0.0, validator=non_negative)
     head_s: float = attrs.field(default=0.0, validator=non_negative)  # first token's LM head
     dense_attention: bool = False  # pairs of a chunk [a, b): n * b, not the causal triangle
     state_bytes: int = 0
+    fill_byte_s: float = attrs.field(default=0.0, validator=non_negative)
 
     @property
     def link_byte_s(self) -> float:
         per_byte = [s for _, s in self.link_stages]
-        return max(per_byte) if self.pipelined else sum(per_byte)
+        return max(per_byte) if self.streamed else sum(per_byte)
 
     def compute_s(self, tokens: tuple[int, int]) -> float:
         """Time of one prefill chunk over prompt positions [a, b), with context [0, b)."""
@@ -55,18 +59,19 @@ class Costs:
         return self.link_latency_s + self.link_byte_s * nbytes
 
     def copy_s(self, nbytes: int) -> float:
-        """Time one span holds the copy worker: fixed cost, gather, then the link."""
+        """Time of one span's copy alone: fixed cost, gather, then the link."""
         return self.span_s + self.gather_s(nbytes) + self.link_s(nbytes)
 
     def stage_plan(self, nbytes: int) -> list[tuple[str, float, float]]:
-        """(name, start offset, end offset) of a span's stages, relative to its start."""
+        """(name, start offset, end offset) of a span's stages, relative to its start, on
+        a copier with nothing else in flight."""
         g0 = self.span_s
         g1 = g0 + self.gather_s(nbytes)
         plan = [("gather", g0, g1)]
         t = g1 + self.link_latency_s
         for name, per_byte in self.link_stages:
             plan.append((name, t, t + per_byte * nbytes))
-            if not self.pipelined:
+            if not self.streamed:
                 t += per_byte * nbytes
         return plan
 
@@ -124,7 +129,9 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
         gather_byte_s=1.0 / hw.gather_bandwidth,
         link_stages=tuple((s.name, 1.0 / s.bandwidth) for s in link.stages),
         link_latency_s=link.latency_s,
-        pipelined=link.pipelined,
+        streamed=link.pipelined,
+        copier=hw.copier,
+        fill_byte_s=hw.fill_byte_s,
         contention=hw.contention,
         decode_token_s=weights / hw.hbm_bandwidth,
         state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),

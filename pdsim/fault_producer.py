@@ -115,45 +115,42 @@ class FaultyProducer(Producer):
 
     # -- copies ------------------------------------------------------------------------------
 
-    def _schedule_copy(self, job: FaultJob, span: int, start: float, moved: int) -> None:
+    def _schedule_copy(self, job: FaultJob, span: int, times) -> None:
         cfg = self.sim.cfg
-        copy_end = start + cfg.costs.copy_s(moved)
-        fate = self.draws.span_fate(self.env.now, start, copy_end)
+        fate = self.draws.span_fate(self.env.now, times.start, times.land)
         run = SpanRun(span, job, fate)
         self.runs[span] = job.runs[span] = run
-        self.worker_free = fate.stop_t
+        self.copier.stopped(times, fate.stop_t)
         if fate.stalled and cfg.stages:
             self.sim.stage(self.env.now, job.req, "stalled", fate.stop_t - self.env.now,
                            span, f"{self.name}.copy")
-        plan = self._stages_run(fate, start, copy_end, moved)
-        if plan:
-            self.gathers.append((start + plan[0][1], start + plan[0][2]))
+        stages = self._stages_run(fate, times)
+        if stages:
+            self.gathers.append(stages[0][1:])
             if cfg.stages:
-                self._schedule_stages(job.req, span, start, plan)
+                self._schedule_stages(job.req, span, stages)
         self.lands.append(fate.stop_t)
         if fate.fail_t is not None:
             self.env.at(fate.fail_t, self._fail, run)
         self.env.at(fate.stop_t, self._stop, run)
 
-    def _schedule_stages(self, req: str, span: int, start: float, plan, emit=None) -> None:
-        super()._schedule_stages(req, span, start, plan, functools.partial(self._emit_stages,
-                                                                            span))
+    def _schedule_stages(self, req: str, span: int, stages, emit=None) -> None:
+        super()._schedule_stages(req, span, stages, functools.partial(self._emit_stages, span))
 
     def _emit_stages(self, span: int, stages) -> None:
         """Stage events of a writer still running on this worker (not after a death)."""
         if not self.down and span in self.runs:
             self.sim.emit_all(stages)
 
-    def _stages_run(self, fate: SpanFate, start: float, copy_end: float, moved: int) -> list:
+    def _stages_run(self, fate: SpanFate, times) -> list:
         """The stages the writer ran: none when it hung, those before its stop when a
         deadline stopped it early, else all."""
         if fate.stalled:
             return []
-        plan = self.sim.cfg.costs.stage_plan(moved)
-        if fate.stop_t >= copy_end:
-            return plan
-        cut = fate.stop_t - start
-        return [(name, a, min(b, cut)) for name, a, b in plan if a < cut]
+        if fate.stop_t >= times.land:
+            return list(times.stages)
+        return [(name, a, min(b, fate.stop_t)) for name, a, b in times.stages
+                if a < fate.stop_t]
 
     def _fail(self, run: SpanRun) -> None:
         """The span's failure is detected: `fail` (unless it was cancelled or lost before)."""
@@ -216,4 +213,4 @@ class FaultyProducer(Producer):
     def rejoin(self) -> None:
         """A restarted producer: a fresh process with an idle worker."""
         self.dead_at, self.declared_dead = None, False
-        self.worker_free = self.env.now
+        self.copier.restart(self.env.now)

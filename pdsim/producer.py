@@ -4,8 +4,9 @@ After each step it emits `computed`, then issues the spans that step made ready,
 after the last step the first token's LM head (`head_s`) runs before `produced` (in whole
 mode the copy starts after it, in chunk and layer modes the last copies overlap it);
 when `Monitor.can_issue` says the producer already has max_pending spans in flight, the
-producer blocks (no further compute) until a span lands. The single copy worker serves spans
-in issue order: fixed cost, gather (which slows overlapping compute), then the link.
+producer blocks (no further compute) until a span lands. The copier (pdsim/copier.py, serial
+or pipelined) serves spans in issue order: fixed cost, gather (which slows overlapping
+compute), then the link's stages.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pdref import events as ev
 from pdref.events import Mode
 from pdref.plan import Region
 from pdsim.config import RequestSpec
+from pdsim.copier import Copier, SpanTimes
 from pdsim.steps import Step, copied_bytes, plan_steps
 
 
@@ -41,13 +43,13 @@ class Job:
 
 
 class Producer:
-    """One producer device: a compute stream and one copy worker."""
+    """One producer device: a compute stream and its copier."""
 
     def __init__(self, env, sim, name: str) -> None:
         self.env, self.sim, self.name = env, sim, name
         self.job: Job | None = None  # the request being computed, None when idle
         self.blocked: Job | None = None
-        self.worker_free = 0.0
+        self.copier = Copier(sim.cfg.costs)
         self.gathers: deque[tuple[float, float]] = deque()
         self.lands: deque[float] = deque()  # land times of spans in flight, in FIFO order
 
@@ -125,7 +127,7 @@ class Producer:
         self._next_step(job)
 
     def _block(self, job: Job) -> None:
-        """Wait for a free pending slot: the oldest span in flight lands first (FIFO worker)."""
+        """Wait for a free pending slot: the oldest span in flight lands first (FIFO lanes)."""
         self.blocked = job
         if self.sim.cfg.stages:
             wait = self.lands[0] - self.env.now
@@ -147,27 +149,24 @@ class Producer:
         job.spans_issued += 1
         self.sim.emit(ev.Issue(now, job.req, span, region.layers, region.tokens, nbytes))
         moved = copied_bytes(cfg, nbytes, job.spans_issued == job.spans_total)
-        self._schedule_copy(job, span, max(now, self.worker_free), moved)
+        self._schedule_copy(job, span, self.copier.schedule(now, moved))
 
-    def _schedule_copy(self, job: Job, span: int, start: float, moved: int) -> None:
-        """The worker copies `moved` bytes from `start`, then the span lands."""
-        cfg = self.sim.cfg
-        plan = cfg.costs.stage_plan(moved)
-        self.worker_free = start + cfg.costs.copy_s(moved)
-        self.gathers.append((start + plan[0][1], start + plan[0][2]))
-        if cfg.stages:
-            self._schedule_stages(job.req, span, start, plan)
-        self.lands.append(self.worker_free)
-        self.env.at(self.worker_free, self._land, job, span)
+    def _schedule_copy(self, job: Job, span: int, times: SpanTimes) -> None:
+        """The copier runs the span's stages at `times`, then the span lands."""
+        self.gathers.append(times.stages[0][1:])
+        if self.sim.cfg.stages:
+            self._schedule_stages(job.req, span, times.stages)
+        self.lands.append(times.land)
+        self.env.at(times.land, self._land, job, span)
 
-    def _schedule_stages(self, req: str, span: int, start: float, plan, emit=None) -> None:
-        """Stage events at their start times; stages starting together share one heap event
-        (handed to `emit`, by default straight to the trace)."""
+    def _schedule_stages(self, req: str, span: int, stages, emit=None) -> None:
+        """Stage events (absolute (name, start, end)) at their start times; stages starting
+        together share one heap event (handed to `emit`, by default straight to the trace)."""
         emit = emit or self.sim.emit_all
         groups: dict[float, list] = {}
-        for name, a, b in plan:
-            groups.setdefault(start + a, []).append(
-                ev.Stage(start + a, req, name, start + b, span, f"{self.name}.{name}"))
+        for name, a, b in stages:
+            groups.setdefault(a, []).append(
+                ev.Stage(a, req, name, b, span, f"{self.name}.{name}"))
         for t, stages in groups.items():
             self.env.at(t, emit, stages)
 

@@ -25,6 +25,15 @@ def non_negative(_inst, attribute, value) -> None:
         raise ValueError(f"field {attribute.name!r} must be a number >= 0, got {value!r}")
 
 
+COPIERS = ("serial", "pipelined")
+
+
+def _copier(_inst, attribute, value) -> None:
+    if value not in COPIERS:
+        raise ValueError(f"field {attribute.name!r} must be one of {', '.join(map(repr, COPIERS))}"
+                         f", got {value!r}")
+
+
 def _fraction(_inst, attribute, value) -> None:
     _positive(_inst, attribute, value)
     if value > 1:
@@ -75,6 +84,13 @@ class HwProfile:
     gather_bandwidth: float = attrs.field(validator=_positive)
     span_s: float = attrs.field(validator=non_negative)
     contention: float = attrs.field(validator=non_negative)
+    # How the copier runs a producer's spans (pdsim/copier.py): "serial", one worker, a span's
+    # stages one after another, the next span after it (the seed engine's); "pipelined", each
+    # stage on its own lane, so different spans' stages overlap (pdgpu's since issue 11).
+    # A file without it keeps the simulator's earlier meaning: serial.
+    copier: str = attrs.field(default="serial", validator=_copier)
+    # Export only: seconds per byte of writing the payload (calibrated profiles; else 0).
+    fill_byte_s: float = attrs.field(default=0.0, validator=non_negative)
     compute: ComputeOverride = ComputeOverride()
     source: str = ""
     model: str = ""  # the model a calibrated [compute] table was fitted for

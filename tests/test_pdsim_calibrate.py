@@ -59,7 +59,7 @@ def test_recovery_holds_for_other_profiles(tmp_path_factory, scales, contention,
         chunk_s=COSTS.chunk_s * scales[2], span_s=COSTS.span_s * scales[3],
         gather_byte_s=COSTS.gather_byte_s * scales[4],
         link_stages=(("d2h", 6e-11 * scales[5]), ("h2d", 5e-11)),
-        contention=contention, pipelined=pipelined)
+        contention=contention, streamed=pipelined)
     got = recovered(folder, write_traces(folder, truth))
     for term in TERMS:  # contention is a ratio: 1e-12 of it is float noise, not a term
         tol = 1e-9 if term == "contention" else 1e-12

@@ -29,7 +29,9 @@ def costs(draw) -> Costs:
         token_s=draw(st.floats(0, 1e-3)), pair_s=draw(st.floats(0, 1e-6)),
         chunk_s=draw(st.floats(0, 1e-2)), span_s=draw(st.floats(0, 1e-3)),
         gather_byte_s=draw(per_byte), link_stages=tuple(stages),
-        link_latency_s=draw(st.floats(0, 1e-4)), pipelined=draw(st.booleans()),
+        link_latency_s=draw(st.floats(0, 1e-4)), streamed=draw(st.booleans()),
+        copier=draw(st.sampled_from(["serial", "pipelined"])),
+        fill_byte_s=draw(st.sampled_from([0.0, 1e-10])),
         contention=draw(st.floats(0, 1)), decode_token_s=draw(st.floats(0, 1e-3)),
         state_bytes=draw(st.sampled_from([0, 0, 4096])),
     )
@@ -116,6 +118,21 @@ def test_whole_tail_equals_full_copy_time(run):
     """Whole mode's tail equals its full copy time (nothing overlaps)."""
     m = single_metrics(simulate(*run))
     assert abs(m["tail_s"] - m["copy_busy_s"]) <= 1e-9 * max(1.0, m["handoff_s"])
+
+
+@SETTINGS
+@given(runs())
+def test_pipelined_copier_never_slower_than_serial(run):
+    """The same profile's pipelined copier hands off no later than its serial one, and
+    exactly as fast when every request moves one span (nothing to overlap)."""
+    cfg, reqs = run
+    times = {kind: single_metrics(simulate(attrs.evolve(
+        cfg, costs=attrs.evolve(cfg.costs, copier=kind)), reqs))
+        for kind in ("serial", "pipelined")}
+    serial, pipelined = times["serial"]["handoff_s"], times["pipelined"]["handoff_s"]
+    assert pipelined <= serial * (1 + 1e-9) + 1e-12
+    if times["serial"]["spans"] == 1:
+        assert abs(pipelined - serial) <= 1e-9 * max(1.0, serial)
 
 
 @settings(max_examples=25, deadline=None)

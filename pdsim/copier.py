@@ -1,0 +1,97 @@
+"""A producer's copier in the simulator: when each span's stages run, given when it is issued.
+
+Every span runs gather (on the producer: it slows overlapping compute, `contention`), then
+the link's stages (d2h and h2d, the link's two directions, for a host-staged copy). The
+profile's `copier` says how spans share them:
+- serial (the seed engine's copier): one worker. A span starts when it is issued and the
+  previous span landed, pays `span_s`, gathers, waits `link_latency_s`, then runs the link's
+  stages; the next span starts when it landed. So n spans cost n fixed costs one after
+  another: chunked export is slower than whole.
+- pipelined (pdgpu's copier since issue 11): each stage on its own lane, spans in issue order
+  on every lane. A span's gather starts `span_s` after its issue once the gather lane is free;
+  its first link stage `link_latency_s` after its gather ends once that lane is free; each
+  further stage when the span's previous stage ended and its lane is free. So span k+1's d2h
+  overlaps span k's h2d, up to `max_pending` spans in flight (the producer issues no more).
+A streamed link (link profile `pipelined = true`) starts a span's link stages together (the
+bytes flow through them); a stage then ends no earlier than the one before it.
+With one span in flight both copiers give the same times.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pdsim.costs import Costs
+
+WORKER = "worker"  # the serial copier's one lane
+
+
+@attrs.frozen
+class SpanTimes:
+    """When one span's copy runs (absolute times)."""
+
+    start: float  # the copier began working on it (its fixed cost starts)
+    stages: tuple[tuple[str, float, float], ...]  # (stage name, start, end), gather first
+    land: float  # every stage is done: the span lands
+
+    def stage(self, name: str) -> tuple[float, float] | None:
+        return next(((a, b) for n, a, b in self.stages if n == name), None)
+
+
+class Copier:
+    """The lanes of one producer's copier and when each is free next (mutable)."""
+
+    def __init__(self, costs: Costs) -> None:
+        self.costs = costs
+        self.free: dict[str, float] = {}  # lane -> when its last span's stage ends
+
+    @property
+    def serial(self) -> bool:
+        return self.costs.copier == "serial"
+
+    def schedule(self, issue_t: float, nbytes: int) -> SpanTimes:
+        """Place a span of `nbytes` issued at `issue_t` on the lanes; its times."""
+        return (self._serial if self.serial else self._pipelined)(issue_t, nbytes)
+
+    def _serial(self, issue_t: float, nbytes: int) -> SpanTimes:
+        start = max(issue_t, self.free.get(WORKER, 0.0))
+        stages = tuple((name, start + a, start + b)
+                       for name, a, b in self.costs.stage_plan(nbytes))
+        land = start + self.costs.copy_s(nbytes)
+        self.free[WORKER] = land
+        return SpanTimes(start, stages, land)
+
+    def _pipelined(self, issue_t: float, nbytes: int) -> SpanTimes:
+        c = self.costs
+        g0 = max(issue_t + c.span_s, self._free("gather"))
+        stages = [("gather", g0, g0 + c.gather_s(nbytes))]
+        ready = stages[0][2] + c.link_latency_s  # when the first link stage may start
+        for name, per_byte in c.link_stages:
+            start = max(ready, self._free(name))
+            end = start + per_byte * nbytes
+            if c.streamed and len(stages) > 1:
+                end = max(end, stages[-1][2])  # bytes flow through: not before the one before
+            stages.append((name, start, end))
+            ready = start if c.streamed else end
+        for name, _, end in stages:
+            self.free[name] = end
+        return SpanTimes(g0 - c.span_s, tuple(stages), max(end for _, _, end in stages))
+
+    def _free(self, lane: str) -> float:
+        return self.free.get(lane, 0.0)
+
+    def stopped(self, times: SpanTimes, stop_t: float) -> None:
+        """A fault: the span's writer stopped at `stop_t` (before its land: a deadline cut it;
+        after: it hung), so the lanes it held are free then and not at its planned ends."""
+        if self.serial:
+            self.free[WORKER] = stop_t
+            return
+        for name, start, end in times.stages:
+            if stop_t >= times.land:
+                self.free[name] = max(self._free(name), stop_t)
+            elif self.free.get(name) == end:  # nothing queued behind it on this lane yet
+                self.free[name] = max(start, min(end, stop_t))
+
+    def restart(self, t: float) -> None:
+        """A fresh process at `t`: every lane free."""
+        self.free = dict.fromkeys(self.free, t)
