@@ -12,7 +12,7 @@ from pdref.events import Mode
 from pdref.models import load_model
 from pdsim.config import RequestSpec, SimConfig
 from pdsim.costs import costs_for, sim_geometry
-from pdsim.profiles import link_of, load_hw
+from pdsim.profiles import COPIERS, link_of, load_hw
 from pdsim.workload import WorkloadSpec, build_requests
 
 DEFAULT_PROMPT = 8192
@@ -58,6 +58,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="what-if: multiply every copy bandwidth")
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="what-if: multiply compute speed")
+    p.add_argument("--copier", choices=COPIERS, default=None,
+                   help="how the copier runs spans: serial = one worker, a span after the one "
+                        "before; pipelined = gather, d2h, h2d each on its own lane (default: "
+                        "the hw profile's `copier`)")
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -129,6 +133,9 @@ def base_config(args) -> SimConfig:
     link = link_of(hw, args.link)
     costs = costs_for(spec, hw, link).scaled(args.bandwidth_scale, args.compute_scale)
     labels = (("model", spec.name), ("hw", hw.name), ("link", link.name))
+    if args.copier is not None and args.copier != costs.copier:
+        costs = attrs.evolve(costs, copier=args.copier)
+        labels += (("copier", args.copier),)
     if args.bandwidth_scale != 1.0:
         labels += (("bandwidth_scale", args.bandwidth_scale),)
     geometry = sim_geometry(spec, args.page_tokens)

@@ -1,8 +1,9 @@
-"""The producer process: runs a request's compute steps and feeds its copy worker.
+"""The producer process: runs a request's compute steps and feeds its copier.
 
 After each step it emits `computed`, then issues the spans that step made ready, one by one;
 after the last step the first token's LM head (`head_s`) runs before `produced` (in whole
-mode the copy starts after it, in chunk and layer modes the last copies overlap it);
+mode the copy starts after it; in chunk and layer modes, as in pdgpu's step loop, the last
+spans are issued first and their copies overlap it);
 when `Monitor.can_issue` says the producer already has max_pending spans in flight, the
 producer blocks (no further compute) until a span lands. The copier (pdsim/copier.py, serial
 or pipelined) serves spans in issue order: fixed cost, gather (which slows overlapping
@@ -74,8 +75,9 @@ class Producer:
             return
         step = job.steps[job.index]
         duration = self._stretched(step.base_s)
-        if self.sim.cfg.stages and not self.sim.cfg.no_compute:
-            self.sim.stage(self.env.now, job.req, "compute", duration, None, f"{self.name}.compute")
+        if self.sim.cfg.stages and (duration or not self.sim.cfg.no_compute):
+            name = "fill" if self.sim.cfg.no_compute else "compute"  # export: the payload
+            self.sim.stage(self.env.now, job.req, name, duration, None, f"{self.name}.compute")
         self.env.after(duration, self._end_step, job, step)
 
     def _stretched(self, base: float) -> float:
@@ -91,8 +93,8 @@ class Producer:
         self.sim.emit(ev.Computed(now, job.req, step.layers, step.tokens))
         job.index += 1
         last = job.index == len(job.steps)
-        if last and not self._head_s():
-            self._produce(job)
+        if last and not self._head_s() and self.sim.cfg.mode is Mode.WHOLE:
+            self._produce(job)  # chunk/layer: once the last spans are issued (_finish)
         job.ready.extend(step.spans)
         if last and self._head_s() and self.sim.cfg.mode is Mode.WHOLE:
             self._run_head(job, self._issue_ready)  # the whole copy starts after `produced`

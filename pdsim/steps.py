@@ -31,11 +31,16 @@ def plan_steps(cfg: SimConfig, request: RequestSpec) -> list[Step]:
     """The producer's steps for one request (`pdref.plan.plan_steps`), with their costs."""
     steps = plan.plan_steps(cfg.mode, cfg.geometry, request.prompt, request.prefix, cfg.chunk,
                             compute=not cfg.no_compute)
-    if cfg.no_compute:
-        return [Step(s.layers, s.tokens, 0.0, s.spans) for s in steps]
+    if cfg.no_compute:  # export only: the payload is written (fill), then copied
+        fill = cfg.costs.fill_byte_s
+        return [Step(s.layers, s.tokens, fill * _region_bytes(cfg, s), s.spans) for s in steps]
     chunks = plan.plan_chunks(request.prompt, request.prefix, cfg.chunk)
     per_layer = sum(cfg.costs.compute_s(t) for t in chunks) / cfg.geometry.layers
     return [Step(s.layers, s.tokens, _step_cost(cfg, s, per_layer), s.spans) for s in steps]
+
+
+def _region_bytes(cfg: SimConfig, step: plan.Step) -> int:
+    return cfg.geometry.region_bytes(step.layers, step.tokens)
 
 
 def _step_cost(cfg: SimConfig, step: plan.Step, per_layer: float) -> float:
