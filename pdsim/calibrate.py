@@ -1,9 +1,14 @@
 """`pdsim calibrate TRACE... -o PROFILE.toml`: fit the cost model from traces' stage events.
 
 Compute terms (per chunk, per token, per attention pair, contention) come from every trace's
-`compute` stages; gather and link bandwidths from the copy stages; the per-span fixed cost
-and link latency from what is left of each span's issue-to-land time. Copies of traces whose
-link was paced (header `link_gbps`) are left out of the copy fits when unpaced ones exist.
+`compute` stages; gather and link bandwidths (each link direction on its own) from the copy
+stages; the per-span fixed cost and link latency from what is left of each span's
+issue-to-land time, read the way the copier runs spans (pdsim/copier.py): serial, from where
+the previous span ended; pipelined, from where each stage's lane was free. The copier is
+what the traces show (a span issued before the previous one landed starts before that land
+only on a pipelined copier), else `--copier`, else pipelined (pdgpu's copier). Copies of
+traces whose link was paced (header `link_gbps`) are left out of the copy fits when unpaced
+ones exist; export-only traces' `fill` stages give the payload write per byte.
 The profile written is an hw profile (with its link inline) that `pdsim run --hw
 PROFILE.toml` accepts with the traces' model; each figure is printed with its residual.
 """
@@ -18,15 +23,17 @@ import attrs
 from pdref.trace import read_trace
 from pdsim.fitting import (
     Fit,
+    copier_of,
     fit_attention,
     fit_fixed,
+    fit_fixed_pipelined,
     fit_stage,
-    is_pipelined,
+    is_streamed,
     link_stage_names,
     median,
 )
 from pdsim.options import UsageError
-from pdsim.profiles import load_hw
+from pdsim.profiles import COPIERS, load_hw
 from pdsim.report import write_atomic
 from pdsim.samples import samples
 
@@ -39,17 +46,20 @@ class Calibration:
     compute: Fit
     gather: Fit
     links: tuple[tuple[str, Fit], ...]
-    pipelined: bool
+    pipelined: bool  # the link's stages stream within a span (link profile `pipelined`)
+    copier: str  # "serial" or "pipelined": how spans share the copier
+    copier_basis: str  # "traces" (what they show), "given" (--copier) or "assumed"
     latency_s: float
     span_s: float
     copy_rms: float
     head_s: float
     dense_attention: bool
+    fill_byte_s: float  # export only: payload write per byte (0 without fill stages)
     traces: tuple[str, ...]
 
 
 def read_samples(paths: list[str], skip_warmup: bool = True):
-    computes, copies, heads, models = [], [], [], set()
+    computes, copies, heads, fills, models = [], [], [], [], set()
     for index, path in enumerate(paths):
         items = [item for _, item in read_trace(path)]
         header, events = items[0], items[1:]
@@ -58,25 +68,45 @@ def read_samples(paths: list[str], skip_warmup: bool = True):
         computes += got.computes
         copies += [attrs.evolve(c, trace=index) for c in got.copies]
         heads += got.heads
+        fills += got.fills
     if len(models) > 1:
         raise UsageError(f"TRACE: traces name different models: {sorted(map(str, models))}")
-    return computes, copies, heads, models.pop()
+    return computes, copies, heads, fills, models.pop()
 
 
-def calibrate(paths: list[str], skip_warmup: bool = True) -> Calibration:
-    """Fit every term; with `skip_warmup`, a trace's first request (of several) is left out."""
-    computes, copies, heads, model = read_samples(paths, skip_warmup)
+def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = None
+              ) -> Calibration:
+    """Fit every term; with `skip_warmup`, a trace's first request (of several) is left out.
+    `copier` ("serial" or "pipelined") overrides what the traces show."""
+    computes, copies, heads, fills, model = read_samples(paths, skip_warmup)
     if not computes and not copies:
         raise UsageError("TRACE: no compute or copy stage events to fit")
     copies = [c for c in copies if not c.paced] or copies  # paced links hide the raw one
     names = link_stage_names(copies)
     links = tuple((n, fit_stage(copies, n)) for n in names)
-    pipelined = is_pipelined(copies, names)
+    streamed = is_streamed(copies, names)
+    shown = copier_of(copies)
+    kind, basis = ((copier, "given") if copier else (shown, "traces") if shown
+                   else ("pipelined", "assumed"))
     gather = fit_stage(copies, "gather")
-    fixed = fit_fixed(copies, gather, links, pipelined)
+    fit_copier = fit_fixed if kind == "serial" else fit_fixed_pipelined
+    fixed = fit_copier(copies, gather, links, streamed)
     compute, dense = fit_attention(computes)
-    return Calibration(model, compute, gather, links, pipelined, fixed.latency_s, fixed.span_s,
-                       fixed.rms, median(heads), dense, tuple(paths))
+    return Calibration(model, compute, gather, links, streamed, kind, basis, fixed.latency_s,
+                       fixed.span_s, fixed.rms, median(heads), dense, fill_per_byte(fills),
+                       tuple(paths))
+
+
+def fill_per_byte(fills: list[tuple[float, int]]) -> float:
+    """Median seconds per byte of the export payload writes (0 when there are none)."""
+    return median([s / n for s, n in fills if n > 0])
+
+
+COPIER_BASIS = {
+    "traces": "what the traces show (spans issued while another was in flight)",
+    "given": "given (--copier)",
+    "assumed": "assumed (no span was issued while another was in flight): pdgpu's copier",
+}
 
 
 def _bandwidth(per_byte: float) -> float:
@@ -92,6 +122,9 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         f"# compute fit: {c.samples} samples, rank {c.rank}/4, rms residual {c.rms:.3e} s "
         f"({100 * c.rel_rms:.2f}%); copy fixed-cost rms residual {cal.copy_rms:.3e} s",
         f"# peak_flops, hbm_bandwidth, efficiency: from base profile {base.name!r} (not fitted)",
+        *([] if c.samples else [
+            "# no compute stages in the traces (export only): compute terms are 0, so this "
+            "profile predicts export-only runs (--no-compute) only"]),
         f"name = {json.dumps(name)}",
         f"source = {json.dumps('pdsim calibrate; base ' + base.name)}",
         f"model = {json.dumps(cal.model or '')}",
@@ -103,6 +136,8 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         f"  # rms {cal.gather.rms:.3e} s over {cal.gather.samples} spans",
         f"span_s = {cal.span_s!r}",
         f"contention = {c.get('contention')!r}",
+        f"copier = {json.dumps(cal.copier)}  # {COPIER_BASIS[cal.copier_basis]}",
+        f"fill_byte_s = {cal.fill_byte_s!r}  # export only: median of the `fill` stages",
         "", "[compute]",
         f"token_s = {c.get('token_s')!r}",
         f"pair_s = {c.get('pair_s')!r}",
@@ -133,7 +168,7 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
             for n, f in cal.links]
     out += [("latency_s", cal.latency_s, "s", cal.copy_rms), ("span_s", cal.span_s, "s",
                                                                cal.copy_rms),
-            ("head_s", cal.head_s, "s", 0.0)]
+            ("head_s", cal.head_s, "s", 0.0), ("fill_byte_s", cal.fill_byte_s, "s/B", 0.0)]
     return out
 
 
@@ -146,6 +181,10 @@ def add_args(p) -> None:
     p.add_argument("--name", default=None, help="profile name (default: the output's stem)")
     p.add_argument("--keep-warmup", action="store_true",
                    help="fit a trace's first request too (default: left out when there are more)")
+    p.add_argument("--copier", choices=COPIERS, default=None,
+                   help="the engine's copier, instead of what the traces show (needed when "
+                        "no span was issued while another was in flight, e.g. whole-copy "
+                        "traces only; then pipelined is assumed)")
     p.add_argument("--json", action="store_true", help="print the fitted figures as JSON")
 
 
@@ -154,7 +193,7 @@ def command(args) -> int:
 
     base = load_hw(args.hw)
     try:
-        cal = calibrate(args.traces, skip_warmup=not args.keep_warmup)
+        cal = calibrate(args.traces, skip_warmup=not args.keep_warmup, copier=args.copier)
     except Violation as v:
         raise UsageError(f"TRACE: not a legal trace: {v.code} {v.message}") from None
     name = args.name or Path(args.output).stem
@@ -162,11 +201,13 @@ def command(args) -> int:
     rows = figures(cal)
     if args.json:
         print(json.dumps({"model": cal.model, "pipelined": cal.pipelined,
+                          "copier": cal.copier, "copier_basis": cal.copier_basis,
                           "dense_attention": cal.dense_attention, "figures": {
             n: {"value": v, "unit": u, "rms_residual_s": r} for n, v, u, r in rows}}))
     else:
         for n, v, u, r in rows:
             print(f"{n:18} {v:12.5g} {u:8} rms residual {r:.3e} s")
         print(f"{'dense_attention':18} {str(cal.dense_attention).lower():>12} (the better fit)")
+        print(f"{'copier':18} {cal.copier:>12} ({COPIER_BASIS[cal.copier_basis]})")
         print(f"wrote {args.output} (use: pdsim run --hw {args.output} --model {cal.model})")
     return 0

@@ -7,6 +7,8 @@ tail and prefill (each life timed from its own `reserve`), plus the trace's peak
 With several lives the first is left out, as `pdsim calibrate` does. The engine warms its own
 buffers before t = 0 and keeps freed memory (`pdgpu.host`), so that first life is no longer
 2-5x slow on its copies, but it alone runs right after the warm-up's single chunk.
+An `ExportPoint` is one export-only run (`pdgpu run --no-compute --payload BYTES`, one mode):
+a payload handed off with no prefill, checked byte-exact by the engine (a mismatch exits 1).
 """
 
 from __future__ import annotations
@@ -37,10 +39,37 @@ class EnginePoint:
     prefix: int = 0
     link_gbps: float | None = None
 
+    no_compute = False  # a prefill runs (ExportPoint: none)
+
     @property
     def name(self) -> str:
         link = f"-link{self.link_gbps:g}" if self.link_gbps else ""
         return f"p{self.prompt}-c{self.chunk}-m{self.max_pending}-x{self.prefix}{link}"
+
+    def prompt_tokens(self, bytes_per_token: int) -> int:
+        return self.prompt
+
+
+@attrs.frozen
+class ExportPoint:
+    """One export-only engine configuration: `payload` bytes handed off in `mode`."""
+
+    payload: int
+    mode: str
+    chunk: int
+    max_pending: int = 2
+    link_gbps: float | None = None
+    prefix = 0
+    no_compute = True
+
+    @property
+    def name(self) -> str:
+        link = f"-link{self.link_gbps:g}" if self.link_gbps else ""
+        return f"export{self.payload}-{self.mode}-c{self.chunk}-m{self.max_pending}{link}"
+
+    def prompt_tokens(self, bytes_per_token: int) -> int:
+        """The prompt the payload fills (rounded up to whole tokens, as both shells do)."""
+        return -(-self.payload // bytes_per_token)
 
 
 @attrs.frozen
@@ -82,6 +111,34 @@ def run_point(point: EnginePoint, model: str, trace_dir: Path, requests: int = 2
     summary = json.loads(proc.stdout)
     return [measure(trace_dir / f"{mode}.jsonl", mode, entry)
             for mode, entry in summary.items()]
+
+
+def export_argv(point: ExportPoint, model: str, trace: Path, requests: int,
+                device: str | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "pdgpu", "run", "--model", model, "--no-compute",
+            "--payload", str(point.payload), "--mode", point.mode, "--chunk", str(point.chunk),
+            "--max-pending", str(point.max_pending), "--requests", str(requests),
+            "--trace", str(trace), "--json"]
+    if point.link_gbps:
+        argv += ["--link-gbps", repr(point.link_gbps)]
+    if device:
+        argv += ["--device", device]
+    return argv
+
+
+def run_export(point: ExportPoint, model: str, trace_dir: Path, requests: int = 2,
+               device: str | None = None) -> Measured:
+    """Run one export-only configuration; its Measured (parity: the payload landed exact)."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    trace = trace_dir / f"{point.mode}.jsonl"
+    proc = subprocess.run(export_argv(point, model, trace, requests, device),
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EngineRunError(f"engine on {point.name}: exit {proc.returncode}: {last}")
+    entry = {"metrics": json.loads(proc.stdout), "parity": {"kv_equal": True,
+                                                            "token_equal": True}}
+    return measure(trace, point.mode, entry)
 
 
 def measure(trace: Path, mode: str, entry: dict) -> Measured:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import attrs
 import numpy as np
 
@@ -45,7 +47,10 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, rounds: int = 3) -> Fit:
-    """Non-negative least squares, refitted without outliers (residual > 5 robust sigmas)."""
+    """Non-negative least squares, refitted without outliers (residual > 5 robust sigmas).
+    No samples: every coefficient 0 and `samples` 0 (e.g. compute terms of export traces)."""
+    if not len(y):
+        return Fit(names, (0.0,) * len(names), 0, 0, 0.0, 0.0)
     keep = np.ones(len(y), dtype=bool)
     for _ in range(rounds):
         coef, rank = nonneg_lstsq(x[keep], y[keep])
@@ -99,13 +104,29 @@ def link_stage_names(copies: list[CopySample]) -> list[str]:
     return list(seen)
 
 
-def is_pipelined(copies: list[CopySample], names: list[str]) -> bool:
-    """True when, in most spans, the second link stage starts before the first ends."""
+def is_streamed(copies: list[CopySample], names: list[str]) -> bool:
+    """True when, in most spans, the second link stage starts before the first ends (the
+    bytes stream through the link's stages: link profile `pipelined`)."""
     if len(names) < 2:
         return True
     votes = [c.stage(names[1])[0] < c.stage(names[0])[1] - 1e-12 for c in copies
              if c.stage(names[0]) and c.stage(names[1])]
     return sum(votes) * 2 > len(votes)
+
+
+def copier_of(copies: list[CopySample]) -> str | None:
+    """"pipelined" or "serial" by most votes of the spans that were issued while the span
+    before them (same trace) had not landed: on a serial copier such a span's first stage
+    waits for that land, on a pipelined one it starts before. None without such a span."""
+    votes, prev = [], None
+    for c in copies:
+        if prev is not None and prev.trace == c.trace and c.issue < prev.land:
+            first = min(a for _, a, _ in c.stages)
+            votes.append(first < max(b for _, _, b in prev.stages) - 1e-12)
+        prev = c
+    if not votes:
+        return None
+    return "pipelined" if sum(votes) * 2 > len(votes) else "serial"
 
 
 def median(values) -> float:
@@ -120,7 +141,8 @@ class FixedCost:
 
 
 def fit_fixed(copies: list[CopySample], gather: Fit, links, pipelined: bool) -> FixedCost:
-    """The per-span fixed costs around the bandwidth terms (one copy worker per trace)."""
+    """The per-span fixed costs around the bandwidth terms of a serial copier (one copy
+    worker per trace); `pipelined`: the link's stages stream (overlap within a span)."""
     pre, gaps, post, lasts, prev_end, trace = [], [], [], [], 0.0, None
     for c in copies:
         if c.trace != trace:  # a new clock: the worker starts free
@@ -141,5 +163,43 @@ def fit_fixed(copies: list[CopySample], gather: Fit, links, pipelined: bool) -> 
     per_link = [f.get("per_byte_s") for _, f in links] or [0.0]
     per_byte = gather.get("per_byte_s") + (max(per_link) if pipelined else sum(per_link))
     errors = [c.land - start - (span_s + latency + per_byte * c.nbytes) for c, start in lasts]
+    rms = float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
+    return FixedCost(span_s, latency, rms)
+
+
+def fit_fixed_pipelined(copies: list[CopySample], gather: Fit, links,
+                        streamed: bool) -> FixedCost:
+    """The per-span fixed costs of a pipelined copier (a lane per stage, pdsim/copier.py):
+    issue to gather start and gather end to the first link stage, each where that lane was
+    free (no queueing inside), between link stages alike, and last stage to `land` (the
+    watcher). span_s = before the gather + after the last stage + the gather's intercept;
+    latency = the gaps + the link stages' intercepts."""
+    pre, gaps, post, alone = [], defaultdict(list), [], []
+    free, prev_land, trace = {}, 0.0, None
+    for c in copies:
+        if c.trace != trace:  # a new clock: every lane starts free
+            free, prev_land, trace = {}, 0.0, c.trace
+        stages = [(n, c.stage(n)) for n in ("gather", *(n for n, _ in links))
+                  if c.stage(n) is not None]
+        idle = all(free.get(n, -np.inf) <= c.issue for n, _ in stages)
+        if free.get(stages[0][0], -np.inf) <= c.issue:
+            pre.append(stages[0][1][0] - c.issue)
+        for i in range(1, len(stages) if not streamed else min(2, len(stages))):
+            (_, (_, before_end)), (name, (start, _)) = stages[i - 1], stages[i]
+            if free.get(name, -np.inf) <= before_end:
+                gaps[i].append(start - before_end)
+        end = max(b for _, (_, b) in stages)
+        post.append(c.land - max(end, prev_land))
+        if idle:
+            alone.append(c)
+        free.update((n, b) for n, (_, b) in stages)
+        prev_land = c.land
+    intercepts = [f.get("intercept_s") for _, f in links] or [0.0]
+    latency = sum(max(0.0, median(g)) for g in gaps.values())
+    latency += max(intercepts) if streamed else sum(intercepts)
+    span_s = max(0.0, median(pre)) + max(0.0, median(post)) + gather.get("intercept_s")
+    per_link = [f.get("per_byte_s") for _, f in links] or [0.0]
+    per_byte = gather.get("per_byte_s") + (max(per_link) if streamed else sum(per_link))
+    errors = [c.land - c.issue - (span_s + latency + per_byte * c.nbytes) for c in alone]
     rms = float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
     return FixedCost(span_s, latency, rms)

@@ -2,7 +2,9 @@
 
 A compute sample pairs a `compute` stage with the `computed` event that closes it (its
 region gives tokens and the layer fraction) and the time gathers overlapped it. A copy
-sample is one span: its bytes, issue and land times, and its gather / link stages.
+sample is one span: its bytes, issue and land times, and its gather / link stages. A fill
+sample (export only) pairs a `fill` stage (the payload written) with the `computed` event
+that closes it: its duration and bytes.
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ class CopySample:
 
 
 class _Reader:
-    def __init__(self, layers: int, chunk: int | None, paced: bool = False) -> None:
-        self.layers, self.chunk, self.paced = layers, chunk, paced
+    def __init__(self, geometry, chunk: int | None, paced: bool = False) -> None:
+        self.geometry, self.layers = geometry, geometry.layers
+        self.chunk, self.paced = chunk, paced
         self.producer: dict[str, str] = {}
         self.open_compute: dict[str, deque] = defaultdict(deque)
+        self.open_fill: dict[str, deque] = defaultdict(deque)
+        self.fills: list[tuple[float, int]] = []  # (seconds, bytes) of export payload writes
         self.computes: list[tuple[str, object, object]] = []
         self.issues: dict = {}
         self.span_req: dict = {}
@@ -59,9 +64,8 @@ class _Reader:
             self.producer[e.req] = e.producer
         elif kind == "stage":
             self._stage(e)
-        elif kind == "computed" and self.open_compute[e.req]:
-            self.computes.append((self.producer.get(e.req, "p0"),
-                                  self.open_compute[e.req].popleft(), e))
+        elif kind == "computed":
+            self._computed(e)
         elif kind == "issue":
             self.issues[e.span] = e
             self.span_req[e.span] = e.req
@@ -70,9 +74,19 @@ class _Reader:
         elif kind == "produced":
             self.produced[e.req] = e.t
 
+    def _computed(self, e) -> None:
+        if self.open_compute[e.req]:
+            self.computes.append((self.producer.get(e.req, "p0"),
+                                  self.open_compute[e.req].popleft(), e))
+        elif self.open_fill[e.req]:
+            fill = self.open_fill[e.req].popleft()
+            self.fills.append((fill.end - fill.t, self.geometry.region_bytes(e.layers, e.tokens)))
+
     def _stage(self, e) -> None:
         if e.name == "compute":
             self.open_compute[e.req].append(e)
+        elif e.name == "fill":
+            self.open_fill[e.req].append(e)
         elif e.name == "head":
             self.heads.append(e.end - e.t)
         elif e.span is not None:
@@ -120,13 +134,14 @@ class TraceSamples:
     computes: list[ComputeSample]
     copies: list[CopySample]
     heads: list[float]
+    fills: list[tuple[float, int]]
 
 
 def samples(header, events, skip_warmup: bool = True) -> TraceSamples:
     """Samples of one trace (events in trace order). With several requests, the first is the
     engine's warm-up (cold buffers, first-touch page faults) and is left out."""
     chunk = header.get("chunk")
-    reader = _Reader(header.geometry.layers, chunk if isinstance(chunk, int) else None,
+    reader = _Reader(header.geometry, chunk if isinstance(chunk, int) else None,
                      paced=bool(header.get("link_gbps")))
     events = list(events)
     reqs = list(dict.fromkeys(e.req for e in events if e.kind == "reserve"))
@@ -134,4 +149,5 @@ def samples(header, events, skip_warmup: bool = True) -> TraceSamples:
     for e in events:
         if skip is None or e.req != skip:
             reader.feed(e)
-    return TraceSamples(reader.compute_samples(), reader.copy_samples(), reader.heads)
+    return TraceSamples(reader.compute_samples(), reader.copy_samples(), reader.heads,
+                        reader.fills)

@@ -5,6 +5,11 @@ back; timings are the median over the lives but the first, the engine's warm-up)
 points' traces feed `pdsim calibrate`; the simulator then predicts every point from that
 profile, and the held-out points' errors are the result. Tail error is reported relative to
 max(measured tail, 4 ms), so the target "25% or 1 ms, whichever is larger" reads as 25%.
+
+Export only (issue 11): `pdgpu run --no-compute --payload` over a paced link. A second
+profile is calibrated from the whole-copy export runs alone (two payloads, so per-byte and
+fixed costs separate; the copier given as pipelined, pdgpu's, since one span at a time
+cannot show it) and predicts the held-out chunked and per-layer exports.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from tqdm import tqdm
 
 from pdref.models import load_model
 from pdsim.calibrate import calibrate, profile_toml
-from pdsim.engine_runs import EnginePoint, Measured, run_point
+from pdsim.engine_runs import EnginePoint, ExportPoint, Measured, run_export, run_point
 from pdsim.options import UsageError
 from pdsim.predict import predict
 from pdsim.profiles import load_hw
@@ -37,6 +42,21 @@ GRIDS = {  # (point, role): role "train" feeds calibration, "test" is held out
     ),
     "quick": (
         (P(128, 32), "train"), (P(256, 64), "train"), (P(192, 32, prefix=32), "test"),
+    ),
+}
+X = ExportPoint
+EXPORT_GRIDS = {  # (export point, role): "train" must be whole copies only
+    "default": (
+        (X(8_000_000, "whole", 128, link_gbps=0.2), "train"),
+        (X(16_000_000, "chunk", 128, link_gbps=0.2), "test"),
+        (X(16_000_000, "whole", 128, link_gbps=0.2), "train"),
+        (X(8_000_000, "chunk", 128, link_gbps=0.2), "test"),
+        (X(16_000_000, "chunk", 256, max_pending=1, link_gbps=0.2), "test"),
+        (X(16_000_000, "layer", 128, link_gbps=0.2), "test"),
+    ),
+    "quick": (
+        (X(262_144, "whole", 32, link_gbps=0.5), "train"),
+        (X(262_144, "chunk", 32, link_gbps=0.5), "test"),
     ),
 }
 
@@ -86,14 +106,35 @@ def run_grid(grid, model: str, out: Path, requests: int, device: str | None,
     return done
 
 
-def fit_profile(runs, out: Path, model: str) -> Path:
-    """Calibrate from the training points' traces; the profile is out/profile.toml."""
+def run_exports(grid, model: str, out: Path, requests: int, device: str | None,
+                progress: bool = True) -> list[tuple[ExportPoint, str, list[Measured]]]:
+    """Every export-only point on the engine (traces under out/traces/POINT/MODE.jsonl)."""
+    done = []
+    bar = tqdm(grid, desc="export runs", unit="run", disable=not progress, file=sys.stderr)
+    for point, role in bar:
+        bar.set_postfix_str(point.name)
+        done.append((point, role, [run_export(point, model, out / "traces" / point.name,
+                                              requests, device)]))
+    return done
+
+
+def fit_profile(runs, out: Path, model: str, name: str = "profile.toml",
+                copier: str | None = None) -> Path:
+    """Calibrate from the training points' traces; the profile is out/NAME."""
     traces = [m.trace for _, role, ms in runs if role == "train" for m in ms]
     if not traces:
         raise UsageError("grid: no training point to calibrate from")
-    path = out / "profile.toml"
-    write_atomic(path, profile_toml(calibrate(traces), load_hw("a100-pcie"), f"{model}-cpu"))
+    path = out / name
+    cal = calibrate(traces, copier=copier)
+    write_atomic(path, profile_toml(cal, load_hw("a100-pcie"), f"{model}-cpu"))
     return path
+
+
+def fit_export_profile(runs, out: Path, model: str) -> Path:
+    """The export profile: whole-copy export runs only, pdgpu's (pipelined) copier."""
+    if any(m.mode != "whole" for _, role, ms in runs if role == "train" for m in ms):
+        raise UsageError("export grid: training runs must be whole copies")
+    return fit_profile(runs, out, model, "export-profile.toml", copier="pipelined")
 
 
 def predict_rows(runs, model: str, profile: Path) -> list[Row]:
@@ -119,22 +160,29 @@ def validate(model: str, grid_name: str, out: Path, requests: int = 4,
              device: str | None = None, progress: bool = True) -> tuple[list[Row], dict]:
     out.mkdir(parents=True, exist_ok=True)
     runs = run_grid(GRIDS[grid_name], model, out, requests, device, progress)
+    exports = run_exports(EXPORT_GRIDS[grid_name], model, out, requests, device, progress)
     profile = fit_profile(runs, out, model)
+    export_profile = fit_export_profile(exports, out, model)
     rows = predict_rows(runs, model, profile)
+    export_rows = predict_rows(exports, model, export_profile)
     result = {"model": model, "grid": grid_name, "requests": requests,
               "profile": str(profile), **summary(rows, "test"),
-              "train": summary(rows, "train"), "configs": [r.to_json() for r in rows]}
-    return rows, result
+              "train": summary(rows, "train"), "export_profile": str(export_profile),
+              "export": summary(export_rows, "test"),
+              "export_train": summary(export_rows, "train"),
+              "configs": [r.to_json() for r in rows],
+              "export_configs": [r.to_json() for r in export_rows]}
+    return rows + export_rows, result
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"{'role':5} {'point':28} {'mode':5} {'handoff ms':>10} {'pred':>9} {'err%':>6} "
+    head = (f"{'role':5} {'point':36} {'mode':5} {'handoff ms':>10} {'pred':>9} {'err%':>6} "
             f"{'tail ms':>8} {'pred':>8} {'err%':>6} {'staging MiB':>11} {'pred':>6}")
     lines = [head]
     for r in rows:
         m, p = r.measured, r.predicted
         lines.append(
-            f"{r.role:5} {r.point.name:28} {m.mode:5} {m.handoff_s * 1e3:10.1f} "
+            f"{r.role:5} {r.point.name:36} {m.mode:5} {m.handoff_s * 1e3:10.1f} "
             f"{p['handoff_s'] * 1e3:9.1f} {r.handoff_err_pct:6.1f} {m.tail_s * 1e3:8.2f} "
             f"{p['tail_s'] * 1e3:8.2f} {r.tail_err_pct:6.1f} "
             f"{m.peak_staging_bytes / 2**20:11.2f} {p['peak_staging_bytes'] / 2**20:6.2f}"
@@ -144,7 +192,9 @@ def format_table(rows: list[Row]) -> str:
 
 def format_summary(result: dict) -> str:
     lines = []
-    for label, s in (("held-out", result), ("training", result.get("train", {}))):
+    for label, s in (("held-out", result), ("training", result.get("train", {})),
+                     ("export held-out", result.get("export", {})),
+                     ("export training", result.get("export_train", {}))):
         if s.get("n"):
             lines.append(
                 f"{label} ({s['n']} configs): handoff error median "

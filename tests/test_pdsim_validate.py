@@ -20,12 +20,11 @@ def _costs(h2d_byte_s: float) -> Costs:
                  link_stages=(("d2h", 1e-10), ("h2d", h2d_byte_s)), link_latency_s=0.0)
 
 
-def test_paced_slows_h2d_to_the_link_rate():
-    """A paced run's h2d stage runs at link_gbps; a slower fitted rate is kept."""
+def test_paced_slows_each_link_direction_to_the_link_rate():
+    """A paced run's d2h and h2d stages each run at link_gbps; a slower fitted rate is kept."""
     fast, slow = paced(_costs(1e-10), 0.5), paced(_costs(1e-8), 0.5)
-    assert dict(fast.link_stages)["h2d"] == pytest.approx(2e-9)
-    assert dict(slow.link_stages)["h2d"] == 1e-8
-    assert dict(fast.link_stages)["d2h"] == 1e-10
+    assert dict(fast.link_stages) == pytest.approx({"d2h": 2e-9, "h2d": 2e-9})
+    assert dict(slow.link_stages) == pytest.approx({"d2h": 2e-9, "h2d": 1e-8})
     assert paced(_costs(1e-10), None) == _costs(1e-10)
 
 
