@@ -81,11 +81,11 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     computes, copies, heads, fills, model = read_samples(paths, skip_warmup)
     if not computes and not copies:
         raise UsageError("TRACE: no compute or copy stage events to fit")
+    shown = copier_of(copies)  # paced traces too: their spans queue most
     copies = [c for c in copies if not c.paced] or copies  # paced links hide the raw one
     names = link_stage_names(copies)
     links = tuple((n, fit_stage(copies, n)) for n in names)
     streamed = is_streamed(copies, names)
-    shown = copier_of(copies)
     kind, basis = ((copier, "given") if copier else (shown, "traces") if shown
                    else ("pipelined", "assumed"))
     gather = fit_stage(copies, "gather")

@@ -31,14 +31,15 @@ from pdsim.report import write_atomic, write_json
 
 TAIL_FLOOR_S = 0.004  # 1 ms is 25% of 4 ms
 P = EnginePoint
-GRIDS = {  # (point, role): role "train" feeds calibration, "test" is held out
+GRIDS = {  # (point, role): role "train" feeds calibration, "test" is held out; the paced
+    # training point has 2 spans in flight, so its traces show how the copier runs them
     "default": (  # roles alternate, so load drifts on a shared machine hit both halves alike
         (P(512, 128), "train"), (P(1024, 128), "test"), (P(1536, 128), "train"),
         (P(1024, 512), "test"), (P(512, 512), "train"), (P(512, 256), "test"),
         (P(1536, 512), "train"), (P(1536, 256), "test"), (P(1024, 256, max_pending=1), "train"),
         (P(1024, 256), "test"), (P(1024, 256, prefix=256), "train"),
-        (P(1024, 128, prefix=512), "test"), (P(512, 128, 1, link_gbps=0.02), "train"),
-        (P(512, 128, 2, link_gbps=0.02), "test"), (P(1024, 256, 2, link_gbps=0.05), "test"),
+        (P(1024, 128, prefix=512), "test"), (P(512, 128, 2, link_gbps=0.02), "train"),
+        (P(512, 128, 1, link_gbps=0.02), "test"), (P(1024, 256, 2, link_gbps=0.05), "test"),
     ),
     "quick": (
         (P(128, 32), "train"), (P(256, 64), "train"), (P(192, 32, prefix=32), "test"),

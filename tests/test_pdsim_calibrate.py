@@ -48,18 +48,79 @@ def test_calibrating_sim_traces_recovers_the_profile(tmp_path):
         assert getattr(got, term) == pytest.approx(getattr(COSTS, term), rel=0.01), term
 
 
+@pytest.mark.parametrize("copier", ["serial", "pipelined"])
+def test_calibration_recovers_the_copier_and_every_term(tmp_path, copier):
+    """A slow unstreamed link (spans queue behind each other): calibration reads the copier
+    the simulator ran with from the traces and recovers every term within 1%."""
+    truth = attrs.evolve(COSTS, copier=copier, streamed=False,
+                         link_stages=(("d2h", 1.2e-9), ("h2d", 1e-9)))
+    cal = calibrate(write_traces(tmp_path, truth))
+    assert (cal.copier, cal.copier_basis) == (copier, "traces")
+    got = recovered(tmp_path, write_traces(tmp_path, truth))
+    assert got.copier == copier
+    for term in TERMS:
+        assert getattr(got, term) == pytest.approx(getattr(truth, term), rel=0.01), term
+
+
+def _export_traces(folder, costs, payloads=(2**30, 2**32)) -> list[str]:
+    paths = []
+    for payload in payloads:
+        cfg = SimConfig(sim_geometry(SPEC), costs, "whole", 256, pool_pages=40000,
+                        no_compute=True, labels=(("model", SPEC.name),))
+        prompt = -(-payload // cfg.geometry.bytes_per_token)
+        path = folder / f"export{payload}.jsonl"
+        write_trace(path, simulate(cfg, [RequestSpec("r0", 0.0, prompt)]))
+        paths.append(str(path))
+    return paths
+
+
+def _export_handoff(costs, mode: str) -> float:
+    cfg = SimConfig(sim_geometry(SPEC), costs, mode, 256, pool_pages=40000, no_compute=True)
+    result = simulate(cfg, [RequestSpec("r0", 0.0, -(-2**32 // cfg.geometry.bytes_per_token))])
+    return max(e.t for e in result.events if e.kind == "land")
+
+
+def test_serial_copier_from_whole_copies_only_makes_chunked_export_slower(tmp_path):
+    """Calibrated from whole-copy export traces alone (the brief's kind of figures), a serial
+    copier predicts chunked export slower than whole, a pipelined one not; the payload
+    write (fill) is recovered too."""
+    truth = attrs.evolve(COSTS, fill_byte_s=2e-12)
+    paths = _export_traces(tmp_path, truth)
+    profile = tmp_path / "whole-only.toml"
+    fits = {}
+    for copier in ("serial", "pipelined"):
+        cal = calibrate(paths, copier=copier)
+        assert cal.copier_basis == "given" and cal.fill_byte_s == pytest.approx(2e-12)
+        profile.write_text(profile_toml(cal, A100, "whole-only"))
+        hw = load_hw(str(profile))
+        fits[copier] = costs_for(SPEC, hw, link_of(hw))
+    whole = _export_handoff(fits["serial"], "whole")
+    assert whole == pytest.approx(_export_handoff(truth, "whole"), rel=0.01)
+    assert _export_handoff(fits["serial"], "chunk") > 1.05 * whole
+    assert _export_handoff(fits["pipelined"], "chunk") < whole
+
+
+def test_whole_copies_alone_show_no_copier(tmp_path):
+    """One span at a time cannot show how spans share the copier: pipelined is assumed."""
+    cal = calibrate(_export_traces(tmp_path, COSTS))
+    assert (cal.copier, cal.copier_basis) == ("pipelined", "assumed")
+
+
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.floats(0.5, 2.0), min_size=6, max_size=6), st.floats(0.0, 0.5),
-       st.booleans())
-def test_recovery_holds_for_other_profiles(tmp_path_factory, scales, contention, pipelined):
-    """Random variations of the profile are recovered within 1% too."""
+       st.booleans(), st.sampled_from(["serial", "pipelined"]))
+def test_recovery_holds_for_other_profiles(tmp_path_factory, scales, contention, pipelined,
+                                           copier):
+    """Random variations of the profile are recovered within 1% too (a pipelined copier
+    with an unstreamed link: a streamed stage's end is not its own bytes' time)."""
     folder = tmp_path_factory.mktemp("cal")
     truth = attrs.evolve(
         COSTS, token_s=COSTS.token_s * scales[0], pair_s=COSTS.pair_s * scales[1],
         chunk_s=COSTS.chunk_s * scales[2], span_s=COSTS.span_s * scales[3],
         gather_byte_s=COSTS.gather_byte_s * scales[4],
         link_stages=(("d2h", 6e-11 * scales[5]), ("h2d", 5e-11)),
-        contention=contention, streamed=pipelined)
+        contention=contention, streamed=pipelined,
+        copier="serial" if pipelined else copier)
     got = recovered(folder, write_traces(folder, truth))
     for term in TERMS:  # contention is a ratio: 1e-12 of it is float noise, not a term
         tol = 1e-9 if term == "contention" else 1e-12

@@ -116,3 +116,18 @@ def test_timeline_writes_png_and_perfetto(tmp_path, capsys):
     names = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
              if e.get("name") == "thread_name"}
     assert {"p0.compute", "p0.gather", "p0.d2h", "p0.h2d"} <= names
+
+
+def test_copier_option_overrides_the_profile_and_labels_the_trace(tmp_path, capsys):
+    """`--copier pipelined` on the serial a100-pcie profile: a faster chunked export, and the
+    trace header says which copier ran; an unknown copier is one line, exit 2."""
+    argv = ["run", "--json", "--no-compute", "--payload", str(2**30), "--mode", "chunk"]
+    assert main(argv) == 0
+    serial = json.loads(capsys.readouterr().out)["handoff_s"]
+    trace = tmp_path / "p.jsonl"
+    assert main([*argv, "--copier", "pipelined", "--trace", str(trace)]) == 0
+    assert json.loads(capsys.readouterr().out)["handoff_s"] < 0.95 * serial
+    assert json.loads(trace.read_text().splitlines()[0])["copier"] == "pipelined"
+    assert main([*argv, "--copier", "parallel"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--copier" in err

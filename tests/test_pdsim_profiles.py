@@ -75,3 +75,13 @@ def test_faster_hardware_computes_faster():
     chunk = (0, 256)
     assert h100.compute_s(chunk) < a100.compute_s(chunk)
     assert h200.gather_byte_s < h100.gather_byte_s
+
+
+def test_unknown_copier_is_refused_naming_the_field(tmp_path):
+    """`copier` is serial or pipelined; anything else is refused with the field named."""
+    text = (HW_DIR / "a100-pcie.toml").read_text().replace('copier = "serial"',
+                                                          'copier = "parallel"')
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match="'copier' must be one of 'serial', 'pipelined'"):
+        load_hw(str(path))

@@ -9,10 +9,10 @@ from pdref.models import load_model
 from pdsim.cli import main
 from pdsim.config import RequestSpec
 from pdsim.costs import Costs
-from pdsim.engine_runs import EnginePoint, measure
+from pdsim.engine_runs import EnginePoint, ExportPoint, export_argv, measure
 from pdsim.predict import paced, predict, simulate_point
 from pdsim.report import write_trace
-from pdsim.validate import GRIDS, Row, summary
+from pdsim.validate import EXPORT_GRIDS, GRIDS, Row, summary
 
 
 def _costs(h2d_byte_s: float) -> Costs:
@@ -65,6 +65,32 @@ def test_grids_hold_out_points_and_cover_every_role():
         assert train and test and not train & test
 
 
+def test_export_grids_calibrate_on_whole_copies_and_hold_out_chunked_ones():
+    """Export profiles come from whole copies only (two payloads in the default grid, so
+    per-byte and fixed costs separate); chunked exports are held out."""
+    for grid in EXPORT_GRIDS.values():
+        assert {p.mode for p, r in grid if r == "train"} == {"whole"}
+        assert "chunk" in {p.mode for p, r in grid if r == "test"}
+    assert len({p.payload for p, r in EXPORT_GRIDS["default"] if r == "train"}) >= 2
+
+
+def test_export_point_runs_pdgpu_export_and_predicts_its_payload(tmp_path):
+    """An export point is `pdgpu run --no-compute --payload` in its mode; the simulator moves
+    the same payload (rounded up to whole tokens), and measure() reads what predict() says."""
+    point = ExportPoint(1_000_000, "chunk", 64, max_pending=1, link_gbps=0.5)
+    argv = export_argv(point, "tiny", tmp_path / "t.jsonl", 3)
+    assert argv[argv.index("--payload") + 1] == "1000000" and "--no-compute" in argv
+    assert argv[argv.index("--link-gbps") + 1] == "0.5"
+    spec = load_model("tiny")
+    result = simulate_point(spec, "a100-pcie", point, "chunk")
+    write_trace(str(tmp_path / "t.jsonl"), result)
+    m = measure(tmp_path / "t.jsonl", "chunk", {"metrics": {}, "parity": {
+        "kv_equal": True, "token_equal": True}})
+    expected = predict(spec, "a100-pcie", point, "chunk")
+    assert expected["bytes"] == -(-1_000_000 // 512) * 512
+    assert m.handoff_s == pytest.approx(expected["handoff_s"])
+
+
 def test_quick_grid_end_to_end(tmp_path, capsys):
     """The quick grid on the tiny engine: one JSON object, every config, a PNG and a profile."""
     code = main(["validate", "--model", "tiny", "--grid", "quick", "--requests", "1",
@@ -72,6 +98,8 @@ def test_quick_grid_end_to_end(tmp_path, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["configs"]) == 3 * len(GRIDS["quick"])
+    assert len(out["export_configs"]) == len(EXPORT_GRIDS["quick"])
+    assert out["export"]["n"] == 1 and "median_handoff_err_pct" in out["export"]
     for key in ("median_handoff_err_pct", "worst_handoff_err_pct", "median_tail_err_pct"):
         assert 0 <= out[key] < float("inf")
     assert all(c["parity"] for c in out["configs"])
