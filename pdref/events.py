@@ -151,6 +151,10 @@ class Stage:
     # Extension (contract v1 allows extra fields): the prompt tokens a compute stage
     # prefilled, so calibration can fit compute cost per chunk.
     tokens: Range | None = None
+    # Extension: a decode step's batch (requests decoded together) and the KV tokens it read,
+    # so calibration can fit a decode step's time as a function of both.
+    batch: int | None = None
+    kv_tokens: int | None = None
 
 
 Event = (

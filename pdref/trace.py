@@ -104,7 +104,8 @@ FIELDS: dict[str, tuple] = {
     "abort": (("reason", _str, True),),
     "fence": (("span", _span, True),),
     "stage": (("name", _name, True), ("end", _num, True), ("span", _opt(_span), False),
-              ("resource", _opt(_name), False), ("tokens", _opt(_range), False)),
+              ("resource", _opt(_name), False), ("tokens", _opt(_range), False),
+              ("batch", _opt(_pos_int), False), ("kv_tokens", _opt(_int), False)),
 }
 _GEOMETRY = (("layers", _pos_int), ("kv_heads", _pos_int), ("head_dim", _pos_int),
              ("dtype_bytes", _pos_int), ("page_tokens", _pos_int))

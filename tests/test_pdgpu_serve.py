@@ -53,6 +53,17 @@ def test_served_tokens_equal_generate_in_every_mode(tmp_path, checkpoint, mode, 
     used = {e["producer"] for e in events_of(trace, "reserve")}
     assert used == {f"p{r}" for r in range(1, producers + 1)}  # least-loaded spreads the work
     assert len(events_of(trace, "land")) >= 4 and not events_of(trace, "fail")
+    _assert_decode_stages(trace, prompts, results)
+
+
+def _assert_decode_stages(trace, prompts, results) -> None:
+    """Each decode stage's batch and KV tokens add up to the rows the requests decoded: a
+    request of P prompt tokens and N outputs decodes N-1 rows over P, P+1, ... KV tokens."""
+    decodes = [e for e in events_of(trace, "stage") if e["name"] == "decode"]
+    rows = [(len(p["tokens"]), len(r["output"])) for p, r in zip(prompts, results, strict=True)]
+    assert sum(d["batch"] for d in decodes) == sum(n - 1 for _, n in rows)
+    want_kv = sum((n - 1) * p + (n - 1) * (n - 2) // 2 for p, n in rows)
+    assert sum(d["kv_tokens"] for d in decodes) == want_kv
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])

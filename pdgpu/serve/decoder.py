@@ -237,11 +237,13 @@ class Decoder:
     # -- run ----------------------------------------------------------------------------------
 
     def _decode_step(self) -> None:
+        kv_tokens = sum(t.seq.length for t in self.running)  # read by this step's attention
         batch = DecodeBatch([t.seq for t in self.running])
         start = self.ledger.now()
         tokens = decode_tokens(self.model, batch, [t.output[-1] for t in self.running])
         now = self.ledger.now()
-        self.ledger.stage(self.running[0].req, "decode", start, now, resource="decoder")
+        self.ledger.stage(self.running[0].req, "decode", start, now, resource="decoder",
+                          batch=len(self.running), kv_tokens=kv_tokens)
         for t, token in zip(list(self.running), tokens, strict=True):
             t.output.append(token)
             t.token_t.append(now)

@@ -135,9 +135,11 @@ class Ledger:
         self._emit(ev.Abort, req, reason)
         self.slots.pop(req, None)
 
-    def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None):
+    def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None,
+              batch: int | None = None, kv_tokens: int | None = None):
         start = max(0.0, start)
-        self.stages.append(ev.Stage(start, req, name, max(start, end), span, resource))
+        self.stages.append(ev.Stage(start, req, name, max(start, end), span, resource,
+                                    batch=batch, kv_tokens=kv_tokens))
 
     def trace(self) -> list:
         """Every event in time order (protocol order kept among equal times)."""
