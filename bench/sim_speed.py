@@ -23,13 +23,13 @@ import time
 import attrs
 
 from pdref.models import load_model
-from pdsim.config import RequestSpec, SimConfig
-from pdsim.costs import costs_for, sim_geometry
-from pdsim.metrics import workload_metrics
-from pdsim.profiles import load_hw, load_link
-from pdsim.sim import simulate
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.metrics import workload_metrics
+from pdsim.core.profiles import load_hw, load_link
+from pdsim.core.sim import simulate
+from pdsim.core.workload import WorkloadSpec, build_requests
 from pdsim.sweep import Point, run_sweep
-from pdsim.workload import WorkloadSpec, build_requests
 
 
 def base_config() -> SimConfig:

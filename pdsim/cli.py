@@ -12,14 +12,13 @@ import sys
 
 from pdref.models import ProfileError
 from pdref.plan import PlanError
-from pdsim.engine_runs import EngineRunError
-from pdsim.env import gc_paused
-from pdsim.faults import add_fault_options, fault_spec
-from pdsim.metrics import single_metrics, workload_metrics
+from pdsim.core.env import gc_paused
+from pdsim.core.faults import add_fault_options, fault_spec
+from pdsim.core.metrics import single_metrics, workload_metrics
+from pdsim.core.sim import simulate
+from pdsim.fit.engine_runs import EngineRunError
 from pdsim.options import Parser, UsageError, add_run_options, run_setup
-from pdsim.report import format_metrics, write_trace
-from pdsim.results import write_results
-from pdsim.sim import simulate
+from pdsim.views.report import format_metrics, write_results, write_trace
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 INPUT_ERRORS = (UsageError, ProfileError, PlanError, ValueError, OSError)
@@ -43,10 +42,10 @@ def cmd_run(args) -> int:
 
 
 def _lazy(module: str, name: str):
-    """`pdsim.<module>.<name>`, imported when first called: `pdsim run` should not pay for
+    """`<module>.<name>`, imported when first called: `pdsim run` should not pay for
     networkx, tqdm or matplotlib, which other commands' modules import."""
     def call(*args):
-        return getattr(importlib.import_module(f"pdsim.{module}"), name)(*args)
+        return getattr(importlib.import_module(module), name)(*args)
 
     return call
 
@@ -54,15 +53,17 @@ def _lazy(module: str, name: str):
 def _commands():
     commands = {
         "run": ("simulate one run or workload; print metrics", _run_args, cmd_run),
-        "sweep": "grid over chunk sizes, prompts, modes, bounds, bandwidths",
-        "explain": "dependency graph and critical path of one run",
-        "timeline": "Gantt PNG and Perfetto trace of one run",
-        "calibrate": "fit a hw profile from traces' stage events",
-        "validate": "run the engine over a grid, calibrate on part, predict the rest",
-        "demo": "the main job: engine, calibration, prediction, sweeps, checks, report",
+        "sweep": ("pdsim.sweep", "grid over chunk sizes, prompts, modes, bounds, bandwidths"),
+        "explain": ("pdsim.views.explain", "dependency graph and critical path of one run"),
+        "timeline": ("pdsim.views.timeline", "Gantt PNG and Perfetto trace of one run"),
+        "calibrate": ("pdsim.fit.calibrate", "fit a hw profile from traces' stage events"),
+        "validate": ("pdsim.fit.validate",
+                     "run the engine over a grid, calibrate on part, predict the rest"),
+        "demo": ("pdsim.demo",
+                 "the main job: engine, calibration, prediction, sweeps, checks, report"),
     }
-    return {name: entry if isinstance(entry, tuple)
-            else (entry, _lazy(name, "add_args"), _lazy(name, "command"))
+    return {name: entry if len(entry) == 3
+            else (entry[1], _lazy(entry[0], "add_args"), _lazy(entry[0], "command"))
             for name, entry in commands.items()}
 
 

@@ -20,14 +20,14 @@ from tqdm import tqdm
 
 from pdref.check import check_file
 from pdref.models import load_model
-from pdsim.calibrate import calibrate, figures, profile_toml
-from pdsim.demo_report import comparison_table, report_md, trace_table
-from pdsim.engine_runs import EnginePoint, Measured, run_point
+from pdsim.core.profiles import load_hw
+from pdsim.fit.calibrate import calibrate, figures, profile_toml
+from pdsim.fit.engine_runs import EnginePoint, Measured, run_point
+from pdsim.fit.predict import predict, simulate_point
 from pdsim.options import UsageError
-from pdsim.predict import predict, simulate_point
-from pdsim.profiles import load_hw
-from pdsim.report import write_atomic, write_json, write_trace
 from pdsim.sweep import Point, best_chunks, run_sweep
+from pdsim.views.demo_report import comparison_table, report_md, trace_table
+from pdsim.views.report import write_atomic, write_json, write_trace
 
 SWEEP_CHUNKS = (64, 128, 256, 512, 1024, 2048)
 REFERENCE = (("qwen3-0.6b", "a100-pcie"), ("qwen3-0.6b", "h200"))
@@ -86,7 +86,7 @@ def predict_step(cfg: DemoConfig, runs, profile: Path) -> list[tuple[Measured, d
 
 def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
     """Chunk sweeps: this device (calibrated) and the reference GPUs; one PNG each."""
-    from pdsim.plots import sweep_png
+    from pdsim.views.plots import plotted_rows, sweep_png
 
     cases = [(cfg.model, str(profile), cfg.prompt, "this-device", "this device (calibrated)")]
     cases += [(m, hw, REFERENCE_PROMPT, f"{m}-{hw}", hw) for m, hw in REFERENCE]
@@ -98,7 +98,8 @@ def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
                   for c in chunks]
         rows = run_sweep(base, points, jobs=2, progress=cfg.progress)
         png = f"sweep-{label}.png"
-        write_atomic(cfg.out / png, sweep_png(rows, title=f"{model} on {hw_name}"))
+        png_bytes = sweep_png(rows, best_chunks(plotted_rows(rows)), title=f"{model} on {hw_name}")
+        write_atomic(cfg.out / png, png_bytes)
         best = best_chunks(rows)[prompt]
         print(f"  {model} on {hw_name}, prompt {prompt}: best: mode {best['mode']}, chunk "
               f"{best['chunk']}: handoff {best['handoff_s'] * 1e3:.1f} ms, tail "
@@ -109,9 +110,9 @@ def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
 
 
 def base_sim_config(model: str, hw: str):
-    from pdsim.config import SimConfig
-    from pdsim.costs import costs_for, sim_geometry
-    from pdsim.profiles import link_of
+    from pdsim.core.config import SimConfig
+    from pdsim.core.costs import costs_for, sim_geometry
+    from pdsim.core.profiles import link_of
 
     spec, profile = load_model(model), load_hw(hw)
     costs = costs_for(spec, profile, link_of(profile))

@@ -10,10 +10,10 @@ import attrs
 from pdref.cli_format import DefaultsFormatter
 from pdref.events import Mode
 from pdref.models import load_model
-from pdsim.config import RequestSpec, SimConfig
-from pdsim.costs import costs_for, sim_geometry
-from pdsim.profiles import COPIERS, link_of, load_hw
-from pdsim.workload import WorkloadSpec, build_requests
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.profiles import COPIERS, link_of, load_hw
+from pdsim.core.workload import WorkloadSpec, build_requests
 
 DEFAULT_PROMPT = 8192
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import pdref
 import pdsim
-from pdsim.config import SimConfig
+from pdsim.core.config import SimConfig
 from pdsim.options import UsageError
 from pdsim.sweep import Point, evaluate
 

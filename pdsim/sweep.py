@@ -19,11 +19,11 @@ import attrs
 from tqdm import tqdm
 
 from pdref.events import Mode
-from pdsim.config import RequestSpec, SimConfig
-from pdsim.metrics import single_metrics
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.metrics import single_metrics
+from pdsim.core.sim import simulate
 from pdsim.options import UsageError, add_model_options, base_config
-from pdsim.report import write_atomic, write_json
-from pdsim.sim import simulate
+from pdsim.views.report import write_atomic, write_json
 
 COLUMNS = ("mode", "prompt", "chunk", "max_pending", "bandwidth_scale", "prefill_s",
            "handoff_s", "tail_s", "peak_staging_bytes", "spans", "lower_bound_s", "gap_s")
@@ -218,6 +218,7 @@ def _write_outputs(args, rows: list[dict], base: SimConfig) -> None:
         write_json(args.json, {"labels": dict(base.labels), "rows": rows,
                                "best": {str(k): v for k, v in best_chunks(rows).items()}})
     if args.png:
-        from pdsim.plots import labels_title, sweep_png
+        from pdsim.views.plots import labels_title, plotted_rows, sweep_png
 
-        write_atomic(args.png, sweep_png(rows, title=labels_title(dict(base.labels))))
+        best = best_chunks(plotted_rows(rows))
+        write_atomic(args.png, sweep_png(rows, best, title=labels_title(dict(base.labels))))

@@ -6,13 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdref.models import load_model
-from pdsim.calibrate import calibrate, profile_toml
 from pdsim.cli import main
-from pdsim.config import RequestSpec, SimConfig
-from pdsim.costs import costs_for, sim_geometry
-from pdsim.profiles import link_of, load_hw
-from pdsim.report import write_trace
-from pdsim.sim import simulate
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.profiles import link_of, load_hw
+from pdsim.core.sim import simulate
+from pdsim.fit.calibrate import calibrate, profile_toml
+from pdsim.views.report import write_trace
 
 SPEC = load_model("qwen3-0.6b")
 A100 = load_hw("a100-pcie")

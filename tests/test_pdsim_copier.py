@@ -4,11 +4,11 @@ import attrs
 import pytest
 
 from pdref.models import load_model
-from pdsim.config import RequestSpec, SimConfig
-from pdsim.copier import Copier
-from pdsim.costs import Costs, costs_for, sim_geometry
-from pdsim.profiles import link_of, load_hw
-from pdsim.sim import simulate
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.copier import Copier
+from pdsim.core.costs import Costs, costs_for, sim_geometry
+from pdsim.core.profiles import link_of, load_hw
+from pdsim.core.sim import simulate
 
 SPEC = load_model("qwen3-0.6b")
 A100 = load_hw("a100-pcie")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdsim.demo_report import report_md
-from pdsim.engine_runs import Measured
+from pdsim.fit.engine_runs import Measured
+from pdsim.views.demo_report import report_md
 
 
 def _pairs(tmp_path: Path, device: str, decoder: str, prefill_s: float) -> list:

@@ -13,13 +13,13 @@ from pdref.events import event_to_json, header_to_json
 from pdref.models import load_model
 from pdref.monitor import Monitor
 from pdsim.cli import main
-from pdsim.config import SimConfig
-from pdsim.costs import costs_for, sim_geometry
-from pdsim.faults import FaultSpec, Kill
-from pdsim.metrics import workload_metrics
-from pdsim.profiles import load_hw, load_link
-from pdsim.sim import simulate
-from pdsim.workload import WorkloadSpec, build_requests
+from pdsim.core.config import SimConfig
+from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.faults import FaultSpec, Kill
+from pdsim.core.metrics import workload_metrics
+from pdsim.core.profiles import load_hw, load_link
+from pdsim.core.sim import simulate
+from pdsim.core.workload import WorkloadSpec, build_requests
 
 
 def slow_link_config(mode="chunk", producers=2, pool_pages=None, **changes) -> SimConfig:

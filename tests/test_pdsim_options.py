@@ -88,14 +88,14 @@ def test_readme_timeline_example_draws_the_mode_it_names(tmp_path, monkeypatch):
     import shlex
     from pathlib import Path
 
-    from pdsim import gantt
+    from pdsim.views import timeline
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     line = next(x for x in readme.splitlines() if x.startswith("pdsim timeline "))
     argv = shlex.split(line.split("#")[0])[1:]
     argv = [str(tmp_path / a) if re.fullmatch(r"t\.(png|json)", a) else a for a in argv]
     drawn = []
-    monkeypatch.setattr(gantt, "gantt_png", lambda events, title: drawn.append(events) or b"")
+    monkeypatch.setattr(timeline, "gantt_png", lambda events, title: drawn.append(events) or b"")
     assert main(argv) == 0
     copies = [e for e in drawn[0] if e.kind == "stage" and e.name == "d2h"]
     assert len(copies) == 8192 // 256

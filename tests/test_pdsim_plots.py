@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from pdsim import gantt, plots, validate_plot
 from pdsim.cli import main
+from pdsim.views import plots, timeline, validate_plot
 
 
 def _figure_instead_of_png(monkeypatch, module):
@@ -18,7 +18,8 @@ def _figure_instead_of_png(monkeypatch, module):
 def test_sweep_png_title_is_words_not_a_json_dict(tmp_path, monkeypatch):
     """`pdsim sweep --png` titles the figure "model on hw (link ...)", no raw dict."""
     titles = []
-    monkeypatch.setattr(plots, "sweep_png", lambda rows, title: titles.append(title) or b"png")
+    monkeypatch.setattr(plots, "sweep_png",
+                        lambda rows, best, title: titles.append(title) or b"png")
     assert main(["sweep", "--prompts", "512", "--chunks", "128,256", "--quiet",
                  "--bandwidth-scale", "2", "--png", str(tmp_path / "s.png")]) == 0
     assert titles == ["qwen3-0.6b on a100-pcie (link pcie-gen4), bandwidth x2"]
@@ -26,16 +27,16 @@ def test_sweep_png_title_is_words_not_a_json_dict(tmp_path, monkeypatch):
 
 def test_timeline_has_a_colour_key_for_each_stage_drawn(monkeypatch):
     """The Gantt chart's legend names exactly the stages that have bars."""
+    from pdsim.core.sim import simulate
     from pdsim.options import Parser, add_run_options, run_setup
-    from pdsim.sim import simulate
 
     parser = Parser()
     add_run_options(parser)
     cfg, requests = run_setup(parser.parse_args(["--prompt", "512", "--chunk", "256",
                                                  "--mode", "chunk"]))
     events = simulate(cfg, requests).events
-    _figure_instead_of_png(monkeypatch, gantt)
-    fig = gantt.gantt_png(events)
+    _figure_instead_of_png(monkeypatch, timeline)
+    fig = timeline.gantt_png(events)
     legend = fig.axes[0].get_legend()
     assert legend is not None
     drawn = {e.name for e in events if e.kind == "stage"}

@@ -3,8 +3,8 @@
 import pytest
 
 from pdref.models import ProfileError, load_model
-from pdsim.costs import costs_for, sim_geometry
-from pdsim.profiles import HW_DIR, LINKS_DIR, load_hw, load_link
+from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.profiles import HW_DIR, LINKS_DIR, load_hw, load_link
 
 HW = sorted(p.stem for p in HW_DIR.glob("*.toml"))
 LINKS = sorted(p.stem for p in LINKS_DIR.glob("*.toml"))

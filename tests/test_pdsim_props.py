@@ -11,11 +11,11 @@ from pdref.check import check_lines
 from pdref.events import event_to_json, header_to_json
 from pdref.geometry import Geometry
 from pdref.models import MODELS_DIR, load_model
-from pdsim.config import RequestSpec, SimConfig
-from pdsim.costs import Costs, costs_for, sim_geometry
-from pdsim.metrics import single_metrics
-from pdsim.profiles import load_hw, load_link
-from pdsim.sim import simulate
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.costs import Costs, costs_for, sim_geometry
+from pdsim.core.metrics import single_metrics
+from pdsim.core.profiles import load_hw, load_link
+from pdsim.core.sim import simulate
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -6,11 +6,11 @@ import pytest
 from pdref.check import check_file
 from pdref.geometry import Geometry
 from pdref.metrics import run_metrics
-from pdsim.config import RequestSpec, SimConfig
-from pdsim.costs import Costs
-from pdsim.metrics import single_metrics, workload_metrics
-from pdsim.report import write_trace
-from pdsim.sim import simulate
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.costs import Costs
+from pdsim.core.metrics import single_metrics, workload_metrics
+from pdsim.core.sim import simulate
+from pdsim.views.report import write_trace
 
 GEO = Geometry(layers=4, kv_heads=2, head_dim=8, dtype_bytes=2, page_tokens=4)
 COSTS = Costs(token_s=1e-4, pair_s=1e-7, chunk_s=1e-3, span_s=2e-4, gather_byte_s=1e-10,

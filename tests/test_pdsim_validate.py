@@ -7,12 +7,12 @@ import pytest
 
 from pdref.models import load_model
 from pdsim.cli import main
-from pdsim.config import RequestSpec
-from pdsim.costs import Costs
-from pdsim.engine_runs import EnginePoint, ExportPoint, export_argv, measure
-from pdsim.predict import paced, predict, simulate_point
-from pdsim.report import write_trace
-from pdsim.validate import EXPORT_GRIDS, GRIDS, Row, summary
+from pdsim.core.config import RequestSpec
+from pdsim.core.costs import Costs
+from pdsim.fit.engine_runs import EnginePoint, ExportPoint, export_argv, measure
+from pdsim.fit.predict import paced, predict, simulate_point
+from pdsim.fit.validate import EXPORT_GRIDS, GRIDS, Row, summary
+from pdsim.views.report import write_trace
 
 
 def _costs(h2d_byte_s: float) -> Costs:
@@ -43,7 +43,7 @@ def test_measure_matches_pdref_metrics_on_a_simulated_trace(tmp_path):
 
 def test_summary_is_over_held_out_rows_only():
     """Median and worst errors count the held-out rows, not the training rows."""
-    from pdsim.engine_runs import Measured
+    from pdsim.fit.engine_runs import Measured
 
     def row(role, meas, pred):
         m = Measured("whole", "t", meas, 0.01, meas - 0.01, 0, None, True)
@@ -118,7 +118,7 @@ def test_bad_requests_is_one_line_exit_2(tmp_path, capsys):
 
 def test_row_error_is_relative_to_measured():
     """handoff_err_pct is |predicted/measured - 1| in percent."""
-    from pdsim.engine_runs import Measured
+    from pdsim.fit.engine_runs import Measured
 
     m = Measured("chunk", "t", 2.0, 0.002, 1.998, 0, None, True)
     r = Row(EnginePoint(64, 32), "test", m, {"handoff_s": 1.5, "tail_s": 0.003,
@@ -131,11 +131,11 @@ def test_row_error_is_relative_to_measured():
 @pytest.mark.parametrize("dense", [False, True])
 def test_head_and_attention_shape_recovered_from_sim_traces(tmp_path, dense):
     """head_s, pair_s and the attention shape (causal or dense) are recovered from sim traces."""
-    from pdsim.calibrate import calibrate
-    from pdsim.config import SimConfig
-    from pdsim.costs import costs_for, sim_geometry
-    from pdsim.profiles import link_of, load_hw
-    from pdsim.sim import simulate
+    from pdsim.core.config import SimConfig
+    from pdsim.core.costs import costs_for, sim_geometry
+    from pdsim.core.profiles import link_of, load_hw
+    from pdsim.core.sim import simulate
+    from pdsim.fit.calibrate import calibrate
 
     spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
     base = costs_for(spec, hw, link_of(hw))

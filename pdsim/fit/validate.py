@@ -24,12 +24,12 @@ import attrs
 from tqdm import tqdm
 
 from pdref.models import load_model
-from pdsim.calibrate import calibrate, profile_toml
-from pdsim.engine_runs import EnginePoint, ExportPoint, Measured, run_export, run_point
+from pdsim.core.profiles import load_hw
+from pdsim.fit.calibrate import calibrate, profile_toml
+from pdsim.fit.engine_runs import EnginePoint, ExportPoint, Measured, run_export, run_point
+from pdsim.fit.predict import predict
 from pdsim.options import UsageError
-from pdsim.predict import predict
-from pdsim.profiles import load_hw
-from pdsim.report import write_atomic, write_json
+from pdsim.views.report import write_atomic, write_json
 
 TAIL_FLOOR_S = 0.004  # 1 ms is 25% of 4 ms
 EXPORT_LIVES = 4  # export runs serve this many times --requests (their lives are short)
@@ -223,7 +223,7 @@ def add_args(p) -> None:
 
 
 def command(args) -> int:
-    from pdsim.validate_plot import validation_png
+    from pdsim.views.validate_plot import validation_png
 
     if args.requests < 1:
         raise UsageError(f"--requests must be >= 1, got {args.requests}")

@@ -6,7 +6,7 @@ import attrs
 
 from pdref.events import Mode
 from pdref.geometry import Geometry
-from pdsim.costs import Costs
+from pdsim.core.costs import Costs
 
 
 def _at_least(n: int):

@@ -3,7 +3,7 @@
 Compute terms (per chunk, per token, per attention pair, contention) come from every trace's
 `compute` stages; gather and link bandwidths (each link direction on its own) from the copy
 stages; the per-span fixed cost and link latency from what is left of each span's
-issue-to-land time, read the way the copier runs spans (pdsim/copier.py): serial, from where
+issue-to-land time, read the way the copier runs spans (pdsim/core/copier.py): serial, from where
 the previous span ended; pipelined, from where each stage's lane was free. The copier is
 what the traces show (a span issued before the previous one landed starts before that land
 only on a pipelined copier), else `--copier`, else pipelined (pdgpu's copier). Copies of
@@ -21,7 +21,8 @@ from pathlib import Path
 import attrs
 
 from pdref.trace import read_trace
-from pdsim.fitting import (
+from pdsim.core.profiles import COPIERS, load_hw
+from pdsim.fit.fitting import (
     Fit,
     copier_of,
     fit_attention,
@@ -32,10 +33,9 @@ from pdsim.fitting import (
     link_stage_names,
     median,
 )
+from pdsim.fit.samples import samples
 from pdsim.options import UsageError
-from pdsim.profiles import COPIERS, load_hw
-from pdsim.report import write_atomic
-from pdsim.samples import samples
+from pdsim.views.report import write_atomic
 
 
 @attrs.frozen

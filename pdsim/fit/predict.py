@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import attrs
 
-from pdsim.config import RequestSpec, SimConfig
-from pdsim.costs import Costs, costs_for, sim_geometry
-from pdsim.engine_runs import EnginePoint, ExportPoint
-from pdsim.metrics import single_metrics
-from pdsim.profiles import link_of, load_hw
-from pdsim.sim import SimResult, simulate
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.costs import Costs, costs_for, sim_geometry
+from pdsim.core.metrics import single_metrics
+from pdsim.core.profiles import link_of, load_hw
+from pdsim.core.sim import SimResult, simulate
+from pdsim.fit.engine_runs import EnginePoint, ExportPoint
 
 
 def paced(costs: Costs, link_gbps: float | None) -> Costs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from pdsim.plots import MODE_COLORS, _png, plt
+from pdsim.views.plots import MODE_COLORS, _png, plt
 
 
 def validation_png(rows) -> bytes:

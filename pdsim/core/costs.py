@@ -4,7 +4,7 @@ compute(chunk [a, b))  = chunk_s + token_s * (b - a) + pair_s * sum_{i=a}^{b-1} 
   with dense_attention: pair_s * n * b instead (an engine that runs a chunk's attention as
   a dense masked n x b rectangle pays for the masked-out pairs too; calibrated profiles only)
 copy(span of n bytes)  = span_s + gather_byte_s * n + link_latency_s + link_byte_s * n
-  (one span alone; how spans share the copier, serial or pipelined: pdsim/copier.py)
+  (one span alone; how spans share the copier, serial or pipelined: pdsim/core/copier.py)
 head (the first token's LM head, after the last chunk) = head_s (calibrated profiles only)
 fill (export only: writing the payload of n bytes) = fill_byte_s * n (calibrated profiles only)
 While a gather overlaps a compute chunk, the chunk runs slower by `contention` times the
@@ -17,7 +17,7 @@ import attrs
 
 from pdref.geometry import Geometry
 from pdref.models import ModelSpec
-from pdsim.profiles import COPIERS, HwProfile, LinkProfile, non_negative
+from pdsim.core.profiles import COPIERS, HwProfile, LinkProfile, non_negative
 
 
 @attrs.frozen

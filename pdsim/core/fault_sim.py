@@ -1,4 +1,4 @@
-"""A simulation with faults (pdsim/faults.py): retries, cancellations, producer deaths, and the
+"""A simulation with faults (pdsim/core/faults.py): retries, cancellations, producer deaths, and the
 outcome of every request (ok / cancelled / failed).
 
 Follows the engine: a life with a failed span computes no further step, lets its other spans
@@ -18,12 +18,12 @@ import enum
 import attrs
 
 from pdref import events as ev
-from pdsim.bounds import lower_bound_s
-from pdsim.config import RequestSpec
-from pdsim.decoder import Decoder
-from pdsim.fault_producer import FaultJob, FaultyProducer
-from pdsim.faults import Draws, FaultSpec
-from pdsim.sim import Sim, SimResult
+from pdsim.core.config import RequestSpec
+from pdsim.core.decoder import Decoder
+from pdsim.core.fault_producer import FaultJob, FaultyProducer
+from pdsim.core.faults import Draws, FaultSpec
+from pdsim.core.sim import Sim, SimResult
+from pdsim.core.steps import lower_bound_s
 
 
 class Status(enum.StrEnum):

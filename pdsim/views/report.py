@@ -1,4 +1,6 @@
-"""Per-request results of a `pdsim run` (`--results FILE.jsonl`, the serving-run format of
+"""Writing results: metrics as text or JSON, traces and files atomically.
+
+Per-request results of a `pdsim run` (`--results FILE.jsonl`, the serving-run format of
 specs/contract.md): one line per request, `{"req", "status", "output", "ttft_s", "e2e_s",
 "attempts"}` plus `reason` when it did not end ok. The simulator generates no tokens:
 `output` is null. TTFT runs from arrival to the moment the decoder could admit its ok life
@@ -8,10 +10,27 @@ it was cancelled or failed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from pdref.cli_format import format_metrics
 from pdref.metrics import life_metrics
-from pdsim.report import write_atomic
-from pdsim.sim import SimResult
+from pdref.outfile import write_atomic
+from pdref.trace import TraceWriter
+from pdsim.core.sim import SimResult
+
+__all__ = ["format_metrics", "request_results", "write_atomic", "write_json",
+           "write_results", "write_trace"]
+
+
+def write_trace(path: str, result: SimResult) -> None:
+    """The run's contract-v1 JSONL trace, written atomically."""
+    with TraceWriter(path, result.header) as writer:
+        for event in result.events:
+            writer.write(event)
+
+
+def write_json(path: str | Path, obj) -> None:
+    write_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 def request_results(result: SimResult) -> list[dict]:

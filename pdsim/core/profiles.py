@@ -84,7 +84,7 @@ class HwProfile:
     gather_bandwidth: float = attrs.field(validator=_positive)
     span_s: float = attrs.field(validator=non_negative)
     contention: float = attrs.field(validator=non_negative)
-    # How the copier runs a producer's spans (pdsim/copier.py): "serial", one worker, a span's
+    # How the copier runs a producer's spans (pdsim/core/copier.py): "serial", one worker, a span's
     # stages one after another, the next span after it (the seed engine's); "pipelined", each
     # stage on its own lane, so different spans' stages overlap (pdgpu's since issue 11).
     # A file without it keeps the simulator's earlier meaning: serial.

@@ -1,4 +1,4 @@
-"""A producer that faults can hit (pdsim/faults.py): spans that fail, stall or time out, jobs
+"""A producer that faults can hit (pdsim/core/faults.py): spans that fail, stall or time out, jobs
 that are cancelled, a process that dies.
 
 Each span's fate is drawn at its issue (`Draws.span_fate`): when its writer stops and whether
@@ -17,8 +17,8 @@ import functools
 import attrs
 
 from pdref import events as ev
-from pdsim.faults import Draws, SpanFate
-from pdsim.producer import Job, Producer
+from pdsim.core.faults import Draws, SpanFate
+from pdsim.core.producer import Job, Producer
 
 
 class SpanState(enum.Enum):

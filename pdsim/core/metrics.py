@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from pdref.metrics import life_metrics, run_metrics
-from pdsim.bounds import copy_total_s, lower_bound_s
-from pdsim.sim import SimResult
+from pdsim.core.sim import SimResult
+from pdsim.core.steps import copy_total_s, lower_bound_s
 
 
 def single_metrics(result: SimResult) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from pdsim.config import RequestSpec
+from pdsim.core.config import RequestSpec
 
 
 class WorkloadError(ValueError):

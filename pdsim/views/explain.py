@@ -10,11 +10,11 @@ import json
 
 import attrs
 
-from pdsim.graph import build_graph, critical_path
-from pdsim.metrics import single_metrics
+from pdsim.core.metrics import single_metrics
+from pdsim.core.sim import simulate
 from pdsim.options import UsageError, add_run_options, run_setup
-from pdsim.report import write_atomic
-from pdsim.sim import simulate
+from pdsim.views.graph import build_graph, critical_path
+from pdsim.views.report import write_atomic
 
 
 def add_args(p) -> None:

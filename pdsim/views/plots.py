@@ -30,15 +30,20 @@ def labels_title(labels: dict) -> str:
     return ", ".join([head, *extra])
 
 
-def sweep_png(rows: list[dict], title: str = "") -> bytes:
-    """Completion (top) and tail (bottom) vs chunk size per mode, one column per prompt."""
-    from pdsim.sweep import best_chunks
+def plotted_rows(rows: list[dict]) -> list[dict]:
+    """The sweep rows a sweep plot draws: those at the first row's max_pending and bandwidth."""
+    first = rows[0]
+    return [r for r in rows if r["max_pending"] == first["max_pending"]
+            and r["bandwidth_scale"] == first["bandwidth_scale"]]
 
+
+def sweep_png(rows: list[dict], best: dict[int, dict], title: str = "") -> bytes:
+    """Completion (top) and tail (bottom) vs chunk size per mode, one column per prompt;
+    `best` is the sweep's best row per prompt among `plotted_rows(rows)` (marked by a line).
+    The sweep computes it, so this module never imports the sweep."""
     prompts = sorted({r["prompt"] for r in rows})
     first = rows[0]
-    shown = [r for r in rows if r["max_pending"] == first["max_pending"]
-             and r["bandwidth_scale"] == first["bandwidth_scale"]]
-    best = best_chunks(shown)
+    shown = plotted_rows(rows)
     fig, axes = plt.subplots(2, len(prompts), figsize=(5.5 * len(prompts), 6.5),
                              squeeze=False, sharex=True)
     for col, prompt in enumerate(prompts):

@@ -5,7 +5,7 @@ after the last step the first token's LM head (`head_s`) runs before `produced` 
 mode the copy starts after it; in chunk and layer modes, as in pdgpu's step loop, the last
 spans are issued first and their copies overlap it);
 when `Monitor.can_issue` says the producer already has max_pending spans in flight, the
-producer blocks (no further compute) until a span lands. The copier (pdsim/copier.py, serial
+producer blocks (no further compute) until a span lands. The copier (pdsim/core/copier.py, serial
 or pipelined) serves spans in issue order: fixed cost, gather (which slows overlapping
 compute), then the link's stages.
 """
@@ -19,9 +19,9 @@ import attrs
 from pdref import events as ev
 from pdref.events import Mode
 from pdref.plan import Region
-from pdsim.config import RequestSpec
-from pdsim.copier import Copier, SpanTimes
-from pdsim.steps import Step, copied_bytes, plan_steps
+from pdsim.core.config import RequestSpec
+from pdsim.core.copier import Copier, SpanTimes
+from pdsim.core.steps import Step, copied_bytes, plan_steps
 
 
 @attrs.define

@@ -7,7 +7,7 @@ from collections import defaultdict
 import attrs
 import numpy as np
 
-from pdsim.samples import ComputeSample, CopySample
+from pdsim.fit.samples import ComputeSample, CopySample
 
 
 @attrs.frozen
@@ -169,7 +169,7 @@ def fit_fixed(copies: list[CopySample], gather: Fit, links, pipelined: bool) -> 
 
 def fit_fixed_pipelined(copies: list[CopySample], gather: Fit, links,
                         streamed: bool) -> FixedCost:
-    """The per-span fixed costs of a pipelined copier (a lane per stage, pdsim/copier.py):
+    """The per-span fixed costs of a pipelined copier (a lane per stage, pdsim/core/copier.py):
     issue to gather start and gather end to the first link stage, each where that lane was
     free (no queueing inside), between link stages alike, and last stage to `land` (the
     watcher). span_s = before the gather + after the last stage + the gather's intercept;

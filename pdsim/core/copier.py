@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import attrs
 
-from pdsim.costs import Costs
+from pdsim.core.costs import Costs
 
 WORKER = "worker"  # the serial copier's one lane
 

@@ -12,10 +12,10 @@ import attrs
 
 from pdref import events as ev
 from pdref.monitor import Monitor
-from pdsim.config import RequestSpec, SimConfig
-from pdsim.decoder import Decoder
-from pdsim.env import Env
-from pdsim.producer import Producer
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.decoder import Decoder
+from pdsim.core.env import Env
+from pdsim.core.producer import Producer
 
 
 @attrs.frozen
@@ -125,6 +125,6 @@ def simulate(cfg: SimConfig, requests, faults=None) -> SimResult:
     """Play `requests`; with an active `faults.FaultSpec`, through `fault_sim.FaultSim`."""
     if faults is None or not faults.active:
         return Sim(cfg, requests).run()
-    from pdsim.fault_sim import FaultSim  # it builds on Sim
+    from pdsim.core.fault_sim import FaultSim  # it builds on Sim
 
     return FaultSim(cfg, requests, faults).run()
