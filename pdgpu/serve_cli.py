@@ -1,9 +1,9 @@
 """`pdgpu serve` and `pdgpu generate` on the command line (registered by pdgpu/cli.py).
 
-Exit codes: 0 every request ok; 1 a protocol violation, a run error, or a request that failed
-every retry; 2 bad input or an unservable configuration (one line naming the field and the
-rule; no process started or left); 130 Ctrl-C. The trace and results are written on every
-exit after the run started (a run stopped early aborts its live requests in the trace).
+Exit codes: 0 every request ok or cancelled; 1 a protocol violation, a run error, or a request
+that failed every attempt; 2 bad input or an unservable configuration (one line naming the
+field and the rule; no process started or left); 130 Ctrl-C. The trace and results are written
+on every exit after the run started (a run stopped early aborts its live requests in it).
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from pdgpu.checkpoint import CheckpointError
 from pdgpu.serve.args import add_parsers  # noqa: F401 - pdgpu.cli registers it from here
 from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.decoder import ServeError
+from pdgpu.serve.faults import FaultPolicy, FaultSpec, parse_kill
 from pdgpu.serve.launch import (
     ProducerOptions,
     Refused,
     ServeRun,
+    connect_producers,
     end_on_error,
     open_decoder_store,
     run_decoder,
@@ -111,7 +113,28 @@ def _pool_pages(args, workload: Workload) -> int:
     return pages
 
 
-def _config(args, workload: Workload) -> ServeConfig:
+def _faults(args, producers: int) -> tuple[FaultSpec, FaultPolicy]:
+    """The fault options, checked: ValueError -> one line, exit 2 (nothing started)."""
+    if args.span_timeout is not None and not (0 < args.span_timeout < float("inf")):
+        raise ValueError(f"span-timeout: must be a finite number of seconds > 0, got "
+                         f"{args.span_timeout}")
+    if not 0 < args.heartbeat_timeout < float("inf"):
+        raise ValueError(f"heartbeat-timeout: must be a finite number of seconds > 0, got "
+                         f"{args.heartbeat_timeout}")
+    spec = FaultSpec(args.fail_rate, args.stall_rate, args.corrupt_rate, args.cancel_rate,
+                     args.seed)
+    kills = tuple(parse_kill(text) for text in args.kill_producer)
+    if (kills or args.restart_producers) and args.role is not None:
+        raise ValueError("kill-producer/restart-producers: only for producers this command "
+                         "starts (not with --role)")
+    attempts = args.max_attempts or (3 if args.retries is None else args.retries + 1)
+    policy = FaultPolicy(args.span_timeout, args.heartbeat_timeout, attempts,
+                         args.restart_producers, kills)
+    policy.check(producers, spec, args.verify)
+    return spec, policy
+
+
+def _config(args, workload: Workload, faults: FaultSpec) -> ServeConfig:
     spec_pages = -(-max(r.prompt for r in workload.requests) // args.page_tokens)
     prefix_pages = workload.prefix // args.page_tokens
     return ServeConfig(
@@ -119,8 +142,9 @@ def _config(args, workload: Workload) -> ServeConfig:
         mode=args.mode, seed=args.seed, dtype=args.dtype, chunk=args.chunk,
         max_pending=args.max_pending, page_tokens=args.page_tokens,
         pool_pages=_pool_pages(args, workload), link_gbps=args.link_gbps, verify=args.verify,
-        retries=args.retries, debug=args.debug, prefix_tokens=workload.prefix_tokens,
-        source_pages=prefix_pages + 2 * (spec_pages - prefix_pages), threads=args.threads)
+        debug=args.debug, prefix_tokens=workload.prefix_tokens,
+        source_pages=prefix_pages + 2 * (spec_pages - prefix_pages), threads=args.threads,
+        faults=faults, beat_s=args.heartbeat_timeout / 4)
 
 
 def _check_eos(eos: int | None, vocab: int) -> None:
@@ -128,9 +152,13 @@ def _check_eos(eos: int | None, vocab: int) -> None:
         raise WorkloadError(f"eos-token must be in [0, vocab={vocab}), got {eos}")
 
 
-def prepare(args) -> tuple[ServeConfig, Workload, int, Endpoint | None]:
-    """Every check that needs no process: (config, workload, producers, endpoint)."""
+def prepare(args) -> tuple[ServeConfig, FaultPolicy, Workload, int, Endpoint | None]:
+    """Every check that needs no process: (config, policy, workload, producers, endpoint)."""
     producers, endpoint = _roles(args)
+    try:
+        faults, policy = _faults(args, producers)
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
     if args.device != "cpu":
         raise WorkloadError(f"device: only cpu is served yet (gloo); got {args.device!r} "
                             "(the NCCL transport is not implemented)")
@@ -139,7 +167,7 @@ def prepare(args) -> tuple[ServeConfig, Workload, int, Endpoint | None]:
     spec = model_spec(args.model, args.dtype)
     _check_eos(args.eos_token, spec.vocab)
     workload = _workload(args, spec.vocab)
-    return _config(args, workload), workload, producers, endpoint
+    return _config(args, workload, faults), policy, workload, producers, endpoint
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -151,27 +179,29 @@ def _progress(args, total: int):
                 desc="pdgpu serve")
 
 
-def _serve(args, config, workload, producers, endpoint, run: ServeRun) -> None:
+def _serve(args, config, policy, workload, producers, endpoint, run: ServeRun) -> None:
     opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout)
     bar = _progress(args, len(workload.requests))
     try:
         if args.role == "decoder":
-            _serve_decoder_role(config, workload, producers, endpoint, opts, bar, run,
+            _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar, run,
                                 args.eos_token)
             return
         endpoint = endpoint or Endpoint(LOCALHOST, 0)
-        serve_local(config, workload, producers, opts, endpoint, bar, run=run,
+        serve_local(config, workload, producers, opts, endpoint, policy, bar, run=run,
                     eos=args.eos_token)
     finally:
         bar.close()
 
 
-def _serve_decoder_role(config, workload, producers, endpoint, opts, bar, run, eos) -> None:
+def _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar, run,
+                        eos) -> None:
     store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)
-    transport = GlooTransport(store, 0, producers + 1, opts.connect_timeout_s)
+    transport = GlooTransport(store, 0, opts.connect_timeout_s)
     try:
-        run_decoder(transport, config, workload, opts.connect_timeout_s, progress=bar, run=run,
-                    eos=eos)
+        connect_producers(transport, producers)
+        run_decoder(transport, config, workload, policy, opts.connect_timeout_s, progress=bar,
+                    run=run, eos=eos)
     except BaseException as e:
         for rank in transport.peers():
             try:
@@ -201,7 +231,7 @@ def _producer_role(args, endpoint: Endpoint) -> None:
     opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout)
     code = 1
     try:
-        code = run_producer(endpoint, args.rank, args.world_size, opts)
+        code = run_producer(endpoint, args.rank, 0, opts)
     except KeyboardInterrupt:
         print("pdgpu: interrupted (Ctrl-C): this producer stopped", file=sys.stderr)
         code = 130
@@ -221,19 +251,19 @@ def _summary_text(values: dict) -> str:
 
 
 def cmd_serve(args) -> int:
-    config, workload, producers, endpoint = prepare(args)
+    config, policy, workload, producers, endpoint = prepare(args)
     if args.role == "producer":
         _producer_role(args, endpoint)
     run = ServeRun()
     try:
-        _serve(args, config, workload, producers, endpoint, run)
+        _serve(args, config, policy, workload, producers, endpoint, run)
     finally:
         _write_outputs(args, run)  # after an error too: its live requests are aborted in it
     values = summary(run.decoder, run.ledger, run.wall_s)
     print(json.dumps(values) if args.json else _summary_text(values))
-    bad = values["requests"] - values["ok"]
+    bad = values["failed"]
     if bad:
-        print(f"pdgpu: {bad} of {values['requests']} requests failed every retry",
+        print(f"pdgpu: {bad} of {values['requests']} requests failed every attempt",
               file=sys.stderr)
     return 1 if bad else 0
 

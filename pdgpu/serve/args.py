@@ -79,7 +79,11 @@ def _serve_args(p) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--verify", action="store_true",
                    help="check each landed span against compute-time checksums")
-    p.add_argument("--retries", type=_int(0), default=2, help="retries after a failed copy")
+    tries = p.add_mutually_exclusive_group()
+    tries.add_argument("--max-attempts", type=_int(1), help="lives per request before it is "
+                       "failed (a cancel is not retried; default 3)")
+    tries.add_argument("--retries", type=_int(0), help="retries after a failed life "
+                       "(= --max-attempts minus 1)")
     p.add_argument("--debug", choices=tuple(DEBUG_BUGS), help="a hand-made copy bug")
     p.add_argument("--no-kv-progress", dest="kv_progress", action="store_false",
                    help="producers announce no kv_progress (they can serve whole mode only)")
@@ -93,3 +97,25 @@ def _serve_args(p) -> None:
     p.add_argument("--world-size", type=_int(2), help="decoder + producers")
     p.add_argument("--connect-timeout", type=_positive, default=60.0,
                    help="seconds to wait for every rank")
+    _fault_args(p)
+
+
+def _fault_args(p) -> None:
+    """The fault options every shell shares (specs/contract.md, 'Faults'); checked in
+    pdgpu.serve_cli so a bad value is one line naming it."""
+    g = p.add_argument_group("faults (seeded by --seed; pdgpu/serve/faults.py)")
+    g.add_argument("--span-timeout", type=float, help="a span not landed this many seconds "
+                   "after its issue fails (default: no deadline)")
+    g.add_argument("--fail-rate", type=float, default=0.0, help="chance a span's copy fails")
+    g.add_argument("--stall-rate", type=float, default=0.0, help="chance a span's writer "
+                   "hangs until its deadline (needs --span-timeout)")
+    g.add_argument("--corrupt-rate", type=float, default=0.0, help="chance a span's bytes "
+                   "are altered in transit (needs --verify, which fails the span)")
+    g.add_argument("--cancel-rate", type=float, default=0.0, help="chance a request is "
+                   "cancelled, after a drawn number of its steps (any phase)")
+    g.add_argument("--kill-producer", action="append", default=[], metavar="I@SECONDS",
+                   help="SIGKILL producer index I (rank I+1) SECONDS after t = 0 (repeatable)")
+    g.add_argument("--restart-producers", action="store_true",
+                   help="respawn a dead producer; it rejoins with a new handshake")
+    g.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds of silence after which a producer is declared dead")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from pdgpu.serve.faults import FaultSpec
 from pdref.events import Mode
 
 DEBUG_BUGS = {
@@ -18,6 +19,10 @@ DEBUG_BUGS = {
     # A protocol break the live check must stop with its code.
     "issue-early": "the producer announces each streamed span before computing it (COPY-1)",
 }
+
+
+def _fault_spec(value) -> FaultSpec:
+    return FaultSpec.from_json(value) if isinstance(value, dict) else value
 
 
 @attrs.frozen
@@ -32,11 +37,12 @@ class ServeConfig:
     pool_pages: int = 0
     link_gbps: float | None = None
     verify: bool = False
-    retries: int = 2
     debug: str | None = None
     prefix_tokens: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     source_pages: int = 0  # per producer: room for two of the longest requests
     threads: int = 1
+    faults: FaultSpec = attrs.field(factory=FaultSpec, converter=_fault_spec)
+    beat_s: float = 1.0  # a producer sends a heartbeat this often
 
     @property
     def prefix(self) -> int:

@@ -2,84 +2,54 @@
 
 schedule     arrived requests, in arrival order, get a slab as soon as the pool has the pages
              (the head waits rather than being overtaken: no overcommit, no starvation) and go
-             to the producer with the least queued prefill work
+             to the serving producer with the least queued prefill work
 postprocess  every message of every producer becomes its pdref event through the Ledger (the
              authority): computed, issue, a span's bytes into its slab (land or fail), produced;
-             a complete request is admitted when pdref says so; a failed life is aborted once
-             its producer stopped, then retried
+             a complete request is admitted when pdref says so; faults (recovery.py): failed
+             lives, cancels, deadlines, dead producers
 run          one batched greedy decode forward for every running request, each over its own
              K/V length; a request is released at its output-token count, pages back
 """
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import deque
-from collections.abc import Callable
 
-import attrs
 import torch
 
 from pdgpu.decode_kv import DecodeBatch, SequenceKV, decode_tokens
+from pdgpu.serve.faults import FaultPolicy, FaultSpec
 from pdgpu.serve.ledger import Ledger
-from pdgpu.serve.transport import Message, Transport
-from pdgpu.serve.workload import ServeRequest, Workload
+from pdgpu.serve.lives import Life, Status, Tracked
+from pdgpu.serve.members import HANDSHAKE, Members
+from pdgpu.serve.recovery import Recovery, ServeError, expected_steps
+from pdgpu.serve.transport import Message
+from pdgpu.serve.workload import Workload
+
+__all__ = ["Decoder", "ServeError"]
 
 
-class ServeError(RuntimeError):
-    """The run cannot go on (a producer failed or went away, no progress); one line."""
-
-
-@attrs.define
-class Life:
-    handle: str
-    producer: int
-    failed: str | None = None  # the first span error
-    stopped: bool = False  # the producer confirmed it sends nothing more for this life
-    token: int | None = None  # the first output token, once produced
-    produced_t: float | None = None
-
-    @property
-    def produced(self) -> bool:
-        return self.token is not None
-
-
-@attrs.define
-class Tracked:
-    """One request across its lives."""
-
-    request: ServeRequest
-    arrival: float | None = None
-    attempts: int = 0
-    status: str = "waiting"  # waiting | prefill | running | ok | failed | cancelled
-    life: Life | None = None
-    output: list[int] = attrs.Factory(list)
-    token_t: list[float] = attrs.Factory(list)
-    done_t: float | None = None
-    seq: SequenceKV | None = None
-
-    @property
-    def req(self) -> str:
-        return self.request.req
-
-
-class Decoder:
-    def __init__(self, transport: Transport, ledger: Ledger, model, workload: Workload,
-                 prefix_kv: torch.Tensor, retries: int, verify: bool,
-                 clock_offsets: dict[int, float], check_peers: Callable[[], None] = lambda: None,
+class Decoder(Recovery):
+    def __init__(self, ledger: Ledger, model, workload: Workload, prefix_kv: torch.Tensor,
+                 members: Members, policy: FaultPolicy, faults: FaultSpec, verify: bool,
                  progress=None, stall_s: float = 300.0, eos: int | None = None) -> None:
-        self.transport, self.ledger, self.model = transport, ledger, model
+        self.ledger, self.model, self.members = ledger, model, members
         self.workload, self.prefix_kv = workload, prefix_kv
-        self.retries, self.verify, self.check_peers = retries, verify, check_peers
+        self.policy, self.verify = policy, verify
         self.progress, self.stall_s, self.eos = progress, stall_s, eos
-        self.clock_offsets = clock_offsets  # producer clock + offset = this perf_counter
         self.tracked = {r.req: Tracked(r) for r in workload.requests}
+        for t in self.tracked.values():
+            t.cancel_at = faults.cancel_step(t.req, expected_steps(ledger.header, t.request,
+                                                                   workload.prefix))
         self.future = deque(workload.requests)  # not yet arrived
         self.waiting: deque[Tracked] = deque()
         self.running: list[Tracked] = []
-        self.by_handle: dict[str, Tracked] = {}
-        self.load = {rank: 0 for rank in transport.peers()}  # queued prefill tokens
-        self.announced: dict[int, deque] = {rank: deque() for rank in transport.peers()}
+        self.lives: dict[str, Life] = {}  # handle -> a life its producer may still send for
+        self.deadlines: dict[int, tuple[float, Life]] = {}  # span -> (deadline, its life)
+        self.kills = sorted(policy.kills, key=lambda k: k.t)
+        self.cancels: queue.SimpleQueue = queue.SimpleQueue()  # cancel() from any thread
         self.done = 0
         self.last_progress = time.perf_counter()
 
@@ -89,6 +59,7 @@ class Decoder:
         while self.done < len(self.tracked):
             self._arrivals()
             self._postprocess()
+            self._watch()
             self._schedule()
             if self.running:
                 self._decode_step()
@@ -96,18 +67,17 @@ class Decoder:
                 self._idle()
 
     def _idle(self) -> None:
-        """Nothing to decode: wait for a message (or the next arrival), check the peers."""
-        self.check_peers()
+        """Nothing to decode: wait for a message (or the next arrival)."""
         if time.perf_counter() - self.last_progress > self.stall_s:
             raise ServeError(f"no progress for {self.stall_s:.0f} s")
-        msg = self.transport.get(timeout=min(0.05, max(0.0, self._next_arrival_in())))
+        msg = self.members.transport.get(timeout=min(0.02, max(0.0, self._next_arrival_in())))
         if msg is not None:
             self._handle(msg)
 
     def _next_arrival_in(self) -> float:
         arrivals = self.workload.arrivals
         if arrivals is None or not self.future:
-            return 0.05
+            return 0.02
         return arrivals[len(self.tracked) - len(self.future)] - self.ledger.now()
 
     def _arrivals(self) -> None:
@@ -122,100 +92,135 @@ class Decoder:
                 return
             t = self.tracked[self.future.popleft().req]
             t.arrival = now if arrivals is None else arrivals[index]
-            self.waiting.append(t)
+            if t.status is Status.WAITING:  # not cancelled before it arrived
+                self.waiting.append(t)
+                self._step(t, count=0)
 
     # -- schedule -----------------------------------------------------------------------------
+
+    def _load(self, rank: int) -> int:
+        """Prefill tokens queued on a producer."""
+        return sum(life.suffix for life in self.lives.values()
+                   if life.producer == rank and life.prefilling)
 
     def _schedule(self) -> None:
         prefix = self.workload.prefix
         while self.waiting and self.ledger.can_reserve(self.waiting[0].request.prompt, prefix):
+            ready = self.members.ready()
+            if not ready:
+                return
+            rank = min(ready, key=lambda r: (self._load(r), r))
             t = self.waiting.popleft()
-            rank = min(self.load, key=lambda r: (self.load[r], r))
             t.attempts += 1
-            t.life = Life(f"{t.req}#{t.attempts}", rank)
+            t.life = Life(f"{t.req}#{t.attempts}", t.req, rank, t.request.prompt - prefix)
             self.ledger.reserve(t.req, t.request.prompt, prefix, f"p{rank}")
-            self.by_handle[t.life.handle] = t
-            self.load[rank] += t.request.prompt - prefix
-            t.status = "prefill"
-            self.transport.send(rank, "prefill", {"handle": t.life.handle,
-                                                  "tokens": list(t.request.tokens)})
+            self.lives[t.life.handle] = t.life
+            t.status = Status.PREFILL
+            self.members.send(rank, "prefill", {"handle": t.life.handle,
+                                                "tokens": list(t.request.tokens)})
 
     # -- postprocess --------------------------------------------------------------------------
 
     def _postprocess(self) -> None:
-        while (msg := self.transport.get(timeout=0)) is not None:
+        while (msg := self.members.transport.get(timeout=0)) is not None:
             self._handle(msg)
 
     def _handle(self, msg: Message) -> None:
         self.last_progress = time.perf_counter()
-        if msg.op == "error":
+        self.members.seen(msg.src)
+        if msg.op in HANDSHAKE:
+            self.members.on_handshake(msg)
+        elif msg.op == "lost":
+            self._producer_lost(msg.src, msg.body["error"])
+        elif msg.op == "error":
             raise ServeError(f"producer p{msg.src}: {msg.body['message']}")
-        t = self.by_handle.get(msg.body.get("handle"))
-        if t is None:
+        elif msg.op != "beat":
+            self._life_message(msg)
+
+    def _life_message(self, msg: Message) -> None:
+        life = self.lives.get(msg.body.get("handle"))
+        if life is None:
             raise ServeError(f"producer p{msg.src} sent {msg.op!r} for an unknown request life "
                              f"{msg.body.get('handle')!r}")
-        getattr(self, f"_on_{msg.op}")(t, msg)
-        self._settle(t)
+        t = self.tracked[life.req]
+        current = t.life is life and not life.ended
+        getattr(self, f"_on_{msg.op}")(life, msg)
+        self._settle(life)
+        if current and not t.status.final:
+            self._step(t)
 
-    def _on_computed(self, t: Tracked, msg: Message) -> None:
+    def _on_computed(self, life: Life, msg: Message) -> None:
+        if not life.ended:
+            b = msg.body
+            self.ledger.computed(life.req, b["layers"], b["tokens"])
+            self._stage(life, msg, "compute", b["start"], b["end"])
+
+    def _on_issue(self, life: Life, msg: Message) -> None:
         b = msg.body
-        self.ledger.computed(t.req, b["layers"], b["tokens"])
-        self._stage(t, msg, "compute", b["start"], b["end"])
+        if life.ended or life.failed is not None:
+            life.spans[b["sid"]] = None  # a ghost: pdref never sees it, its bytes are dropped
+            return
+        span = self.ledger.issue(life.req, b["layers"], b["tokens"], b["bytes"])
+        life.spans[b["sid"]] = span
+        if self.policy.span_timeout is not None:
+            self.deadlines[span] = (self.ledger.now() + self.policy.span_timeout, life)
 
-    def _on_issue(self, t: Tracked, msg: Message) -> None:
-        b = msg.body
-        span = self.ledger.issue(t.req, b["layers"], b["tokens"], b["bytes"])
-        self.announced[msg.src].append((t.req, span))
+    def _on_span(self, life: Life, msg: Message) -> None:
+        """A span's bytes (or its writer's failure): land, fail, or dropped when late."""
+        span = life.spans.pop(msg.body["sid"])
+        self.members.send(msg.src, "ack", {"handle": life.handle})  # the writer's slot
+        if span is None:
+            return
+        self.deadlines.pop(span, None)
+        if span in life.unfenced:  # failed or cancelled before its bytes came: dropped
+            life.unfenced.discard(span)
+            self.ledger.fence(life.req, span)
+            return
+        error = msg.body.get("error")
+        if error is not None:
+            self.ledger.fail(life.req, span, error)
+            self.ledger.fence(life.req, span)  # the writer reported it and stopped
+        else:
+            kv, digests = msg.tensors
+            error = self.ledger.land(life.req, span, kv, digests if self.verify else None)
+            self._stage(life, msg, "gather", *msg.body["gather"], span=span)
+            self._stage(life, msg, "link", *msg.body["link"], span=span)
+        if error is not None:
+            self._fail_life(life, error)
 
-    def _on_span(self, t: Tracked, msg: Message) -> None:
-        req, span = self.announced[msg.src].popleft()
-        kv, digests = msg.tensors
-        error = self.ledger.land(req, span, kv, digests if self.verify else None)
-        self._stage(t, msg, "gather", *msg.body["gather"], span=span)
-        self._stage(t, msg, "link", *msg.body["link"], span=span)
-        self.transport.send(msg.src, "ack", {"handle": t.life.handle})
-        if error is not None and t.life.failed is None:
-            t.life.failed = error
-            self.transport.send(msg.src, "cancel", {"handle": t.life.handle})
+    def _on_produced(self, life: Life, msg: Message) -> None:
+        if not life.ended:
+            self.ledger.produced(life.req, msg.body["token"])
+            self._stage(life, msg, "head", msg.body["start"], msg.body["end"])
+            life.token, life.produced_t = msg.body["token"], self.ledger.now()
 
-    def _on_produced(self, t: Tracked, msg: Message) -> None:
-        self.ledger.produced(t.req, msg.body["token"])
-        self._stage(t, msg, "head", msg.body["start"], msg.body["end"])
-        t.life.token, t.life.produced_t = msg.body["token"], self.ledger.now()
-        self.load[t.life.producer] -= t.request.prompt - self.workload.prefix
-
-    def _on_stopped(self, t: Tracked, msg: Message) -> None:
-        t.life.stopped = True
-        if not t.life.produced:
-            self.load[t.life.producer] -= t.request.prompt - self.workload.prefix
-
-    def _stage(self, t: Tracked, msg: Message, name: str, start, end, span=None) -> None:
-        offset = self.clock_offsets[msg.src]
-        self.ledger.stage(t.req, name, self.ledger.trace_time(start + offset),
+    def _stage(self, life: Life, msg: Message, name: str, start, end, span=None) -> None:
+        offset = self.members.offset(msg.src)
+        self.ledger.stage(life.req, name, self.ledger.trace_time(start + offset),
                           self.ledger.trace_time(end + offset), span, f"p{msg.src}")
 
-    def _settle(self, t: Tracked) -> None:
-        """After a message: admit a complete life, or end a failed one that has stopped."""
-        life = t.life
-        if t.status != "prefill":
-            return
-        if life.failed is None and life.produced and self.ledger.monitor.can_admit(t.req):
-            self._admit(t)
-        elif life.failed is not None and life.stopped and not self.ledger.in_flight(t.req):
-            self._abort(t)
-
-    def _give_back_source(self, t: Tracked) -> None:
-        """`reuse`: every span reading the source pages was acknowledged; they may go."""
-        self.ledger.reuse(t.req, (self.workload.prefix, t.request.prompt))
-        self.transport.send(t.life.producer, "reuse", {"handle": t.life.handle})
+    def _settle(self, life: Life) -> None:
+        """After a message: admit a complete life, end a failed one whose writer stopped,
+        forget an ended one whose writer stopped."""
+        if life.ended:
+            if life.stopped:
+                self._forget(life)
+        elif life.failed is not None:
+            if life.stopped:
+                self._end_failed(life, source_held=True)
+        elif life.produced and self.ledger.monitor.can_admit(life.req):
+            self._admit(self.tracked[life.req])
 
     def _admit(self, t: Tracked) -> None:
-        self._give_back_source(t)
+        life = t.life
+        self.ledger.reuse(t.req, (self.workload.prefix, t.request.prompt))
+        del self.lives[life.handle]
+        self.members.send(life.producer, "reuse", {"handle": life.handle})
         context = self.ledger.admit(t.req, self.prefix_kv)  # [L, 2, prompt, KVH, D]
         t.seq = SequenceKV(context, t.request.prompt + t.request.output_tokens)
-        t.output = [t.life.token]
-        t.token_t = [t.life.produced_t]
-        t.status = "running"
+        t.output = [life.token]
+        t.token_t = [life.produced_t]
+        t.status, t.life = Status.RUNNING, None
         self.running.append(t)
         if self._complete(t):
             self._release(t)
@@ -223,16 +228,6 @@ class Decoder:
     def _complete(self, t: Tracked) -> bool:
         """At its output-token count, or it just produced the end-of-sequence token."""
         return len(t.output) >= t.request.output_tokens or t.output[-1] == self.eos
-
-    def _abort(self, t: Tracked) -> None:
-        self._give_back_source(t)
-        self.ledger.abort(t.req, f"copy failed: {t.life.failed}")
-        del self.by_handle[t.life.handle]
-        if t.attempts <= self.retries:
-            t.status = "waiting"
-            self.waiting.appendleft(t)  # keeps its place: the oldest request
-        else:
-            self._finish(t, "failed")
 
     # -- run ----------------------------------------------------------------------------------
 
@@ -249,29 +244,18 @@ class Decoder:
             t.token_t.append(now)
             if self._complete(t):
                 self._release(t)
+            else:
+                self._step(t)
 
     def _release(self, t: Tracked) -> None:
         self.ledger.release(t.req)
         self.running.remove(t)
-        del self.by_handle[t.life.handle]
         t.seq = None
-        self._finish(t, "ok")
+        self._finish(t, Status.OK)
 
-    def _finish(self, t: Tracked, status: str) -> None:
-        t.status, t.done_t = status, self.ledger.now()
+    def _finish(self, t: Tracked, status: Status, reason: str | None = None) -> None:
+        t.status, t.reason, t.done_t = status, reason, self.ledger.now()
         self.done += 1
         self.last_progress = time.perf_counter()
         if self.progress is not None:
             self.progress.update(1)
-
-    # -- teardown -----------------------------------------------------------------------------
-
-    def cancel_all(self, reason: str) -> None:
-        """After the producers are gone: abort every live life, fence what it left unfenced."""
-        for t in self.tracked.values():
-            if t.status in ("prefill", "running"):
-                self.ledger.abort(t.req, reason)  # cancels its spans in flight
-                for span in self.ledger.monitor.unfenced(t.req):
-                    self.ledger.fence(t.req, span)  # the transport is torn down: no writer
-            if t.status not in ("ok", "failed"):
-                t.status = "cancelled"

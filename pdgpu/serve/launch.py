@@ -1,13 +1,16 @@
 """Starting, connecting and stopping the serving processes.
 
 Local run: this process is the decoder (rank 0, it serves the rendezvous store on a free port
-unless `--init-method` names one) and starts `producers` processes with torch.multiprocessing.
+unless `--init-method` names one) and starts `producers` processes with torch.multiprocessing;
+it can kill one (`--kill-producer`) and respawn it (`--restart-producers`: the new process
+joins the next generation of its link, transport.py).
 Separate machines: each role runs `pdgpu serve --role ... --rank R --world-size W
 --init-method tcp://HOST:PORT` itself. Handshake, before any slab or request: the decoder
 sends the run's ServeConfig; each producer answers with its Capabilities; a run that cannot be
 served is refused (every producer told, one line, exit 2); then models are built, the
 prefix caches warmed, clocks related, and t = 0 starts.
-Any error or Ctrl-C: producers are stopped (terminated after a grace period when local),
+A producer's death is a fault the decoder serves through (members.py, recovery.py).
+Any other error or Ctrl-C: producers are stopped (terminated after a grace period when local),
 every live request is aborted in the trace, and the error goes up as one line.
 """
 
@@ -17,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 
 import attrs
 import torch
@@ -24,7 +28,9 @@ import torch.multiprocessing as mp
 
 from pdgpu.serve.config import Capabilities, ServeConfig, producer_capabilities, refusal
 from pdgpu.serve.decoder import Decoder, ServeError
+from pdgpu.serve.faults import FaultPolicy
 from pdgpu.serve.ledger import Ledger
+from pdgpu.serve.members import Members
 from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
 from pdgpu.serve.producer import Producer
 from pdgpu.serve.transport import Endpoint, GlooTransport, TransportError, open_store
@@ -69,10 +75,12 @@ def _expect(transport, ops: tuple[str, ...], timeout_s: float):
     return msg
 
 
-def run_producer(endpoint: Endpoint, rank: int, world_size: int, opts: ProducerOptions) -> int:
-    """One producer rank, until the decoder says shutdown; its exit code."""
-    store = open_store(endpoint, rank, world_size, opts.connect_timeout_s)
-    transport = GlooTransport(store, rank, world_size, opts.connect_timeout_s)
+def run_producer(endpoint: Endpoint, rank: int, generation: int, opts: ProducerOptions) -> int:
+    """One producer rank (its link's `generation`: 0, or the restarts before it), until the
+    decoder says shutdown; its exit code."""
+    store = open_store(endpoint, rank, None, opts.connect_timeout_s)
+    transport = GlooTransport(store, rank, opts.connect_timeout_s)
+    transport.connect(0, generation)
     producer = None
     try:
         setup = _expect(transport, ("setup",), opts.connect_timeout_s)
@@ -104,13 +112,13 @@ def _tell_decoder(transport, message: str) -> None:
         pass  # the decoder is gone: it knows
 
 
-def producer_process(rank: int, world_size: int, host: str, port: int,
+def producer_process(rank: int, generation: int, host: str, port: int,
                      opts: ProducerOptions) -> None:
     """The entry of a producer started by the local decoder (Ctrl-C is the decoder's job)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 1
     try:
-        code = run_producer(Endpoint(host, port), rank, world_size, opts)
+        code = run_producer(Endpoint(host, port), rank, generation, opts)
     except BaseException as e:  # noqa: BLE001 - one line on stderr, never a traceback
         print(f"pdgpu serve: producer p{rank}: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
@@ -122,35 +130,54 @@ def producer_process(rank: int, world_size: int, host: str, port: int,
 # -- decoder side -----------------------------------------------------------------------------
 
 class LocalProducers:
-    """Producer processes started from here; `check` raises when one died."""
+    """Producer processes started from here, by rank; `check` raises when one died (during
+    the first handshake), `exited` reports deaths while serving."""
 
-    def __init__(self, world_size: int, endpoint: Endpoint, opts: ProducerOptions) -> None:
-        ctx = mp.get_context(START_METHOD)
+    def __init__(self, producers: int, endpoint: Endpoint, opts: ProducerOptions) -> None:
+        self.ctx = mp.get_context(START_METHOD)
         if START_METHOD == "forkserver":  # one torch import for every producer, not one each
-            ctx.set_forkserver_preload(["pdgpu.serve.preload"])
-        self.procs = [ctx.Process(target=producer_process, daemon=True, name=f"pdgpu-p{r}",
-                                  args=(r, world_size, endpoint.host, endpoint.port, opts))
-                      for r in range(1, world_size)]
-        for p in self.procs:
-            p.start()
+            self.ctx.set_forkserver_preload(["pdgpu.serve.preload"])
+        self.endpoint, self.opts = endpoint, opts
+        self.procs = {rank: self._start(rank, 0) for rank in range(1, producers + 1)}
+
+    def _start(self, rank: int, generation: int):
+        p = self.ctx.Process(target=producer_process, daemon=True, name=f"pdgpu-p{rank}",
+                             args=(rank, generation, self.endpoint.host, self.endpoint.port,
+                                   self.opts))
+        p.start()
+        return p
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return [p.pid for p in self.procs.values()]
 
     def check(self) -> None:
-        for rank, p in enumerate(self.procs, 1):
-            if p.exitcode is not None:
-                raise ServeError(f"producer p{rank} exited with code {p.exitcode}")
+        for rank, code in self.exited().items():
+            raise ServeError(f"producer p{rank} exited with code {code}")
+
+    def exited(self) -> dict[int, int]:
+        return {rank: p.exitcode for rank, p in self.procs.items() if p.exitcode is not None}
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL (a crash: nothing runs in it after this)."""
+        with suppress(ProcessLookupError):
+            os.kill(self.procs[rank].pid, signal.SIGKILL)
+
+    def respawn(self, rank: int, generation: int) -> None:
+        """Reap the dead process and start its replacement."""
+        self.kill(rank)
+        self.procs[rank].join(timeout=5)
+        self.procs[rank] = self._start(rank, generation)
 
     def stop(self, grace_s: float) -> None:
+        procs = list(self.procs.values())
         deadline = time.monotonic() + grace_s
-        for p in self.procs:
+        for p in procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
+        for p in procs:
             if p.is_alive():
                 p.terminate()
-        for p in self.procs:
+        for p in procs:
             p.join(timeout=3)
             if p.is_alive():
                 p.kill()
@@ -218,11 +245,18 @@ def prefix_cache(model, config: ServeConfig) -> torch.Tensor:
     return kv.kv.index_select(2, kv.slots[:config.prefix])
 
 
-def run_decoder(transport, config: ServeConfig, workload: Workload, timeout_s: float,
-                check_peers=lambda: None, progress=None, run: ServeRun | None = None,
-                eos: int | None = None):
+def connect_producers(transport, producers: int, alive=lambda: None) -> None:
+    """The first links, one per producer rank (generation 0)."""
+    for rank in range(1, producers + 1):
+        transport.connect(rank, 0, alive)
+
+
+def run_decoder(transport, config: ServeConfig, workload: Workload, policy: FaultPolicy,
+                timeout_s: float, processes: LocalProducers | None = None, progress=None,
+                run: ServeRun | None = None, eos: int | None = None):
     """The decoder rank: handshake, models, the serving loop; fills and returns `run`."""
     run = run if run is not None else ServeRun()
+    check_peers = processes.check if processes is not None else (lambda: None)
     handshake(transport, config, timeout_s, check_peers)
     torch.set_num_threads(config.threads)
     model = load_served_model(config.model, config.seed, config.dtype)
@@ -234,13 +268,15 @@ def run_decoder(transport, config: ServeConfig, workload: Workload, timeout_s: f
         msg = _wait(transport, "ready", timeout_s, check_peers)
         offsets[msg.src] = time.perf_counter() - msg.body["now"]
     run.ledger.restart_clock()
-    run.decoder = Decoder(transport, run.ledger, model, workload, prefix_kv, config.retries,
-                          config.verify, offsets, check_peers, progress, eos=eos)
+    members = Members(transport, config, offsets, policy.heartbeat_timeout, timeout_s,
+                      processes, policy.restart_producers)
+    run.decoder = Decoder(run.ledger, model, workload, prefix_kv, members, policy,
+                          config.faults, config.verify, progress, eos=eos)
     start = time.perf_counter()
     run.decoder.run()
     run.wall_s = time.perf_counter() - start
     for rank in transport.peers():
-        transport.send(rank, "shutdown", {})
+        members.send(rank, "shutdown", {})
     run.ledger.monitor.close()
     return run
 
@@ -253,28 +289,26 @@ def end_on_error(run: ServeRun, error: BaseException) -> None:
 
 
 def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: ProducerOptions,
-                endpoint: Endpoint, progress=None, on_start=None,
-                run: ServeRun | None = None, eos: int | None = None) -> ServeRun:
+                endpoint: Endpoint, policy: FaultPolicy | None = None, progress=None,
+                on_start=None, run: ServeRun | None = None, eos: int | None = None) -> ServeRun:
     """Decoder here, `producers` processes started from here; the run, or its error raised
     after every producer is stopped and every live request aborted."""
-    world = producers + 1
-    store = open_decoder_store(endpoint, world, opts.connect_timeout_s)  # port 0: a free one
-    procs = LocalProducers(world, Endpoint(endpoint.host, store.port), opts)
+    store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)  # port 0: free
+    procs = LocalProducers(producers, Endpoint(endpoint.host, store.port), opts)
     if on_start is not None:
         on_start(procs.pids)
     import pdgpu.serve.preload  # noqa: F401 - torch's lazy imports, while producers start
     run = run if run is not None else ServeRun()
-    transport = None
+    transport = GlooTransport(store, 0, opts.connect_timeout_s)
     try:
-        transport = GlooTransport(store, 0, world, opts.connect_timeout_s, alive=procs.check)
-        run_decoder(transport, config, workload, opts.connect_timeout_s, procs.check,
-                    progress, run, eos)
+        connect_producers(transport, producers, alive=procs.check)
+        run_decoder(transport, config, workload, policy or FaultPolicy(),
+                    opts.connect_timeout_s, procs, progress, run, eos)
         procs.stop(grace_s=10.0)
     except BaseException as e:
         procs.stop(grace_s=5.0 if isinstance(e, Refused) else 0.0)  # before the close below
         end_on_error(run, e)
         raise
     finally:
-        if transport is not None:
-            transport.close()  # every producer is gone: the receiving threads end at once
+        transport.close()  # every producer is gone: the receiving threads end at once
     return run

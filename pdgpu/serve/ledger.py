@@ -63,6 +63,11 @@ class Ledger:
     def used_pages(self) -> int:
         return self.header.pool_pages - self.monitor.free_pages
 
+    @property
+    def leaked_pages(self) -> int:
+        """Pages not in pdref's free pool (held by a slab or quarantined)."""
+        return self.header.pool_pages - len(self.monitor.free_page_ids())
+
     # -- operations ---------------------------------------------------------------------------
 
     def reserve(self, req: str, prompt: int, prefix: int, producer: str) -> None:
@@ -105,9 +110,13 @@ class Ledger:
         return None
 
     def _fail(self, req: str, span: int, error: str) -> str:
-        self._emit(ev.Fail, req, span, error)
+        self.fail(req, span, error)
         self.fence(req, span)  # this process wrote the span and has stopped writing it
         return error
+
+    def fail(self, req: str, span: int, error: str) -> None:
+        """The span will not land in this life; its writer may still be busy (unfenced)."""
+        self._emit(ev.Fail, req, span, error)
 
     def fence(self, req: str, span: int) -> None:
         """Contract v2: the writer of a failed or cancelled span has stopped."""

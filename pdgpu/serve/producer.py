@@ -3,14 +3,19 @@
 Main thread: takes `prefill` jobs in order, computes chunk by chunk (layer by layer in layer
 mode), reports `computed` and `produced`, and hands each span the mode sends to the sender
 thread. Sender thread: waits for one of `max_pending` slots (a slot comes back with the
-decoder's `ack`), announces `issue`, gathers the region out of the source pages, holds it for
-the paced link, sends it with the digests taken at compute time. A request's source pages are
-freed only on the decoder's `reuse`, which it grants after every span reading them was
-acknowledged (COPY-3 across processes).
+decoder's `ack`), announces `issue` (with this producer's span number `sid`), gathers the
+region out of the source pages, holds it for the paced link, sends it with the digests taken
+at compute time. A request's source pages are freed only on the decoder's `reuse`, which it
+grants after every span reading them was acknowledged (COPY-3 across processes).
+A `cancel` stops a life: no more compute, no span of it starts, a stalled one is released;
+`stopped` follows every span of it on the sender's queue, so the decoder knows nothing more
+of that life can arrive. Injected faults (faults.py) are asked once per span, in `_send_span`.
+A heartbeat thread sends `beat` every `beat_s` seconds.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -21,7 +26,8 @@ import torch
 
 from pdgpu.generate import first_token
 from pdgpu.serve.config import ServeConfig
-from pdgpu.serve.digest import DigestingKV
+from pdgpu.serve.digest import BITS, DigestingKV
+from pdgpu.serve.faults import Fate
 from pdgpu.serve.transport import Transport
 from pdgpu.source_cache import RequestKV, SourceCache, token_slots
 from pdref.events import Mode
@@ -43,6 +49,7 @@ class Job:
     hidden: list | None = None  # layer mode: hidden states per chunk
     last: torch.Tensor | None = None  # [1, E] hidden of the last position so far
     cancelled: bool = False
+    stop: threading.Event = attrs.Factory(threading.Event)  # set by the life's cancel
 
     @property
     def prompt(self) -> int:
@@ -65,10 +72,14 @@ class Producer:
         self.deferred: list = []  # debug early-reuse: spans whose copy starts late
         self.slots = threading.Semaphore(config.max_pending)
         self.outbox: queue.Queue = queue.Queue()
+        self.sids = itertools.count()
         self.clock0 = time.perf_counter()
         self.sender = threading.Thread(target=self._send_loop, daemon=True, name="pdgpu-sender")
         self.sender_error: Exception | None = None
         self.sender.start()
+        self.closing = threading.Event()
+        self.beater = threading.Thread(target=self._beat_loop, daemon=True, name="pdgpu-beat")
+        self.beater.start()
 
     def now(self) -> float:
         return time.perf_counter() - self.clock0
@@ -99,6 +110,8 @@ class Producer:
             if msg is not None:
                 if msg.op == "shutdown":
                     return
+                if msg.op == "lost":
+                    raise RuntimeError(f"producer {self.name}: {msg.body['error']}")
                 self._handle(msg)
                 continue
             self._step()
@@ -166,7 +179,7 @@ class Producer:
         if self.config.debug == "issue-early" and self.config.mode is not Mode.WHOLE:
             region = Region((step, step + 1), (job.prefix, job.prompt)) \
                 if self.config.mode is Mode.LAYER else Region((0, self.geometry.layers), step)
-            self._send("issue", handle=job.handle, layers=region.layers,
+            self._send("issue", handle=job.handle, sid=next(self.sids), layers=region.layers,
                        tokens=region.tokens, bytes=region.bytes(self.geometry))
         if self.config.mode is Mode.LAYER:
             chunks = plan_chunks(job.prompt, job.prefix, self.config.chunk)
@@ -211,6 +224,7 @@ class Producer:
         job = self.jobs.get(handle)
         if job is not None:
             job.cancelled = True
+            job.stop.set()
             job.steps = []
             if self.active is job:
                 self.active = None
@@ -219,7 +233,9 @@ class Producer:
         self.outbox.put(("stopped", handle))
 
     def _free(self, handle: str) -> None:
-        job = self.jobs.pop(handle)
+        job = self.jobs.pop(handle, None)  # None: cancelled before it was opened
+        if job is None:
+            return
         self.cache.pool = self.cache.pool.give_back(job.pages)
 
     def _send(self, op: str, tensors=(), **body) -> None:
@@ -242,18 +258,29 @@ class Producer:
         if job.cancelled:
             self.slots.release()
             return
-        nbytes = region.bytes(self.geometry)
+        sid, nbytes = next(self.sids), region.bytes(self.geometry)
+        fate = self.config.faults.span_fate(job.handle, region.layers, region.tokens)
         start = self.now()
-        self._send("issue", handle=job.handle, layers=region.layers, tokens=region.tokens,
-                   bytes=nbytes)
+        self._send("issue", handle=job.handle, sid=sid, layers=region.layers,
+                   tokens=region.tokens, bytes=nbytes)
+        if fate is Fate.STALL:  # the writer hangs until the decoder cancels the life
+            job.stop.wait()
+            self.slots.release()  # nothing sent: no ack will come
+            return
+        if fate is Fate.FAIL:
+            self._send("span", handle=job.handle, sid=sid, error="copy failed (injected)")
+            return
         index = job.kv.inner.slots[region.tokens[0]:region.tokens[1]]  # [nt]
         kv = self.cache.kv[region.layers[0]:region.layers[1]].index_select(2, index)
         if self.config.debug == "drop-last-row" and kv.shape[2]:
             kv[:, :, -1] = 0  # [nl, 2, KVH, D]: the copy loses the span's last token row
+        if fate is Fate.CORRUPT and kv.numel():
+            kv.view(BITS[kv.dtype]).view(-1)[0] ^= 1  # one bit of one element, in transit
         gathered = self.now()
         self._pace(start, nbytes)
         self._send("span", tensors=(kv, job.kv.region(region.layers, region.tokens)),
-                   handle=job.handle, gather=[start, gathered], link=[gathered, self.now()])
+                   handle=job.handle, sid=sid, gather=[start, gathered],
+                   link=[gathered, self.now()])
 
     def _pace(self, start: float, nbytes: int) -> None:
         """Hold the span until `nbytes` could have crossed a `link_gbps` link."""
@@ -263,6 +290,14 @@ class Producer:
         if remaining > 0:
             time.sleep(remaining)
 
+    def _beat_loop(self) -> None:
+        try:
+            while not self.closing.wait(self.config.beat_s):
+                self._send("beat")
+        except Exception:  # noqa: BLE001 - the decoder is gone: the main loop hears `lost`
+            return
+
     def close(self) -> None:
+        self.closing.set()
         self.outbox.put(None)
         self.sender.join(timeout=1)

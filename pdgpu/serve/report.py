@@ -28,8 +28,11 @@ def result_line(t: Tracked) -> dict:
     ok = t.status == "ok"
     ttft = t.token_t[0] - t.arrival if (t.token_t and t.arrival is not None) else None
     e2e = t.done_t - t.arrival if (ok and t.arrival is not None) else None
-    return {"req": t.req, "status": t.status, "output": list(t.output) if ok else [],
+    line = {"req": t.req, "status": str(t.status), "output": list(t.output) if ok else [],
             "ttft_s": ttft, "e2e_s": e2e, "attempts": t.attempts}
+    if not ok:
+        line["reason"] = t.reason
+    return line
 
 
 def write_results(decoder: Decoder, path: str | Path) -> None:
@@ -59,11 +62,13 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
         "handoff_p50_s": percentile(handoff, 50),
         "peak_pool_pages": ledger.peak_pages,
-        "leaked_pages": ledger.used_pages,
+        "leaked_pages": ledger.leaked_pages,
         "wall_s": wall_s,
         "mode": str(ledger.header.mode),
         "pool_pages": ledger.header.pool_pages,
-        "producers": len(decoder.load),
+        "producers": len(decoder.members.peers),
+        "producer_deaths": decoder.members.deaths,
+        "producer_restarts": decoder.members.restarts,
         "generated_tokens": generated,
         "spans": sum(life.spans for life in lives),
         "failed_spans": sum(life.failed_spans for life in lives),

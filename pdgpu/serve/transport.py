@@ -1,12 +1,17 @@
 """Point-to-point messages between the serving processes, over torch.distributed.
 
-One small interface (`Transport`: send, get, close) so another backend (NIXL, UCX ...) can be
-added later. `GlooTransport` is the CPU one: every message is three or more blocking
-`torch.distributed.send`s (a fixed-size length header, a JSON body, then each tensor), guarded
-by a lock so messages from several threads never interleave. A receiving thread per peer
-does the matching blocking `recv`s and queues whole messages: the owner polls the queue
-(gloo's `irecv` cannot be polled for completion), and a sender never waits on the peer's main
-loop, only on its receiving thread. KV payloads travel as tensors through the same channel.
+One small interface (`Transport`: connect, send, get, drop, close) so another backend (NIXL,
+UCX ...) can be added later. `GlooTransport` is the CPU one. Each pair of processes that talk
+(the decoder and one producer) has a *link* of its own: a two-rank gloo process group
+rendezvoused under its own store prefix `link/A/B/GENERATION`. gloo cannot re-add a rank to
+a group, so a producer that died is replaced by a new process joining a new link (generation
++ 1) while the other links keep serving; the dead link is dropped and anything still queued
+from it is discarded. Every message is three or more blocking `send`s (a fixed-size length
+header, a JSON body, then each tensor), guarded by the link's lock so messages from several
+threads never interleave. A receiving thread per link does the matching blocking `recv`s and
+queues whole messages: the owner polls the queue (gloo's `irecv` cannot be polled for
+completion). A broken link (the peer died: gloo sees its socket close) is reported once as a
+message `lost` from that peer. KV payloads travel as tensors through the same channel.
 """
 
 from __future__ import annotations
@@ -39,11 +44,19 @@ class Message:
     op: str
     body: dict
     tensors: tuple[torch.Tensor, ...] = ()
+    generation: int = 0  # of the link it came over
 
 
 class Transport(Protocol):
     rank: int
-    world_size: int
+
+    def peers(self) -> list[int]: ...
+
+    def connect(self, peer: int, generation: int = 0, alive=lambda: None) -> None: ...
+
+    def connect_async(self, peer: int, generation: int) -> None: ...
+
+    def drop(self, peer: int) -> None: ...
 
     def send(self, dst: int, op: str, body: dict | None = None, tensors=()) -> None: ...
 
@@ -81,7 +94,7 @@ IDLE_WAIT = timedelta(days=7)  # a receiving thread may wait this long for the n
 
 def connect_gloo(store, rank: int, world_size: int, timeout_s: float, alive=lambda: None):
     """A gloo process group of its own (no torch.distributed global state, so one process
-    may run several in turn). Connects in a helper thread while `alive()` checks the peers
+    may run several at once). Connects in a helper thread while `alive()` checks the peers
     (it raises when one died); TransportError after `timeout_s`."""
     result: dict = {}
 
@@ -103,86 +116,139 @@ def connect_gloo(store, rank: int, world_size: int, timeout_s: float, alive=lamb
     return result["pg"]
 
 
+class Link:
+    """One connected peer: a two-rank gloo group (this side's rank in it is `me`)."""
+
+    def __init__(self, pg, me: int, peer: int, generation: int) -> None:
+        self.pg, self.me, self.peer, self.generation = pg, me, peer, generation
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    @property
+    def other(self) -> int:
+        return 1 - self.me
+
+
 class GlooTransport:
-    """torch.distributed point-to-point over gloo, in a process group of `world_size` ranks.
+    """torch.distributed point-to-point over gloo, one two-rank group per link.
 
     Sends wait at most the connect timeout (a live peer's receiving thread always waits for
     the next message); receives wait up to IDLE_WAIT (a producer may idle a long time)."""
 
-    def __init__(self, store, rank: int, world_size: int, timeout_s: float = 60.0,
-                 alive=lambda: None) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.pg = connect_gloo(store, rank, world_size, timeout_s, alive)
+    def __init__(self, store, rank: int, timeout_s: float = 60.0) -> None:
+        self.store, self.rank, self.timeout_s = store, rank, timeout_s
+        self.links: dict[int, Link] = {}
+        self.generations: dict[int, int] = {}  # peer -> its current link's generation
+        self.dropped: list[Link] = []  # kept: a group is not destroyed under a blocked recv
         self.inbox: queue.Queue = queue.Queue()
         self.closing = threading.Event()
-        self._send_lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._receive, args=(peer,), daemon=True,
-                                          name=f"pdgpu-recv-{peer}") for peer in self.peers()]
-        for thread in self._threads:
-            thread.start()
 
     def peers(self) -> list[int]:
-        return [r for r in range(self.world_size) if r != self.rank]
+        return sorted(self.links)
+
+    def connect(self, peer: int, generation: int = 0, alive=lambda: None) -> None:
+        """Join the link to `peer` (both sides call this with the same generation)."""
+        self.generations[peer] = generation
+        low, high = sorted((self.rank, peer))
+        store = dist.PrefixStore(f"link/{low}/{high}/{generation}", self.store)
+        me = 0 if self.rank == low else 1
+        link = Link(connect_gloo(store, me, 2, self.timeout_s, alive), me, peer, generation)
+        link.thread = threading.Thread(target=self._receive, args=(link,), daemon=True,
+                                       name=f"pdgpu-recv-{peer}")
+        if self.generations.get(peer) != generation:  # given up while it connected
+            self.dropped.append(link)
+            return
+        self.links[peer] = link
+        link.thread.start()
+
+    def connect_async(self, peer: int, generation: int) -> None:
+        """Connect in the background; a message `joined` (or `lost`) from `peer` says when."""
+        self.generations[peer] = generation
+
+        def run() -> None:
+            try:
+                self.connect(peer, generation)
+            except TransportError as e:
+                self.inbox.put(Message(peer, "lost", {"error": str(e)}, (), generation))
+                return
+            self.inbox.put(Message(peer, "joined", {}, (), generation))
+
+        threading.Thread(target=run, daemon=True, name=f"pdgpu-join-{peer}").start()
+
+    def drop(self, peer: int) -> None:
+        """Tear down the link to `peer`: nothing more is sent over it or taken from it."""
+        self.generations.pop(peer, None)
+        link = self.links.pop(peer, None)
+        if link is not None:
+            self.dropped.append(link)
 
     def send(self, dst: int, op: str, body: dict | None = None, tensors=()) -> None:
         """One whole message to `dst`; blocks until its bytes are handed to the peer."""
+        link = self.links.get(dst)
+        if link is None:
+            raise TransportError(f"send to {peer_name(dst)} failed: no link")
         tensors = [t.contiguous() for t in tensors]
         meta = {"op": op, "body": body or {},
                 "tensors": [[str(t.dtype), list(t.shape)] for t in tensors]}
         raw = torch.frombuffer(bytearray(orjson.dumps(meta)), dtype=torch.uint8)  # [n]
         header = torch.tensor([raw.numel(), len(tensors)], dtype=torch.int64)  # [2]
         try:
-            with self._send_lock:
+            with link.lock:
                 for t in (header, raw, *tensors):
                     if t.numel():
-                        self.pg.send([t], dst, 0).wait()
+                        link.pg.send([t], link.other, 0).wait()
         except Exception as e:  # noqa: BLE001
             raise TransportError(f"send to {peer_name(dst)} failed: {_first_line(e)}") from None
 
     def get(self, timeout: float | None = None) -> Message | None:
-        """The next message from any peer; None when none came within `timeout` seconds."""
-        try:
-            item = self.inbox.get(timeout=timeout) if timeout != 0 else self.inbox.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(item, TransportError):
-            raise item
-        return item
+        """The next message from a current link; None when none came within `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                msg = self.inbox.get(timeout=left) if left != 0 else self.inbox.get_nowait()
+            except queue.Empty:
+                return None
+            if self.generations.get(msg.src) == msg.generation:
+                return msg  # else from a dropped link: discarded
 
     def close(self, wait_s: float = 5.0) -> bool:
         """Quiet the receiving threads and wait until each one's peer hung up (call once the
         peers are told to stop or are stopped); False when one is still blocked."""
         self.closing.set()
         deadline = time.monotonic() + wait_s
-        for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._threads)
+        links = list(self.links.values())
+        for link in links:
+            link.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(link.thread.is_alive() for link in links)
 
-    def _receive(self, peer: int) -> None:
+    def _receive(self, link: Link) -> None:
         try:
             while True:
-                self.inbox.put(self._receive_one(peer))
+                self.inbox.put(self._receive_one(link))
         except Exception as e:  # noqa: BLE001 - the link broke: tell the owner once
             if not self.closing.is_set():
-                self.inbox.put(TransportError(f"link to {peer_name(peer)} broke: "
-                                              f"{_first_line(e)}"))
+                self.inbox.put(Message(link.peer, "lost", {
+                    "error": f"link to {peer_name(link.peer)} broke: {_first_line(e)}"},
+                    (), link.generation))
 
-    def _receive_one(self, peer: int) -> Message:
+    def _receive_one(self, link: Link) -> Message:
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [2]
-        self._recv(header, peer, IDLE_WAIT)
+        self._recv(link, header, IDLE_WAIT)
         raw = torch.empty(int(header[0]), dtype=torch.uint8)  # [n]
-        self._recv(raw, peer)
+        self._recv(link, raw)
         meta = orjson.loads(raw.numpy().tobytes())
         tensors = []
         for dtype, shape in meta["tensors"]:
             t = torch.empty(shape, dtype=DTYPES[dtype])
             if t.numel():
-                self._recv(t, peer)
+                self._recv(link, t)
             tensors.append(t)
-        return Message(peer, meta["op"], meta["body"], tuple(tensors))
+        return Message(link.peer, meta["op"], meta["body"], tuple(tensors), link.generation)
 
-    def _recv(self, tensor: torch.Tensor, peer: int, wait: timedelta | None = None) -> None:
-        work = self.pg.recv([tensor], peer, 0)
+    @staticmethod
+    def _recv(link: Link, tensor: torch.Tensor, wait: timedelta | None = None) -> None:
+        work = link.pg.recv([tensor], link.other, 0)
         if wait is None:
             work.wait()
         else:
