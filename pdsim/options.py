@@ -10,7 +10,7 @@ import attrs
 from pdref.cli_format import DefaultsFormatter
 from pdref.events import Mode
 from pdref.models import load_model
-from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.config import SENDERS, RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.profiles import COPIERS, link_of, load_hw
 from pdsim.core.workload import WorkloadSpec, build_requests
@@ -99,17 +99,40 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="uniform random prompts in A:B (tokens)")
     p.add_argument("--prompts-csv", default=None,
                    help="CSV with a prompt column; optional arrival and prefix columns")
-    p.add_argument("--output-tokens", type=int, default=0, help="decode length per request")
+    p.add_argument("--output-tokens", type=int, default=0,
+                   help="tokens each request generates (the first is its producer's; then "
+                        "one per decode step of the decoder's continuous batch)")
+    add_serving_options(p)
+
+
+def add_serving_options(p: argparse.ArgumentParser) -> None:
+    """The serving workload and engine options, as `pdgpu serve` names them."""
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help='pdgpu serve\'s prompts: lines {"req", "tokens", "output_tokens"}')
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: C requests in the system at once, the next entering as "
+                        "one finishes (instead of arrival times)")
+    p.add_argument("--output-range", type=_range, default=None,
+                   help="output tokens uniform in A:B per request (instead of --output-tokens)")
+    p.add_argument("--sender", choices=SENDERS, default="blocking",
+                   help="blocking: compute waits while max_pending spans are in flight (pdgpu "
+                        "run); queued: spans wait in the producer's outbox, compute goes on "
+                        "(pdgpu serve's sender thread)")
+    p.add_argument("--source-pages", type=int, default=None,
+                   help="a producer's source cache for prompt suffixes, pages: it starts a "
+                        "request once its suffix fits (default: with --sender queued pdgpu "
+                        "serve's, 2 of the longest suffixes; else unbounded)")
 
 
 def _prompt(args, cfg: SimConfig) -> int:
     """The fixed prompt length; two options that both set the prompts are refused."""
     given = [flag for flag, value in (("--prompt", args.prompt), ("--payload", args.payload),
                                       ("--prompt-range", args.prompt_range),
-                                      ("--prompts-csv", args.prompts_csv)) if value is not None]
+                                      ("--prompts-csv", args.prompts_csv),
+                                      ("--prompts", args.prompts)) if value is not None]
     if len(given) > 1:
         raise UsageError(f"prompts: give one of --prompt, --payload, --prompt-range, "
-                         f"--prompts-csv, got {' and '.join(given)}")
+                         f"--prompts-csv, --prompts, got {' and '.join(given)}")
     if args.payload is not None and not args.no_compute:
         raise UsageError("--payload needs --no-compute (it sizes an export-only run)")
     if args.payload is not None:
@@ -149,14 +172,40 @@ def run_setup(args) -> tuple[SimConfig, list[RequestSpec]]:
                     "payload")
     cfg = base_config(args)
     prompt = _prompt(args, cfg)
+    _check_closed_loop(args)
     spec = WorkloadSpec(args.requests, prompt, args.prefix, args.prompt_range,
-                        args.prompts_csv, args.rate, args.interval, args.arrivals, args.seed)
+                        args.prompts_csv, args.rate, args.interval, args.arrivals, args.seed,
+                        args.prompts, args.output_range)
     requests = build_requests(spec, cfg.geometry.page_tokens)
+    if args.concurrency is not None and any(r.arrival for r in requests):
+        raise UsageError("--concurrency (closed loop) sets the arrival times; the "
+                         "--prompts-csv arrival column gives them too")
     pool = args.pool_pages or _default_pool(cfg, requests)
     cfg = attrs.evolve(cfg, max_pending=args.max_pending, pool_pages=pool,
                        producers=args.producers, no_compute=args.no_compute,
-                       output_tokens=args.output_tokens)
-    return cfg, requests
+                       output_tokens=args.output_tokens, concurrency=args.concurrency,
+                       sender=args.sender)
+    source = args.source_pages
+    if source is None and args.sender == "queued":
+        source = engine_source_pages(cfg, requests)
+    return attrs.evolve(cfg, source_pages=source), requests
+
+
+def _check_closed_loop(args) -> None:
+    """A closed loop times arrivals itself: any other arrival option is refused."""
+    _check_positive(args, "concurrency", "source_pages")
+    if args.concurrency is None:
+        return
+    given = [flag for flag, value in (("--rate", args.rate), ("--interval", args.interval),
+                                      ("--arrivals", args.arrivals)) if value is not None]
+    if given:
+        raise UsageError(f"--concurrency (closed loop) sets the arrival times; give it "
+                         f"without {' and '.join(given)}")
+
+
+def engine_source_pages(cfg: SimConfig, requests: list[RequestSpec]) -> int:
+    """pdgpu serve's producer source cache: two of the longest suffixes."""
+    return 2 * max(cfg.geometry.pages_for(r.prompt - r.prefix) for r in requests)
 
 
 def _default_pool(cfg: SimConfig, requests: list[RequestSpec]) -> int:

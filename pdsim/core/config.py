@@ -22,6 +22,9 @@ def _time(_inst, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
 
 
+SENDERS = ("blocking", "queued")
+
+
 @attrs.frozen
 class RequestSpec:
     """One request of a workload: when it arrives and which tokens it needs handed off."""
@@ -30,6 +33,9 @@ class RequestSpec:
     arrival: float = attrs.field(validator=_time)
     prompt: int = attrs.field(validator=_at_least(1))
     prefix: int = attrs.field(default=0, validator=_at_least(0))
+    # tokens it generates, the first one its producer's; None: the run's `output_tokens`
+    output_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least(0)))
 
     def __attrs_post_init__(self) -> None:
         if self.prefix > self.prompt:
@@ -49,6 +55,15 @@ class SimConfig:
     producers: int = attrs.field(default=1, validator=_at_least(1))
     no_compute: bool = False
     output_tokens: int = attrs.field(default=0, validator=_at_least(0))
+    # closed loop: requests in the system at once (None: open loop, each request's arrival)
+    concurrency: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least(1)))
+    # a producer's source cache, in pages for prompt suffixes (None: unbounded)
+    source_pages: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least(1)))
+    # blocking: compute waits at max_pending spans (pdgpu run); queued: spans wait in the
+    # producer's outbox and compute goes on (pdgpu serve's sender thread)
+    sender: str = attrs.field(default="blocking", validator=attrs.validators.in_(SENDERS))
     stages: bool = True  # emit informational stage events (traces, explain, timeline)
     labels: tuple[tuple[str, object], ...] = ()  # extra header fields (model, hw, link, ...)
 
@@ -58,3 +73,7 @@ class SimConfig:
 
     def producer_name(self, index: int) -> str:
         return f"p{index}"
+
+    def output_of(self, request: RequestSpec) -> int:
+        """Tokens `request` generates: its own count, else the run's `output_tokens`."""
+        return self.output_tokens if request.output_tokens is None else request.output_tokens

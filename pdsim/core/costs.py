@@ -7,6 +7,9 @@ copy(span of n bytes)  = span_s + gather_byte_s * n + link_latency_s + link_byte
   (one span alone; how spans share the copier, serial or pipelined: pdsim/core/copier.py)
 head (the first token's LM head, after the last chunk) = head_s (calibrated profiles only)
 fill (export only: writing the payload of n bytes) = fill_byte_s * n (calibrated profiles only)
+decode step (batch B, KV tokens K read) = decode_s + decode_row_s * B + decode_kv_token_s * K
+  derived when a profile lacks them: the weights read once per step at HBM bandwidth, a
+  row's matmul FLOPs at the compute rate, a KV token's bytes (every layer) at HBM bandwidth
 While a gather overlaps a compute chunk, the chunk runs slower by `contention` times the
 overlapped time. `pdsim calibrate` fits these same terms from engine traces.
 """
@@ -35,6 +38,9 @@ class Costs:
     copier: str = attrs.field(default="serial", validator=attrs.validators.in_(COPIERS))
     contention: float = attrs.field(default=0.0, validator=non_negative)
     decode_token_s: float = attrs.field(default=0.0, validator=non_negative)
+    decode_s: float = attrs.field(default=0.0, validator=non_negative)  # a decode step's own
+    decode_row_s: float = attrs.field(default=0.0, validator=non_negative)  # per request
+    decode_kv_token_s: float = attrs.field(default=0.0, validator=non_negative)  # per KV token
     head_s: float = attrs.field(default=0.0, validator=non_negative)  # first token's LM head
     dense_attention: bool = False  # pairs of a chunk [a, b): n * b, not the causal triangle
     state_bytes: int = 0
@@ -81,6 +87,7 @@ class Costs:
             self,
             token_s=self.token_s / compute,
             pair_s=self.pair_s / compute,
+            decode_row_s=self.decode_row_s / compute,
             gather_byte_s=self.gather_byte_s / bandwidth,
             link_stages=tuple((n, s / bandwidth) for n, s in self.link_stages),
         )
@@ -121,6 +128,7 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
     rate = hw.peak_flops * hw.efficiency
     over = hw.compute
     weights = linear_flops_per_token(spec) / 2 * spec.dtype_bytes
+    decode = decode_terms(spec, hw)
     return Costs(
         token_s=over.token_s if over.token_s is not None else linear_flops_per_token(spec) / rate,
         pair_s=over.pair_s if over.pair_s is not None else pair_flops(spec) / rate,
@@ -134,7 +142,20 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
         fill_byte_s=hw.fill_byte_s,
         contention=hw.contention,
         decode_token_s=weights / hw.hbm_bandwidth,
+        **decode,
         state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),
         head_s=over.head_s or 0.0,  # shipped GPU profiles: absorbed in their efficiency
         dense_attention=bool(over.dense_attention),
     )
+
+
+def decode_terms(spec: ModelSpec, hw: HwProfile) -> dict[str, float]:
+    """The decode step's terms: the profile's own, else derived (not measured): a step reads
+    the weights once (HBM), each row costs its matmul FLOPs, each KV token read its bytes."""
+    derived = {
+        "decode_s": linear_flops_per_token(spec) / 2 * spec.dtype_bytes / hw.hbm_bandwidth,
+        "decode_row_s": linear_flops_per_token(spec) / (hw.peak_flops * hw.efficiency),
+        "decode_kv_token_s": sim_geometry(spec).bytes_per_token / hw.hbm_bandwidth,
+    }
+    return {name: derived[name] if getattr(hw.compute, name) is None
+            else getattr(hw.compute, name) for name in derived}

@@ -1,17 +1,80 @@
-"""The decoder side: admits a request once `Monitor.can_admit` says every layer landed, decodes
-its output tokens, then releases its slab back to the pool."""
+"""The decoder, as `pdgpu serve`'s loop runs it (pdgpu/serve/decoder.py): a continuous batch.
+
+Between decode steps the decoder handles what reached it while the step ran (spans' lands,
+first tokens, arrivals: `deliver`), admits every request pdref allows, reserves slabs for
+waiting requests (`Sim.dispatch`), then runs one batched decode step for every running
+request: one heap event per step, whatever the batch. A step over `batch` requests that
+read `kv_tokens` KV tokens in all takes
+
+    decode_s + batch * decode_row_s + kv_tokens * decode_kv_token_s
+
+(hw profile `[compute]` terms, derived from the model and device when a profile lacks them).
+A request's first output token is its producer's (`produced`); each step gives every running
+request one more and its KV one more token; it is released at its output-token count, its
+slab back to the pool. The generated tokens' KV lives in the decoder's own decode cache
+(pdgpu: a tensor of prompt + output tokens per request), not in the handoff pool, which
+holds slabs only: the pool's occupancy does not grow while a request decodes.
+"""
 
 from __future__ import annotations
+
+from collections import defaultdict
+
+import attrs
 
 from pdref import events as ev
 
 
+@attrs.define
+class DecodeRecord:
+    """What the decode batch did, for the serving metrics (pdgpu/serve/report.py's)."""
+
+    step_start: list[float] = attrs.Factory(list)
+    step_end: list[float] = attrs.Factory(list)
+    batch: list[int] = attrs.Factory(list)
+    # req -> (first token time, first decode step, decode steps) of the life that decoded
+    tokens: dict[str, tuple[float, int, int]] = attrs.Factory(dict)
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_end)
+
+
 class Decoder:
-    """One decoder pool shared by every producer."""
+    """One decoder: its admissions, its batch, and the messages waiting for a step's end."""
 
     def __init__(self, env, sim) -> None:
         self.env, self.sim = env, sim
+        costs = sim.cfg.costs
+        self.step_fixed, self.row_s, self.kv_s = (costs.decode_s, costs.decode_row_s,
+                                                  costs.decode_kv_token_s)
+        self.record = DecodeRecord()
+        self.first_token: dict[str, float] = {}  # req -> its latest life's `produced` time
         self.admitted: set[str] = set()
+        self.running = 0  # requests in the batch
+        self.kv_tokens = 0  # KV tokens they hold: prompt + tokens decoded so far, each
+        self.next_step = 0  # index of the next decode step
+        self.finishing: dict[int, list] = defaultdict(list)  # step index -> jobs ending there
+        self.stepping = False  # a decode step runs now
+        self.waking = False  # a step start is due at this instant
+        self.inbox: list = []  # (callback, args) that reached the decoder during a step
+        self.last_req = ""  # the req a decode stage names (its req need not be live)
+
+    # -- the loop's boundaries ------------------------------------------------------------------
+
+    def deliver(self, callback, *args) -> None:
+        """A message reaches the decoder: handled now, or when the running step ends."""
+        if self.stepping:
+            self.inbox.append((callback, args))
+        else:
+            callback(*args)
+
+    def produced(self, job) -> None:
+        """The request's first token (its producer's), as the decoder receives it."""
+        now = self.env.now
+        self.sim.emit(ev.Produced(now, job.req, 0))
+        self.first_token[job.req] = now
+        self.try_admit(job)
 
     def try_admit(self, job) -> None:
         """Admit when the spec allows it: produced, every span landed, nothing in flight."""
@@ -24,12 +87,76 @@ class Decoder:
         # The producer frees its source KV once nothing reads it any more.
         self.sim.emit(ev.Reuse(now, job.req, (0, job.request.prompt)))
         self.sim.emit(ev.Admit(now, job.req))
-        decode = self.sim.cfg.output_tokens * self.sim.cfg.costs.decode_token_s
-        self.env.after(decode, self._release, job)
+        job.owner.free_source(job)
+        steps = max(self.sim.output_tokens(job.request) - 1, 0)  # the first came at produced
+        self.record.tokens[job.req] = (self.first_token.get(job.req, now), self.next_step,
+                                       steps)
+        if not steps:
+            self._release(job)
+            return
+        job.decode_last = self.next_step + steps - 1
+        self.finishing[job.decode_last].append(job)
+        self.running += 1
+        self.kv_tokens += job.request.prompt
+        self.last_req = job.req
+        self._wake()
+
+    def _wake(self) -> None:
+        """An idle decoder starts a step at this instant, after the instant's other events
+        (pdgpu's idle loop handles every message waiting before it decodes)."""
+        if not self.stepping and not self.waking:
+            self.waking = True
+            self.env.at(self.env.now, self._start_step)
+
+    # -- one decode step --------------------------------------------------------------------------
+
+    def _start_step(self) -> None:
+        self.waking = False
+        if not self.running:
+            return
+        now, batch, kv = self.env.now, self.running, self.kv_tokens
+        end = now + self.step_fixed + batch * self.row_s + kv * self.kv_s
+        if self.sim.cfg.stages:
+            self.sim.emit(ev.Stage(now, self.last_req, "decode", end, None, "decoder",
+                                   batch=batch, kv_tokens=kv))
+        self.stepping = True
+        self.record.step_start.append(now)
+        self.record.batch.append(batch)
+        self.next_step += 1
+        self.env.at(end, self._end_step, batch)
+
+    def _end_step(self, batch: int) -> None:
+        """Every request of the step has one more token; the finished ones are released;
+        then what arrived meanwhile is handled, slabs reserved, and the next step runs."""
+        self.record.step_end.append(self.env.now)
+        self.kv_tokens += batch
+        for job in self.finishing.pop(self.next_step - 1, ()):
+            self.running -= 1
+            self.kv_tokens -= job.request.prompt + self.next_step - self.record.tokens[job.req][1]
+            self._release(job)
+        self.stepping, self.waking = False, True  # this boundary starts the next step itself
+        inbox, self.inbox = self.inbox, []
+        for callback, args in inbox:
+            callback(*args)
+        self.sim.dispatch()
+        self._start_step()
+
+    def drop(self, job) -> None:
+        """A running request was cancelled (faults): it leaves the batch now."""
+        last = job.decode_last
+        if last is None or job not in self.finishing.get(last, ()):
+            return
+        self.finishing[last].remove(job)
+        first = self.record.tokens[job.req][1]
+        in_step = self.stepping and first < self.next_step  # the running step decodes it
+        done = self.next_step - first - (1 if in_step else 0)  # its steps that ended
+        # the running step still adds one token per request of its batch at its end
+        self.kv_tokens -= job.request.prompt + done + (1 if in_step else 0)
+        self.running -= 1
 
     def _release(self, job) -> None:
         if job.ended:  # cancelled while it decoded: its abort ended the life
             return
         job.ended = True
         self.sim.emit(ev.Release(self.env.now, job.req))
-        self.sim.dispatch()
+        self.sim.released(job)

@@ -60,8 +60,8 @@ class FaultyProducer(Producer):
         self.declared_dead = False  # the decoder knows: no request is sent to it
 
     @property
-    def idle(self) -> bool:
-        return self.job is None and not self.declared_dead
+    def available(self) -> bool:
+        return not self.declared_dead
 
     @property
     def down(self) -> bool:
@@ -70,16 +70,16 @@ class FaultyProducer(Producer):
     def _new_job(self, request, steps) -> FaultJob:
         return FaultJob(request, steps, spans_total=sum(len(s.spans) for s in steps))
 
-    def start(self, request) -> None:
-        """Reserve and compute; on a dead, undetected producer the request waits for the
+    def assign(self, request):
+        """Reserve and queue; on a dead, undetected producer the request waits for the
         detection (the decoder does not know yet)."""
+        job = super().assign(request)
+        self.sim.on_start(job, self)
+        return job
+
+    def _start_next(self) -> None:
         if not self.down:
-            super().start(request)
-        else:
-            self.job = self._new_job(request, [])
-            self.sim.monitor.reserve(self.env.now, request.req, request.prompt,
-                                     request.prefix, self.name)
-        self.sim.on_start(self.job, self)
+            super()._start_next()
 
     # -- compute: stops at the end of the step when its job failed or ended ------------------
 
@@ -103,15 +103,19 @@ class FaultyProducer(Producer):
 
     def _let_go(self, job: FaultJob) -> None:
         """The compute stream leaves `job`: the producer takes the next request."""
+        self._unload(job)
         if self.job is job:
             self.job = self.blocked = None
-            self.env.at(self.env.now, self.sim.dispatch)
+            self.env.at(self.env.now, self._start_next)
 
     def abandon(self, job: FaultJob) -> None:
         """`job` failed or ended: a job blocked on a pending slot is let go at once (one
         computing is let go at the end of its step)."""
         if self.blocked is job:
             self._let_go(job)
+        elif job in self.queue:  # cancelled before its compute began
+            self.queue.remove(job)
+            self._unload(job)
 
     # -- copies ------------------------------------------------------------------------------
 
@@ -175,6 +179,9 @@ class FaultyProducer(Producer):
         """The span's writer stops: it lands, or it is fenced if it failed or was cancelled."""
         if self.down or run.state is SpanState.DONE:
             return
+        if run.state is SpanState.IN_FLIGHT and self.sim.decoder.stepping:
+            self.sim.decoder.deliver(self._stop, run)  # it lands once the decoder handles it
+            return
         del self.runs[run.span], run.job.runs[run.span]
         fenced = run.state is SpanState.UNFENCED
         run.state = SpanState.DONE
@@ -206,6 +213,11 @@ class FaultyProducer(Producer):
         self.runs.clear()
         self.lands.clear()
         self.gathers.clear()
+        for job in [*self.queue, *(job for job, _ in self.outbox)]:
+            jobs[id(job)] = job  # reserved, not started / computed, spans not yet issued
+        self.queue.clear()
+        self.outbox.clear()
+        self.load, self.source_free = 0, self.cfg.source_pages
         self.job = self.blocked = None
         self.declared_dead = True
         return [job for job in jobs.values() if not job.ended]

@@ -58,15 +58,13 @@ class Ticket:
 class FaultyDecoder(Decoder):
     """The decoder, telling the FaultSim which requests ended ok."""
 
+    def produced(self, job) -> None:
+        if not job.ended:  # a life aborted before the decoder handled its first token
+            super().produced(job)
+
     def try_admit(self, job) -> None:
         if not job.ended:
             super().try_admit(job)
-
-    def _release(self, job) -> None:
-        if job.ended:  # cancelled while it decoded
-            return
-        super()._release(job)
-        self.sim.finish(job.req, Status.OK)
 
 
 class FaultSim(Sim):
@@ -108,13 +106,18 @@ class FaultSim(Sim):
 
     def _cancel_window(self, request: RequestSpec) -> float:
         """A fault-free life's length: its pipeline lower bound plus its decode."""
-        decode = self.cfg.output_tokens * self.cfg.costs.decode_token_s
+        decode = self.output_tokens(request) * self.cfg.costs.decode_token_s
         return lower_bound_s(self.cfg, request) + decode
 
     def finish(self, req: str, status: Status, reason: str | None = None) -> None:
         ticket = self.tickets[req]
         ticket.job = ticket.producer = None
         ticket.outcome = Outcome(req, status, ticket.attempts, self.env.now, reason)
+        self.request_done()
+
+    def released(self, job) -> None:
+        self.finish(job.req, Status.OK)
+        self.dispatch_between_steps()
 
     # -- cancellation ------------------------------------------------------------------------
 
@@ -128,9 +131,11 @@ class FaultSim(Sim):
             self.queue.remove(ticket.request)
         else:
             self.emit(ev.Abort(self.env.now, job.req, "cancelled"))
+            self.decoder.drop(job)
             job.ended = True
             producer.cancel_spans(job)
             producer.abandon(job)
+            producer.free_source(job)
         self.finish(ticket.request.req, Status.CANCELLED, "cancelled")
         self.dispatch()
 
@@ -151,6 +156,7 @@ class FaultSim(Sim):
         self.emit(ev.Abort(now, job.req, reason))
         job.ended = True
         ticket.producer.abandon(job)
+        ticket.producer.free_source(job)
         ticket.job = ticket.producer = None
         if ticket.attempts >= self.faults.max_attempts:
             self.finish(job.req, Status.FAILED, f"{reason} ({ticket.attempts} attempts)")

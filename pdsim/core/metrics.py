@@ -1,12 +1,13 @@
 """Metrics of a simulated run: contract.md's (computed by pdref from the events, exactly as for an
-engine run) plus the simulator's own: pipeline lower bound and gap, and for workloads TTFT
-percentiles, pool occupancy and throughput."""
+engine run) plus the simulator's own: pipeline lower bound and gap, and for workloads pool
+occupancy, throughput and pdgpu serve's summary (serving_metrics.py: tokens/s, TTFT, ITL)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from pdref.metrics import life_metrics, run_metrics
+from pdsim.core.serving_metrics import serving_metrics
 from pdsim.core.sim import SimResult
 from pdsim.core.steps import copy_total_s, lower_bound_s
 
@@ -49,6 +50,7 @@ def workload_metrics(result: SimResult) -> dict:
     out.update(_rates(ok, makespan))
     out.update(pool_occupancy_mean=occupancy, pool_peak_pages=peak_pages,
                peak_staging_bytes=peak, events=len(result.events))
+    out.update(serving_metrics(result, ok, makespan, peak_pages))
     return out
 
 
@@ -67,14 +69,11 @@ def _percentile(values, q: float) -> float | None:
 
 
 def _latencies(result: SimResult, lives) -> dict:
-    """TTFT (arrival to admissible at the decoder), queueing, and the unhidden tail."""
+    """Queueing (arrival to reserve) and the unhidden tail; TTFT: serving_metrics."""
     arrival = {r.req: r.arrival for r in result.requests}
-    ttft = np.array([life.ready_t - arrival[life.req] for life in lives])
     wait = np.array([life.reserve_t - arrival[life.req] for life in lives])
     tails = [life.ready_t - life.produced_t for life in lives]
-    return {"ttft_p50_s": _percentile(ttft, 50),
-            "ttft_p99_s": _percentile(ttft, 99),
-            "queue_wait_p99_s": _percentile(wait, 99),
+    return {"queue_wait_p99_s": _percentile(wait, 99),
             "tail_mean_s": float(np.mean(tails)) if tails else None}
 
 

@@ -1,13 +1,18 @@
-"""The producer process: runs a request's compute steps and feeds its copier.
+"""The producer process: a queue of reserved requests, a compute stream, and its copier.
 
-After each step it emits `computed`, then issues the spans that step made ready, one by one;
-after the last step the first token's LM head (`head_s`) runs before `produced` (in whole
-mode the copy starts after it; in chunk and layer modes, as in pdgpu's step loop, the last
-spans are issued first and their copies overlap it);
-when `Monitor.can_issue` says the producer already has max_pending spans in flight, the
-producer blocks (no further compute) until a span lands. The copier (pdsim/core/copier.py, serial
-or pipelined) serves spans in issue order: fixed cost, gather (which slows overlapping
-compute), then the link's stages.
+Requests come in the order the decoder reserved their slabs (`assign`); the producer computes
+them one at a time, each once its source cache has room for the prompt's suffix
+(`source_pages`; a life's source pages come back at its `reuse`), as pdgpu serve's producer
+does. After each step it emits `computed`, then hands the spans that step made ready to its
+sender. After the last step the first token's LM head (`head_s`) runs before `produced` (in
+whole mode the copy starts after it; in chunk and layer modes the last spans are issued
+first and their copies overlap it). Two senders (`SimConfig.sender`):
+- blocking (pdgpu run's step loop): when `Monitor.can_issue` says the producer already has
+  max_pending spans in flight, its compute waits until a span lands;
+- queued (pdgpu serve's sender thread): compute goes on; ready spans wait in the producer's
+  outbox, in order across its requests, and are issued as pending slots come free.
+The copier (copier.py, serial or pipelined) serves spans in issue order: fixed cost, gather
+(which slows overlapping compute), then the link's stages.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from pdsim.core.copier import Copier, SpanTimes
 from pdsim.core.steps import Step, copied_bytes, plan_steps
 
 
-@attrs.define
+@attrs.define(eq=False)
 class Job:
-    """A request while the producer works on it (mutable process state)."""
+    """A request's life while the producer works on it (mutable process state)."""
 
     request: RequestSpec
     steps: list[Step]
@@ -37,6 +42,10 @@ class Job:
     spans_landed: int = 0
     produced: bool = False
     ended: bool = False  # the life was released or aborted (faults: nothing more happens)
+    owner: Producer | None = None
+    queued_work: int = 0  # suffix tokens counted in its producer's load until `produced`
+    source_pages: int = 0  # source cache pages it holds on its producer until its `reuse`
+    decode_last: int | None = None  # the decode step that gives its last token
 
     @property
     def req(self) -> str:
@@ -44,30 +53,69 @@ class Job:
 
 
 class Producer:
-    """One producer device: a compute stream and its copier."""
+    """One producer device: its queue, a compute stream and its copier."""
 
     def __init__(self, env, sim, name: str) -> None:
         self.env, self.sim, self.name = env, sim, name
+        self.cfg = sim.cfg
         self.job: Job | None = None  # the request being computed, None when idle
+        self.queue: deque[Job] = deque()  # reserved, waiting for the compute stream
+        self.load = 0  # queued prefill work: suffix tokens assigned and not yet produced
+        self.source_free = self.cfg.source_pages  # None: an unbounded source cache
         self.blocked: Job | None = None
-        self.copier = Copier(sim.cfg.costs)
+        self.outbox: deque[tuple[Job, Region]] = deque()  # queued sender: spans to issue
+        self.copier = Copier(self.cfg.costs)
         self.gathers: deque[tuple[float, float]] = deque()
         self.lands: deque[float] = deque()  # land times of spans in flight, in FIFO order
 
     @property
-    def idle(self) -> bool:
-        return self.job is None
+    def available(self) -> bool:
+        """Whether the decoder sends it requests."""
+        return True
 
-    def start(self, request: RequestSpec) -> None:
-        cfg = self.sim.cfg
-        steps = plan_steps(cfg, request)
-        self.job = self._new_job(request, steps)
+    # -- the queue --------------------------------------------------------------------------
+
+    def assign(self, request: RequestSpec) -> Job:
+        """The decoder reserved the request's slab for this producer: it joins the queue."""
+        job = self._new_job(request, plan_steps(self.cfg, request))
+        job.owner, job.queued_work = self, request.prompt - request.prefix
         self.sim.monitor.reserve(self.env.now, request.req, request.prompt, request.prefix,
                                  self.name)
-        self._next_step(self.job)
+        self.load += job.queued_work
+        self.queue.append(job)
+        self._start_next()
+        return job
 
     def _new_job(self, request: RequestSpec, steps: list[Step]) -> Job:
         return Job(request, steps, spans_total=sum(len(s.spans) for s in steps))
+
+    def _start_next(self) -> None:
+        """An idle compute stream takes the queue's head once its source fits."""
+        if self.job is not None or not self.queue:
+            return
+        job = self.queue[0]
+        need = self.cfg.geometry.pages_for(job.request.prompt - job.request.prefix)
+        if self.source_free is not None:
+            if need > self.source_free:
+                return
+            self.source_free -= need
+            job.source_pages = need
+        self.job = self.queue.popleft()
+        self._next_step(job)
+
+    def _unload(self, job: Job) -> None:
+        """The job's prefill is no longer queued work (produced, or its life ended)."""
+        self.load -= job.queued_work
+        job.queued_work = 0
+
+    def free_source(self, job: Job) -> None:
+        """`reuse` (or the life's end): its source pages come back; the queue may go on."""
+        if self.source_free is not None:
+            self.source_free += job.source_pages
+        job.source_pages = 0
+        self._start_next()
+
+    # -- compute ------------------------------------------------------------------------------
 
     def _next_step(self, job: Job) -> None:
         if job.index == len(job.steps):
@@ -75,8 +123,8 @@ class Producer:
             return
         step = job.steps[job.index]
         duration = self._stretched(step.base_s)
-        if self.sim.cfg.stages and (duration or not self.sim.cfg.no_compute):
-            name = "fill" if self.sim.cfg.no_compute else "compute"  # export: the payload
+        if self.cfg.stages and (duration or not self.cfg.no_compute):
+            name = "fill" if self.cfg.no_compute else "compute"  # export: the payload
             self.sim.stage(self.env.now, job.req, name, duration, None, f"{self.name}.compute")
         self.env.after(duration, self._end_step, job, step)
 
@@ -86,28 +134,28 @@ class Producer:
         while self.gathers and self.gathers[0][1] <= now:
             self.gathers.popleft()
         overlap = sum(max(0.0, min(g1, end) - max(g0, now)) for g0, g1 in self.gathers)
-        return base + self.sim.cfg.costs.contention * overlap
+        return base + self.cfg.costs.contention * overlap
 
     def _end_step(self, job: Job, step: Step) -> None:
         now = self.env.now
         self.sim.emit(ev.Computed(now, job.req, step.layers, step.tokens))
         job.index += 1
         last = job.index == len(job.steps)
-        if last and not self._head_s() and self.sim.cfg.mode is Mode.WHOLE:
+        if last and not self._head_s() and self.cfg.mode is Mode.WHOLE:
             self._produce(job)  # chunk/layer: once the last spans are issued (_finish)
         job.ready.extend(step.spans)
-        if last and self._head_s() and self.sim.cfg.mode is Mode.WHOLE:
+        if last and self._head_s() and self.cfg.mode is Mode.WHOLE:
             self._run_head(job, self._issue_ready)  # the whole copy starts after `produced`
             return
         self._issue_ready(job)
 
     def _head_s(self) -> float:
-        return 0.0 if self.sim.cfg.no_compute else self.sim.cfg.costs.head_s
+        return 0.0 if self.cfg.no_compute else self.cfg.costs.head_s
 
     def _run_head(self, job: Job, then) -> None:
         """The first token's LM head (after the last step, before `produced`), then `then`."""
         head = self._head_s()
-        if self.sim.cfg.stages:
+        if self.cfg.stages:
             self.sim.stage(self.env.now, job.req, "head", head, None, f"{self.name}.compute")
         self.env.after(head, self._head_done, job, then)
 
@@ -117,23 +165,8 @@ class Producer:
 
     def _produce(self, job: Job) -> None:
         job.produced = True
-        self.sim.emit(ev.Produced(self.env.now, job.req, 0))
-        self.sim.try_admit(job)
-
-    def _issue_ready(self, job: Job) -> None:
-        while job.ready:
-            if not self.sim.monitor.can_issue(self.name):
-                self._block(job)
-                return
-            self._issue(job, job.ready.popleft())
-        self._next_step(job)
-
-    def _block(self, job: Job) -> None:
-        """Wait for a free pending slot: the oldest span in flight lands first (FIFO lanes)."""
-        self.blocked = job
-        if self.sim.cfg.stages:
-            wait = self.lands[0] - self.env.now
-            self.sim.stage(self.env.now, job.req, "blocked", wait, None, f"{self.name}.compute")
+        self._unload(job)
+        self.sim.decoder.deliver(self.sim.decoder.produced, job)
 
     def _finish(self, job: Job) -> None:
         if not job.produced and self._head_s():
@@ -142,10 +175,40 @@ class Producer:
         if not job.produced:
             self._produce(job)
         self.job = None
-        self.env.at(self.env.now, self.sim.dispatch)
+        self._start_next()
+
+    # -- the sender ---------------------------------------------------------------------------
+
+    def _issue_ready(self, job: Job) -> None:
+        if self.cfg.sender == "queued":
+            self.outbox.extend((job, region) for region in job.ready)
+            job.ready.clear()
+            self._pump()
+            self._next_step(job)
+            return
+        while job.ready:
+            if not self.sim.monitor.can_issue(self.name):
+                self._block(job)
+                return
+            self._issue(job, job.ready.popleft())
+        self._next_step(job)
+
+    def _pump(self) -> None:
+        """Queued sender: issue the outbox's spans in order while pending slots are free."""
+        while self.outbox and self.sim.monitor.can_issue(self.name):
+            job, region = self.outbox.popleft()
+            if not (job.ended or getattr(job, "failed", False)):  # a stopped life sends none
+                self._issue(job, region)
+
+    def _block(self, job: Job) -> None:
+        """Wait for a free pending slot: the oldest span in flight lands first (FIFO lanes)."""
+        self.blocked = job
+        if self.cfg.stages:
+            wait = max(0.0, self.lands[0] - self.env.now)  # a land the decoder defers
+            self.sim.stage(self.env.now, job.req, "blocked", wait, None, f"{self.name}.compute")
 
     def _issue(self, job: Job, region: Region) -> None:
-        cfg, now = self.sim.cfg, self.env.now
+        cfg, now = self.cfg, self.env.now
         span = self.sim.next_span()
         nbytes = region.bytes(cfg.geometry)
         job.spans_issued += 1
@@ -156,10 +219,10 @@ class Producer:
     def _schedule_copy(self, job: Job, span: int, times: SpanTimes) -> None:
         """The copier runs the span's stages at `times`, then the span lands."""
         self.gathers.append(times.stages[0][1:])
-        if self.sim.cfg.stages:
+        if self.cfg.stages:
             self._schedule_stages(job.req, span, times.stages)
         self.lands.append(times.land)
-        self.env.at(times.land, self._land, job, span)
+        self.env.at(times.land, self._arrived, job, span)
 
     def _schedule_stages(self, req: str, span: int, stages, emit=None) -> None:
         """Stage events (absolute (name, start, end)) at their start times; stages starting
@@ -172,6 +235,10 @@ class Producer:
         for t, stages in groups.items():
             self.env.at(t, emit, stages)
 
+    def _arrived(self, job: Job, span: int) -> None:
+        """The span's bytes reached the decoder: it lands when the decoder handles it."""
+        self.sim.decoder.deliver(self._land, job, span)
+
     def _land(self, job: Job, span: int) -> None:
         self.sim.emit(ev.Land(self.env.now, job.req, span))
         self.lands.popleft()
@@ -180,7 +247,9 @@ class Producer:
         self._unblock()
 
     def _unblock(self) -> None:
-        """A pending slot came free: the blocked job issues its next spans."""
-        if self.blocked is not None and self.sim.monitor.can_issue(self.name):
+        """A pending slot came free: the blocked job (or the outbox) issues its next spans."""
+        if self.outbox:
+            self._pump()
+        elif self.blocked is not None and self.sim.monitor.can_issue(self.name):
             blocked, self.blocked = self.blocked, None
             self._issue_ready(blocked)

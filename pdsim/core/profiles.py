@@ -68,6 +68,12 @@ class ComputeOverride:
     chunk_s: float | None = None
     head_s: float | None = None  # the first token's LM head, once per request
     dense_attention: bool | None = None  # a chunk's attention is a dense masked rectangle
+    # One batched decode step over `batch` requests reading `kv_tokens` KV tokens takes
+    # decode_s + batch * decode_row_s + kv_tokens * decode_kv_token_s (pdgpu serve's decode
+    # stages carry both). Absent: derived from the model and device (costs.py), not measured.
+    decode_s: float | None = None
+    decode_row_s: float | None = None
+    decode_kv_token_s: float | None = None
 
 
 @attrs.frozen

@@ -2,6 +2,13 @@
 
 Every event goes through `pdref.monitor.Monitor.emit`, so a schedule the specification
 forbids raises a Violation instead of producing a trace.
+
+Scheduling follows `pdgpu serve`'s decoder: arrived requests, in arrival order, get a slab
+as soon as the pool has its pages (the head waits rather than being overtaken) and go to the
+producer with the least queued prefill work (suffix tokens not yet produced; ties: the lower
+index), which computes its queue in order. Arrivals are open loop (each request's `arrival`)
+or closed loop (`concurrency`: the first C enter at 0, each finished request lets the next
+one in at that moment).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import attrs
 from pdref import events as ev
 from pdref.monitor import Monitor
 from pdsim.core.config import RequestSpec, SimConfig
-from pdsim.core.decoder import Decoder
+from pdsim.core.decoder import Decoder, DecodeRecord
 from pdsim.core.env import Env
 from pdsim.core.producer import Producer
 
@@ -25,10 +32,11 @@ class SimResult:
     cfg: SimConfig
     header: ev.Header
     events: tuple
-    requests: tuple[RequestSpec, ...]
+    requests: tuple[RequestSpec, ...]  # closed loop: each with the time it entered
     steps: int  # heap events handled
     outcomes: tuple = ()  # with faults: one fault_sim.Outcome per request, in workload order
     leaked_pages: int = 0  # pages not back in the pool at the end
+    decode: DecodeRecord = attrs.Factory(DecodeRecord)  # the decode batch's steps
 
 
 def make_header(cfg: SimConfig) -> ev.Header:
@@ -45,6 +53,10 @@ def check_fits(cfg: SimConfig, requests) -> None:
             raise ValueError(
                 f"pool_pages must hold every request: {r.req} needs {need} pages, "
                 f"pool has {cfg.pool_pages}")
+        if cfg.source_pages is not None and cfg.geometry.pages_for(r.prompt) > cfg.source_pages:
+            raise ValueError(
+                f"source_pages must hold every prompt: {r.req} needs "
+                f"{cfg.geometry.pages_for(r.prompt)} pages, a producer has {cfg.source_pages}")
 
 
 class Sim:
@@ -63,6 +75,16 @@ class Sim:
         self.decoder = Decoder(self.env, self)
         self.queue: deque[RequestSpec] = deque()
         self._spans = 0
+        self.entered: dict[str, float] = {}  # closed loop: when each request came in
+        if cfg.concurrency is None:
+            self._open_loop()
+        else:
+            self._waiting = deque(self.requests)
+            self.env.at(0.0, self._let_in, cfg.concurrency)
+
+    # -- arrivals ---------------------------------------------------------------------------
+
+    def _open_loop(self) -> None:
         # Arrivals enter the heap one at a time (a short heap is a faster heap), each with
         # the sequence number it would have had if all were scheduled now: same order.
         self._arrival_seq = self.env.reserve_seqs(len(self.requests))
@@ -81,11 +103,47 @@ class Sim:
         self._schedule_arrival(rank + 1)
         self._arrive(self.requests[self._arrival_order[rank]])
 
+    def _let_in(self, count: int) -> None:
+        """Closed loop: the next `count` requests enter now."""
+        for _ in range(min(count, len(self._waiting))):
+            request = self._waiting.popleft()
+            self.entered[request.req] = self.env.now
+            self._arrive(request)
+
+    def request_done(self) -> None:
+        """A request finished (ok, failed or cancelled): closed loop, the next one enters."""
+        if self.cfg.concurrency is not None:
+            self._let_in(1)
+
+    def _arrive(self, request: RequestSpec) -> None:
+        self.queue.append(request)
+        self.dispatch_between_steps()  # pdgpu's loop reserves between decode steps
+
+    # -- the decoder's schedule ---------------------------------------------------------------
+
+    def dispatch(self) -> None:
+        """Reserve slabs for queued requests in arrival order while the pool has the head's
+        pages; each goes to the producer with the least queued prefill work."""
+        while self.queue:
+            head = self.queue[0]
+            if not self.monitor.can_reserve(head.prompt, head.prefix):
+                return
+            producer = self._least_queued()
+            if producer is None:
+                return
+            producer.assign(self.queue.popleft())
+
+    def _least_queued(self) -> Producer | None:
+        best = None
+        for producer in self.producers:
+            if producer.available and (best is None or producer.load < best.load):
+                best = producer
+        return best
+
+    # -- what producers and the decoder call ----------------------------------------------------
+
     def _make_producer(self, name: str) -> Producer:
         return Producer(self.env, self, name)
-
-    def emit(self, event) -> None:
-        self.monitor.emit(event)
 
     def emit_all(self, events) -> None:
         emit = self.monitor.emit
@@ -102,23 +160,29 @@ class Sim:
     def try_admit(self, job) -> None:
         self.decoder.try_admit(job)
 
-    def _arrive(self, request: RequestSpec) -> None:
-        self.queue.append(request)
-        self.dispatch()
+    def output_tokens(self, request: RequestSpec) -> int:
+        return self.cfg.output_of(request)
 
-    def dispatch(self) -> None:
-        """Start queued requests, in arrival order, on idle producers while a slab fits."""
-        while self.queue:
-            producer = next((p for p in self.producers if p.idle), None)
-            head = self.queue[0]
-            if producer is None or not self.monitor.can_reserve(head.prompt, head.prefix):
-                return
-            producer.start(self.queue.popleft())
+    def released(self, job) -> None:
+        """An admitted request finished decoding (its `release` is emitted)."""
+        self.request_done()
+        self.dispatch_between_steps()
+
+    def dispatch_between_steps(self) -> None:
+        """`dispatch` now, unless a decode step runs (then its end dispatches)."""
+        if not self.decoder.stepping:
+            self.dispatch()
 
     def run(self) -> SimResult:
         self.env.run()
         self.monitor.close()
-        return SimResult(self.cfg, self.header, tuple(self.events), self.requests, self.env.steps)
+        requests = self.requests
+        if self.entered:
+            requests = tuple(attrs.evolve(r, arrival=self.entered.get(r.req, r.arrival))
+                             for r in requests)
+        return SimResult(self.cfg, self.header, tuple(self.events), requests, self.env.steps,
+                         leaked_pages=self.cfg.pool_pages - len(self.monitor.free_page_ids()),
+                         decode=self.decoder.record)
 
 
 def simulate(cfg: SimConfig, requests, faults=None) -> SimResult:

@@ -1,6 +1,8 @@
-"""Workloads: arrival times (fixed list, fixed interval, or Poisson at a rate) and prompt
-lengths (fixed, uniform in a range, or from a CSV with a `prompt` column and optional
-`arrival` and `prefix` columns). Seeded, so equal inputs give equal workloads."""
+"""Workloads: arrival times (fixed list, fixed interval, or Poisson at a rate; closed loop:
+SimConfig.concurrency), prompt lengths (fixed, uniform in a range, from a CSV with a `prompt`
+column and optional `arrival` and `prefix` columns, or from a `pdgpu serve` prompts file,
+prompts.py) and output tokens (the run's, uniform in a range, or each prompt line's). Seeded,
+so equal inputs give equal workloads."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import attrs
 import numpy as np
 
 from pdsim.core.config import RequestSpec
+from pdsim.core.prompts import check_shared_prefix, read_prompts
 
 
 class WorkloadError(ValueError):
@@ -30,25 +33,59 @@ class WorkloadSpec:
     interval: float | None = None  # fixed spacing between arrivals (None: all at t = 0)
     arrivals: tuple[float, ...] | None = None
     seed: int = 0
+    prompts_jsonl: str | None = None  # pdgpu serve's --prompts file
+    output_range: tuple[int, int] | None = None  # output tokens uniform in [A, B]
+
+
 
 
 def build_requests(spec: WorkloadSpec, page_tokens: int) -> list[RequestSpec]:
-    """The requests r0, r1, ... of a workload, in arrival order."""
+    """The requests of a workload (r0, r1, ... or the prompts file's names), in arrival
+    order (ties: workload order)."""
     rng = np.random.default_rng(spec.seed)
-    rows = _read_csv(spec.prompts_csv) if spec.prompts_csv else None
+    rows = _rows(spec)
     count = _count(spec, rows)
     prompts = _prompts(spec, rows, count, rng)
     times = _arrivals(spec, rows, count, rng)
+    outputs = _outputs(spec, rows, count, rng)  # drawn last: earlier draws stay as they were
     out = []
     for i, (t, prompt) in enumerate(zip(times, prompts, strict=True)):
         prefix = _prefix(spec, rows, i, prompt, page_tokens)
-        out.append(RequestSpec(f"r{i}", float(t), int(prompt), prefix))
-    return sorted(out, key=lambda r: (r.arrival, int(r.req[1:])))
+        name = rows[i].get("req", f"r{i}") if rows is not None else f"r{i}"
+        out.append(RequestSpec(name, float(t), int(prompt), prefix, outputs[i]))
+    order = sorted(range(count), key=lambda i: (out[i].arrival, i))
+    return [out[i] for i in order]
+
+
+def _rows(spec: WorkloadSpec) -> list[dict] | None:
+    if spec.prompts_csv and spec.prompts_jsonl:
+        raise WorkloadError("prompts: give one of --prompts-csv and --prompts, got both")
+    if spec.prompts_jsonl:
+        rows = read_prompts(spec.prompts_jsonl)
+        if spec.prefix:
+            check_shared_prefix(rows, spec.prefix)
+        return rows
+    return _read_csv(spec.prompts_csv) if spec.prompts_csv else None
+
+
+def _outputs(spec: WorkloadSpec, rows, count: int, rng) -> list[int | None]:
+    """Each request's output tokens; None: the run's --output-tokens."""
+    if spec.output_range is not None:
+        lo, hi = spec.output_range
+        if not 0 <= lo <= hi:
+            raise WorkloadError(f"--output-range must be A:B with 0 <= A <= B, got {lo}:{hi}")
+        if rows is not None and any(r.get("output_tokens") is not None for r in rows):
+            raise WorkloadError("--output-range and the prompts file's output_tokens both "
+                                "give output lengths; give one")
+        return [int(x) for x in rng.integers(lo, hi + 1, size=count)]
+    if rows is not None:
+        return [row.get("output_tokens") for row in rows]
+    return [None] * count
 
 
 def _count(spec: WorkloadSpec, rows) -> int:
     """How many requests; a --requests that contradicts the CSV or --arrivals is refused."""
-    implied = {"--prompts-csv rows": None if rows is None else len(rows),
+    implied = {"prompt rows": None if rows is None else len(rows),
                "--arrivals times": None if spec.arrivals is None else len(spec.arrivals)}
     implied = {k: v for k, v in implied.items() if v is not None}
     count = spec.requests if spec.requests is not None else next(iter(implied.values()), 1)

@@ -3,9 +3,9 @@
 Per-request results of a `pdsim run` (`--results FILE.jsonl`, the serving-run format of
 specs/contract.md): one line per request, `{"req", "status", "output", "ttft_s", "e2e_s",
 "attempts"}` plus `reason` when it did not end ok. The simulator generates no tokens:
-`output` is null. TTFT runs from arrival to the moment the decoder could admit its ok life
-(every span landed, first token produced); e2e from arrival to its release, or to the moment
-it was cancelled or failed."""
+`output` is null. TTFT runs from arrival (closed loop: from entering) to the first token of
+its ok life (`produced`: the producer makes it), as pdgpu serve's; e2e from arrival to its
+release, or to the moment it was cancelled or failed."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def request_results(result: SimResult) -> list[dict]:
         outcome, life = outcomes.get(request.req), ok.get(request.req)
         row = {"req": request.req, "status": "ok" if outcome is None else str(outcome.status),
                "output": None,
-               "ttft_s": None if life is None else life.ready_t - request.arrival,
+               "ttft_s": None if life is None
+               else result.decode.tokens[request.req][0] - request.arrival,
                "e2e_s": (life.end_t if outcome is None else outcome.t) - request.arrival,
                "attempts": count.get(request.req, 0)}
         if outcome is not None and outcome.reason is not None:
