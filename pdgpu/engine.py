@@ -199,14 +199,14 @@ class Engine:
             rec.restart_clock()  # t = 0 once the producer's prefix cache is warm
         loop = _Loop(self.ledger.reserve(request, src, tokens), hidden=warm)
         self._run_steps(rec, loop)
-        if rec.failed(request.req):
+        if self.ledger.failed(request.req):
             return self._abort(loop.life)
         token = self._first_token(rec, request.req, loop.hidden)
         self.ledger.produced(request.req, 0 if token is None else token)
         self.faults.after_produced(self.ledger, request.req)
         self._issue_ready(rec, loop)  # whole mode's span goes out here
         self._wait_all()
-        if rec.failed(request.req):
+        if self.ledger.failed(request.req):
             return self._abort(loop.life)
         return self._admit(rec, loop.life, token, attempt)
 
@@ -237,7 +237,7 @@ class Engine:
         steps = plan_steps(c.mode, self.geometry, r.prompt, r.prefix, c.chunk,
                            compute=not c.no_compute)
         for step in steps:
-            if rec.failed(r.req):
+            if self.ledger.failed(r.req):
                 return
             if self.faults.issues_before_compute:
                 loop.ready.extend((s, self.copier.mark_ready()) for s in step.spans)
@@ -249,7 +249,7 @@ class Engine:
             if c.mode is not Mode.WHOLE:
                 self._issue_ready(rec, loop)
             self._raise_copy_errors()
-        while loop.pending and not rec.failed(r.req):  # the device may still be computing
+        while loop.pending and not self.ledger.failed(r.req):  # the device may still compute
             loop.pending[0].end.wait()
             self._emit_computed(rec, loop)
             if c.mode is not Mode.WHOLE:
@@ -293,7 +293,7 @@ class Engine:
         req = loop.life.req
         while loop.ready:
             self._wait_for_slot(rec, req)
-            if rec.failed(req):
+            if self.ledger.failed(req):
                 return
             region, ready = loop.ready.popleft()
             self.ledger.issue(loop.life, region, ready)
@@ -305,7 +305,7 @@ class Engine:
         start, waited = rec.now(), False
         while True:
             seen = self.copier.completions
-            if rec.ask("can_issue") or rec.failed(req):
+            if self.ledger.failed(req) or self._may_issue(rec):
                 break
             if not self.copier.in_flight:  # nothing will land: waiting would never end
                 raise EngineError(f"request {req!r}: pdref refuses an issue with no copy in "
@@ -315,6 +315,11 @@ class Engine:
             waited = True
         if waited:
             rec.stage(req, "blocked", start, rec.now(), resource="producer")
+
+    def _may_issue(self, rec: Recorder) -> bool:
+        """pdref's `can_issue`, asked once the copier has a free staging slot (with none, no
+        issue can go out whatever pdref says: one query per issue, not one per wake-up)."""
+        return self.copier.free_slots > 0 and rec.ask("can_issue")
 
     def _wait_all(self) -> None:
         self.copier.drain()

@@ -42,7 +42,13 @@ class Ledger:
                  geometry: Geometry, faults: Faults) -> None:
         self.rec, self.source, self.pool, self.copier = rec, source, pool, copier
         self.geometry, self.faults = geometry, faults
+        self._failed: set[str] = set()  # requests whose live life had a span fail
         copier.on_done = self.copy_done
+
+    def failed(self, req: str) -> bool:
+        """Whether a span of `req`'s live life failed: this ledger emitted its `fail` (the
+        only event that marks a life failed), so no query of the Monitor's state is needed."""
+        return req in self._failed
 
     def reserve(self, request: Request, src: RequestKV, tokens: torch.Tensor) -> Life:
         """A decoder slab for the request's suffix: pdref's reserve picks the pages, this
@@ -78,6 +84,7 @@ class Ledger:
             self.faults.after_land(self, job.req, job.span)
             return
         self.rec.emit(ev.Fail, job.req, job.span, result.error)
+        self._failed.add(job.req)
         self.fence(job.req, job.span)
 
     def fence(self, req: str, span: int) -> None:
@@ -115,4 +122,5 @@ class Ledger:
         with self.copier.decoder_side():
             self.pool.scrub(life.slab)
         self.rec.emit(ev.Abort, life.req, reason)
+        self._failed.discard(life.req)
         self.pool.follow(self.rec.free_page_ids())

@@ -267,6 +267,30 @@ def test_freeing_source_pages_under_a_copy_in_flight_is_refused_before_freeing()
         engine.copier.close()
 
 
+def test_live_check_cost_times_every_call_into_the_monitor():
+    """Every protocol and stage event of the run went through a timed Monitor call (queries
+    come on top), and the wall and CPU seconds of those calls are a part of the run."""
+    result = _run("chunk", [Request("r", _tokens(64), 0)], chunk=16)
+    m = result.metrics
+    assert m["checks"] >= len(result.events)
+    assert 0 < m["check_s"] < m["wall_s"] and 0 < m["check_cpu_s"] < m["wall_s"]
+    assert m["check_frac"] == pytest.approx(m["check_s"] / m["wall_s"])
+
+
+def test_issue_pdref_never_allows_with_nothing_in_flight_is_refused_not_hung():
+    """When pdref refuses every issue and no copy is in flight (nothing will ever land), the
+    producer stops with EngineError instead of waiting for ever."""
+    engine, rec, _ = _engine_with_ledger()
+    asked = []
+    rec.ask = lambda query, *args: asked.append(query) and False
+    try:
+        with pytest.raises(EngineError, match="refuses an issue"):
+            engine._wait_for_slot(rec, "r")
+    finally:
+        engine.copier.close()
+    assert asked == ["can_issue"]
+
+
 def test_computed_waits_for_the_steps_readiness_mark():
     """`computed` (and the span it readies) comes only once the step's readiness mark is done:
     a launched step whose mark is pending emits nothing yet."""
