@@ -1,0 +1,270 @@
+"""pdsim's serving model: the decoder's continuous batch, producer queues, closed loop,
+prompt files, pdgpu serve's summary, and the serving options' bad input."""
+
+import json
+
+import attrs
+import pytest
+
+from pdref.check import check_file
+from pdref.geometry import Geometry
+from pdref.models import ProfileError, load_model
+from pdsim.cli import main
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.costs import Costs, costs_for, sim_geometry
+from pdsim.core.faults import FaultSpec, Kill
+from pdsim.core.metrics import workload_metrics
+from pdsim.core.profiles import hw_from_dict, load_hw, load_link
+from pdsim.core.serving import serving_config, simulate_serving
+from pdsim.core.sim import simulate
+from pdsim.views.report import write_trace
+
+GEO = Geometry(layers=2, kv_heads=1, head_dim=4, dtype_bytes=2, page_tokens=4)
+DECODE = dict(decode_s=0.01, decode_row_s=0.001, decode_kv_token_s=1e-5)
+COSTS = Costs(token_s=1e-5, pair_s=0.0, chunk_s=1e-3, span_s=1e-5, gather_byte_s=1e-12,
+              link_stages=(("h2d", 1e-12),), link_latency_s=0.0, **DECODE)
+
+
+def cfg(**kw) -> SimConfig:
+    base = dict(geometry=GEO, costs=COSTS, mode="chunk", chunk=32, max_pending=2,
+                pool_pages=4096)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def reqs(*prompts, outputs=None, arrivals=None) -> list[RequestSpec]:
+    outputs = outputs or [None] * len(prompts)
+    arrivals = arrivals or [0.0] * len(prompts)
+    return [RequestSpec(f"r{i}", arrivals[i], p, 0, outputs[i])
+            for i, p in enumerate(prompts)]
+
+
+def step_s(batch: int, kv: int) -> float:
+    return DECODE["decode_s"] + batch * DECODE["decode_row_s"] + kv * DECODE["decode_kv_token_s"]
+
+
+def times(result, kind: str) -> dict[str, float]:
+    return {e.req: e.t for e in result.events if e.kind == kind}
+
+
+def decode_stages(result) -> list:
+    return [e for e in result.events if e.kind == "stage" and e.name == "decode"]
+
+
+def test_one_request_decodes_by_hand():
+    """One request of 5 tokens: 4 steps of the formula's time back to back after admission;
+    tokens/s, wall and ITL are what the hand computes."""
+    result = simulate(cfg(output_tokens=5), reqs(64))
+    m = workload_metrics(result)
+    admit, produced = times(result, "admit")["r0"], times(result, "produced")["r0"]
+    steps = [step_s(1, 64 + k) for k in range(4)]
+    assert m["decode_steps"] == 4 and m["generated_tokens"] == 5
+    assert m["wall_s"] == pytest.approx(admit + sum(steps))
+    assert m["tokens_per_s"] == pytest.approx(5 / (admit + sum(steps)))
+    gaps = sorted([admit - produced + steps[0], *steps[1:]])
+    assert m["itl_p99_s"] == pytest.approx(gaps[-1])
+    assert m["itl_p50_s"] == pytest.approx(gaps[1])  # nearest rank: 2nd of 4
+    assert m["ttft_p50_s"] == pytest.approx(produced)
+
+
+def test_every_decode_stage_takes_the_step_formula_and_rows_add_up():
+    """Each decode stage lasts decode_s + batch*row + kv*kv_token; batches add up to the
+    rows decoded (outputs - 1 per request); a lone request's first step reads its prompt."""
+    result = simulate(cfg(output_tokens=6), reqs(40, 64, 100, arrivals=[0.0, 0.003, 0.5]))
+    stages = decode_stages(result)
+    for s in stages:
+        assert s.end - s.t == pytest.approx(step_s(s.batch, s.kv_tokens))
+    assert sum(s.batch for s in stages) == 3 * 5
+    assert max(s.batch for s in stages) >= 2  # the first two overlapped
+    last = [s for s in stages if s.t >= times(result, "admit")["r2"]]
+    assert last[0].batch == 1 and last[0].kv_tokens == 100
+
+
+def test_a_larger_batch_amortizes_decode_s():
+    """Four requests decoded together take fewer, shared steps and give more tokens/s than
+    the same four one at a time."""
+    requests = reqs(32, 32, 32, 32)
+    together = workload_metrics(simulate(cfg(output_tokens=20, concurrency=4), requests))
+    alone = workload_metrics(simulate(cfg(output_tokens=20, concurrency=1), requests))
+    assert alone["decode_steps"] == 4 * 19
+    assert together["decode_steps"] < 2 * 19
+    assert together["tokens_per_s"] > 2 * alone["tokens_per_s"]
+
+
+def test_admissions_wait_for_the_running_step_to_end():
+    """A request whose spans land while a step runs is admitted at that step's end (pdgpu's
+    loop handles messages between steps), never in the middle of one."""
+    result = simulate(cfg(output_tokens=40), reqs(32, 32, 32, arrivals=[0.0, 0.02, 0.05]))
+    stages = decode_stages(result)
+    ends = {round(s.end, 12) for s in stages}
+    for req, t in times(result, "admit").items():
+        inside = [s for s in stages if s.t < t < s.end]
+        assert not inside, f"{req} admitted inside a step"
+    late = [t for req, t in times(result, "admit").items() if req != "r0"]
+    assert all(round(t, 12) in ends for t in late)
+
+
+def test_closed_loop_never_exceeds_the_concurrency_and_reaches_it():
+    """With --concurrency 3, at no moment are more than 3 requests between entering and
+    release, 3 are at some moment, and each later one enters at a release."""
+    result = simulate(cfg(output_tokens=8, concurrency=3, producers=2),
+                      reqs(*[32 + 8 * i for i in range(12)]))
+    entered = {r.req: r.arrival for r in result.requests}
+    released = times(result, "release")
+    assert len(released) == 12
+    moments = sorted(set(entered.values()) | set(released.values()))
+    inside = [sum(entered[r] <= t < released[r] for r in entered) for t in moments]
+    assert max(inside) == 3
+    later = sorted(entered.values())[3:]
+    assert all(any(t == pytest.approx(x) for x in released.values()) for t in later)
+
+
+def test_reservations_follow_arrival_order_and_the_head_waits():
+    """A small request behind a big one that waits for pages waits too (no overtaking)."""
+    big, small = 64, 8
+    pool = GEO.pages_for(big) + GEO.pages_for(small)
+    result = simulate(cfg(pool_pages=pool, output_tokens=3),
+                      reqs(big, big, small, arrivals=[0.0, 0.001, 0.002]))
+    order = [(e.req, e.t) for e in result.events if e.kind == "reserve"]
+    assert [r for r, _ in order] == ["r0", "r1", "r2"]
+    assert order[2][1] >= order[1][1] >= times(result, "release")["r0"]
+
+
+def test_requests_go_to_the_least_queued_producer():
+    """Three requests at once on two producers: the third joins the shorter queue."""
+    result = simulate(cfg(producers=2), reqs(1024, 64, 64))
+    producers = [e.producer for e in result.events if e.kind == "reserve"]
+    assert producers == ["p0", "p1", "p1"]
+
+
+def test_source_cache_holds_the_next_prefill_until_reuse():
+    """With room for one prompt's source, the producer starts the next prefill only after
+    the first request's `reuse`; with an unbounded cache it starts at once."""
+    slow = attrs.evolve(COSTS, link_stages=(("h2d", 1e-5),))
+    requests = reqs(64, 64)
+    tight = simulate(cfg(costs=slow, sender="queued", source_pages=GEO.pages_for(64)), requests)
+    loose = simulate(cfg(costs=slow, sender="queued"), requests)
+    first_compute = {r: min(e.t for e in res.events if e.kind == "computed" and e.req == "r1")
+                     for r, res in (("tight", tight), ("loose", loose))}
+    assert first_compute["tight"] >= times(tight, "reuse")["r0"]
+    assert first_compute["loose"] < times(loose, "reuse")["r0"]
+
+
+def test_queued_sender_lets_compute_run_ahead_of_a_slow_link():
+    """pdgpu serve's sender thread: prefill ends sooner than with the blocking producer;
+    never more than max_pending spans in flight either way."""
+    slow = attrs.evolve(COSTS, link_stages=(("h2d", 1e-5),))
+    out = {}
+    for sender in ("blocking", "queued"):
+        result = simulate(cfg(costs=slow, sender=sender), reqs(256))
+        live = peak = 0
+        for e in result.events:
+            live += {"issue": 1, "land": -1}.get(e.kind, 0)
+            peak = max(peak, live)
+        assert peak <= 2
+        out[sender] = times(result, "produced")["r0"]
+    assert out["queued"] < out["blocking"] * 0.5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_faults_under_serving_stay_legal_and_leak_nothing(tmp_path, seed):
+    """Failures, cancels and a killed producer with a queued sender and a closed loop:
+    legal trace, no page leaked, one outcome per request, retries spent."""
+    spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
+    costs = costs_for(spec, hw, load_link(hw.link)).scaled(bandwidth=0.05)
+    config = SimConfig(sim_geometry(spec), costs, "chunk", 128, pool_pages=4 * 64, producers=2,
+                       output_tokens=6, concurrency=4, sender="queued", source_pages=128)
+    requests = [RequestSpec(f"r{i}", 0.0, 256 + 64 * (i % 5)) for i in range(16)]
+    faults = FaultSpec(fail_rate=0.1, cancel_rate=0.2, kills=(Kill(1, 0.05),), seed=seed)
+    result = simulate(config, requests, faults)
+    write_trace(tmp_path / "t.jsonl", result)
+    verdict = check_file(tmp_path / "t.jsonl")
+    assert verdict.ok, verdict.text()
+    assert result.leaked_pages == 0
+    m = workload_metrics(result)
+    assert m["ok"] + m["cancelled"] + m["failed"] == 16 and m["ok"] > 0
+    assert m["lives"] > 16 and m["cancelled"] > 0
+
+
+def test_simulate_serving_fills_the_engine_defaults():
+    """serving_config sizes the pool and source cache as pdgpu serve does; the summary has
+    pdgpu serve's keys."""
+    requests = reqs(64, 32, 16, outputs=[3, 3, 3])
+    config = serving_config(cfg(), requests, concurrency=2)
+    assert config.pool_pages == GEO.pages_for(64) + GEO.pages_for(32)
+    assert config.source_pages == 2 * GEO.pages_for(64) and config.sender == "queued"
+    summary = simulate_serving(config, requests)
+    for key in ("requests", "ok", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
+                "itl_p99_s", "handoff_p50_s", "peak_pool_pages", "leaked_pages", "wall_s",
+                "pool_peak_pages"):
+        assert key in summary
+    assert summary["generated_tokens"] == 9 and summary["ok"] == 3
+
+
+def test_prompts_file_runs_with_its_names_and_output_counts(tmp_path, capsys):
+    """`--prompts` in pdgpu serve's format: its request names, its output counts (a line
+    without one takes --output-tokens), a trace pdref accepts."""
+    lines = [{"req": "a", "tokens": list(range(40)), "output_tokens": 2},
+             {"req": "b", "tokens": list(range(70)), "output_tokens": 5},
+             {"req": "c", "tokens": list(range(20))}]
+    prompts, trace = tmp_path / "p.jsonl", tmp_path / "t.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    argv = ["run", "--prompts", str(prompts), "--concurrency", "2", "--output-tokens", "3",
+            "--json", "--trace", str(trace)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 3 and out["generated_tokens"] == 2 + 5 + 3
+    assert check_file(trace).ok
+    names = {json.loads(x).get("req") for x in trace.read_text().splitlines()[1:]}
+    assert {"a", "b", "c"} <= names
+
+
+def test_output_range_draws_within_its_bounds(capsys):
+    """--output-range A:B: generated tokens lie between requests*A and requests*B."""
+    argv = ["run", "--requests", "20", "--prompt-range", "64:256", "--output-range", "2:9",
+            "--concurrency", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 20 * 2 < out["generated_tokens"] < 20 * 9
+
+
+@pytest.mark.parametrize("extra, field", [
+    (["--concurrency", "0"], "--concurrency"),
+    (["--output-range", "5:3"], "--output-range"),
+    (["--prompts", "/nonexistent/p.jsonl"], "--prompts"),
+    (["--rate", "2", "--concurrency", "2"], "--concurrency"),
+    (["--interval", "0.1", "--concurrency", "2"], "--concurrency"),
+    (["--source-pages", "2"], "source_pages"),
+    (["--sender", "eager"], "--sender"),
+])
+def test_bad_serving_input_is_one_line_exit_2(capsys, extra, field):
+    """Bad serving options: one line naming the field, exit 2, no traceback."""
+    assert main(["run", "--requests", "3", "--prompt", "512"] + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err and "Traceback" not in err
+
+
+def test_bad_prompts_line_names_the_line(tmp_path, capsys):
+    """A prompts line breaking a rule is refused naming the file's line, exit 2."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"req": "a", "tokens": [1, 2]}\n{"req": "b", "tokens": [1.5]}\n')
+    assert main(["run", "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "line 2" in err and "tokens" in err
+
+
+def test_decode_terms_from_the_profile_or_derived():
+    """A profile's [compute] decode terms are used as given; absent, they are derived
+    (weights once per step at HBM bandwidth, a KV token's bytes at HBM bandwidth); a
+    negative one is refused naming it."""
+    spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
+    derived = costs_for(spec, hw, load_link(hw.link))
+    assert derived.decode_s == pytest.approx(derived.decode_token_s)
+    assert derived.decode_kv_token_s == pytest.approx(
+        sim_geometry(spec).bytes_per_token / hw.hbm_bandwidth)
+    data = attrs.asdict(hw, recurse=False) | {"compute": {"decode_s": 0.5}}
+    data.pop("source"), data.pop("model")
+    own = hw_from_dict({**data, "link": hw.link}, "x", "x.toml")
+    assert costs_for(spec, own, load_link(hw.link)).decode_s == 0.5
+    with pytest.raises(ProfileError, match="decode_row_s"):
+        hw_from_dict({**data, "compute": {"decode_row_s": -1.0}}, "x", "x.toml")
