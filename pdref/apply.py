@@ -7,11 +7,13 @@ two rules always reports the same code.
 from __future__ import annotations
 
 from pdref import events as ev
-from pdref.intervals import contains, fmt
+from pdref.intervals import fmt
 from pdref.pool import PoolError, QuarantineError
 from pdref.progress import Coverage, LayerProgress, ProgressError
 from pdref.state import Phase, Quarantine, RequestLife, Span, SystemState, Unfenced
 from pdref.violations import Violation
+
+_new = tuple.__new__  # a NamedTuple made without its generated __new__ (one call less)
 
 
 def initial_state(header: ev.Header) -> SystemState:
@@ -61,46 +63,58 @@ def apply_reserve(state: SystemState, event: ev.Reserve) -> SystemState:
 
 
 def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
-    life = _live(state, event)
-    if not (contains((0, state.geometry.layers), event.layers)
-            and contains((0, life.prompt), event.tokens)):
-        raise Violation("PROD-1", f"computed {fmt(event.layers)} x {fmt(event.tokens)} is outside "
+    life = state.requests.get(event.req)
+    if life is None:
+        raise Violation("REQ-1", f"request {event.req!r} is not live", event)
+    layers, tokens = event.layers, event.tokens
+    (l0, l1), (a, b) = layers, tokens  # `contains` inlined: this runs on every step
+    if not ((l1 <= l0 or (0 <= l0 and l1 <= state.geometry.layers))
+            and (b <= a or (0 <= a and b <= life.prompt))):
+        raise Violation("PROD-1", f"computed {fmt(layers)} x {fmt(tokens)} is outside "
                         f"[0, {state.geometry.layers}) x [0, {life.prompt})", event)
-    computed = life.computed.union(event.layers, event.tokens)
+    computed = life.computed.union(layers, tokens)
     # Until the first reuse, held and computed are the same value: extend it once.
-    held = computed if life.held is life.computed else life.held.union(event.layers,
-                                                                        event.tokens)
+    held = computed if life.held is life.computed else life.held.union(layers, tokens)
     return state.with_life(life.with_coverage(computed, held))
 
 
 def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
-    life = _live(state, event)
-    if event.span in state.spans_used:
-        raise Violation("REQ-1", f"span id {event.span!r} was used before", event)
-    if not (contains((0, state.geometry.layers), event.layers)
-            and contains(life.suffix, event.tokens)):
+    life = state.requests.get(event.req)
+    if life is None:
+        raise Violation("REQ-1", f"request {event.req!r} is not live", event)
+    span_id, layers, tokens = event.span, event.layers, event.tokens
+    if span_id in state.spans_used:
+        raise Violation("REQ-1", f"span id {span_id!r} was used before", event)
+    geometry = state.geometry
+    (l0, l1), (a, b) = layers, tokens  # `contains` and `region_bytes` inlined: every span
+    if not ((l1 <= l0 or (0 <= l0 and l1 <= geometry.layers))
+            and (b <= a or (life.prefix <= a and b <= life.prompt))):
         raise Violation("COV-1", f"span {_region(event)} is outside "
-                        f"[0, {state.geometry.layers}) x {fmt(life.suffix)}", event)
-    want = state.geometry.region_bytes(event.layers, event.tokens)
+                        f"[0, {geometry.layers}) x {fmt(life.suffix)}", event)
+    want = (geometry.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0)
+            * (b - a if b > a else 0))
     if event.bytes != want:
         raise Violation("COPY-4", f"span {_region(event)} claims {event.bytes} bytes, "
                         f"its KV is {want}", event)
-    gap = life.held.first_gap(event.layers, event.tokens)
+    gap = life.held.first_gap(layers, tokens)
     if gap is not None:
         raise Violation("COPY-1", f"layer {gap[0]} tokens {fmt(gap[1])} are not computed "
                         "or were reused", event)
-    span = Span(event.span, event.layers, event.tokens, event.bytes)
-    for other in life.in_flight:
-        if span.meets(other):
+    for other in life.in_flight:  # `Span.meets` inlined
+        (o0, o1), (x, y) = other.layers, other.tokens
+        if l0 < o1 and o0 < l1 and l0 < l1 and o0 < o1 and a < y and x < b and a < b and x < y:
             raise Violation("COV-2", f"span {_region(event)} overlaps span {other.span!r} "
                             "in flight", event)
-    if not state.can_issue(life.producer):
-        raise Violation("COPY-2", f"producer {life.producer!r} already has "
+    producer, pending = life.producer, state.pending
+    count = pending.get(producer, 0)
+    if count >= state.max_pending:
+        raise Violation("COPY-2", f"producer {producer!r} already has "
                         f"{state.max_pending} spans in flight or unfenced (max_pending)", event)
+    span = _new(Span, (span_id, layers, tokens, event.bytes))
     return state.with_life(
         life.with_flight(life.in_flight + (span,)),
-        pending=_adjust_pending(state, life.producer, 1),
-        spans_used=state.spans_used.set(event.span, event.req),
+        pending=pending.set(producer, count + 1),
+        spans_used=state.spans_used.set(span_id, event.req),
     )
 
 
@@ -121,16 +135,22 @@ def _retire(state: SystemState, event) -> tuple[tuple[Span, ...], RequestLife, S
 
 
 def apply_land(state: SystemState, event: ev.Land) -> SystemState:
-    rest, life, span = _retire(state, event)
+    life = state.requests.get(event.req)
+    in_flight = life.in_flight if life is not None else ()
+    if in_flight and in_flight[0].span == event.span:  # the usual order: oldest lands first
+        rest, span = in_flight[1:], in_flight[0]
+    else:
+        rest, life, span = _retire(state, event)
     progress = life.progress
-    (l0, l1), (a, b) = span.layers, span.tokens
+    (l0, l1), (a, b) = layers, tokens = span.layers, span.tokens
     if l0 < l1 and a < b:  # an empty span publishes nothing
         try:
-            progress = progress.add(span.layers, span.tokens)
+            progress = progress.add(layers, tokens)
         except ProgressError as e:  # bounds were checked at issue (COV-1): this is overlap
             raise Violation("COV-2", f"span {event.span!r} cannot land: {e}", event) from None
+    producer, pending = life.producer, state.pending
     return state.with_life(life.with_flight(rest, progress),
-                           pending=_adjust_pending(state, life.producer, -1))
+                           pending=pending.set(producer, pending.get(producer, 0) - 1))
 
 
 def apply_fail(state: SystemState, event: ev.Fail) -> SystemState:

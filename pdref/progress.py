@@ -8,12 +8,14 @@ costs the bands it touches, not the layer count.
 from __future__ import annotations
 
 from bisect import bisect_right
+from typing import NamedTuple
 
 import attrs
 
 from pdref.intervals import IntervalSet, Range, fmt, is_empty
 
 _EMPTY_SET = IntervalSet()
+_new = tuple.__new__  # a NamedTuple made without its generated __new__ (one call less)
 
 
 @attrs.frozen
@@ -132,19 +134,27 @@ class ProgressError(ValueError):
     """A span that cannot be published: out of bounds or overlapping what already landed."""
 
 
-@attrs.frozen
-class LayerProgress:
-    """Per-layer landed token intervals of one request inside [prefix, prompt)."""
-
+class _Progress(NamedTuple):
     num_layers: int
     prefix: int
     prompt: int
-    landed: Coverage = attrs.field()
-    finished: bool = False
+    landed: Coverage
+    finished: bool
 
-    @landed.default
-    def _empty(self) -> Coverage:
-        return Coverage(self.num_layers)
+
+class LayerProgress(_Progress):
+    """Per-layer landed token intervals of one request inside [prefix, prompt).
+
+    A NamedTuple like the states that hold it (pdref/state.py says why): every land makes one.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, num_layers: int, prefix: int, prompt: int, landed: Coverage | None = None,
+                finished: bool = False) -> LayerProgress:
+        if landed is None:  # nothing landed yet
+            landed = Coverage(num_layers)
+        return _new(cls, (num_layers, prefix, prompt, landed, finished))
 
     @property
     def bounds(self) -> Range:
@@ -152,20 +162,21 @@ class LayerProgress:
 
     def add(self, layers: Range, tokens: Range) -> LayerProgress:
         """Publish a landed span; raises ProgressError if out of bounds or overlapping."""
-        if self.finished:
+        num_layers, prefix, prompt, landed, finished = self
+        if finished:
             raise ProgressError("progress is finished: nothing more may land")
         (l0, l1), (a, b) = layers, tokens  # `contains` inlined: this runs on every land
-        if not ((l1 <= l0 or (0 <= l0 and l1 <= self.num_layers))
-                and (b <= a or (self.prefix <= a and b <= self.prompt))):
+        if not ((l1 <= l0 or (0 <= l0 and l1 <= num_layers))
+                and (b <= a or (prefix <= a and b <= prompt))):
             raise ProgressError(
                 f"span {fmt(layers)} x {fmt(tokens)} is outside "
-                f"[0, {self.num_layers}) x {fmt(self.bounds)}"
+                f"[0, {num_layers}) x {fmt(self.bounds)}"
             )
-        hit = self.landed.first_overlap(layers, tokens)
+        hit = landed.first_overlap(layers, tokens)
         if hit is not None:
             raise ProgressError(f"tokens {fmt(hit[1])} of layer {hit[0]} already landed")
-        landed = self.landed.union(layers, tokens)
-        return LayerProgress(self.num_layers, self.prefix, self.prompt, landed, self.finished)
+        return _new(LayerProgress, (num_layers, prefix, prompt, landed.union(layers, tokens),
+                                    False))
 
     def missing(self) -> tuple[int, Range] | None:
         """The first (layer, tokens) that has not landed, or None when complete."""
@@ -179,4 +190,4 @@ class LayerProgress:
         gap = self.missing()
         if gap is not None:
             raise ProgressError(f"layer {gap[0]} has not landed tokens {fmt(gap[1])}")
-        return attrs.evolve(self, finished=True)
+        return self._replace(finished=True)
