@@ -8,7 +8,10 @@ the previous span ended; pipelined, from where each stage's lane was free. The c
 what the traces show (a span issued before the previous one landed starts before that land
 only on a pipelined copier), else `--copier`, else pipelined (pdgpu's copier). Copies of
 traces whose link was paced (header `link_gbps`) are left out of the copy fits when unpaced
-ones exist; export-only traces' `fill` stages give the payload write per byte.
+ones exist; export-only traces' `fill` stages give the payload write per byte. Serving
+traces (`pdgpu serve`) add their `decode` stages: a decode step's fixed, per-row and per-KV-
+token seconds (hw fields decode_s, decode_row_s, decode_kv_token_s), by the same
+non-negative least squares.
 The profile written is an hw profile (with its link inline) that `pdsim run --hw
 PROFILE.toml` accepts with the traces' model; each figure is printed with its residual.
 """
@@ -26,6 +29,7 @@ from pdsim.fit.fitting import (
     Fit,
     copier_of,
     fit_attention,
+    fit_decode,
     fit_fixed,
     fit_fixed_pipelined,
     fit_stage,
@@ -33,7 +37,7 @@ from pdsim.fit.fitting import (
     link_stage_names,
     median,
 )
-from pdsim.fit.samples import samples
+from pdsim.fit.samples import TraceSamples, samples
 from pdsim.options import UsageError
 from pdsim.views.report import write_atomic
 
@@ -56,31 +60,42 @@ class Calibration:
     dense_attention: bool
     fill_byte_s: float  # export only: payload write per byte (0 without fill stages)
     traces: tuple[str, ...]
+    decode: Fit  # serving traces: one decode step (no samples: none in the traces)
 
 
-def read_samples(paths: list[str], skip_warmup: bool = True):
-    computes, copies, heads, fills, models = [], [], [], [], set()
+@attrs.frozen
+class ReadSamples:
+    """Every trace's samples together, and the model the traces name."""
+
+    samples: TraceSamples
+    model: str | None
+
+
+def read_samples(paths: list[str], skip_warmup: bool = True) -> ReadSamples:
+    merged, models = TraceSamples([], [], [], [], []), set()
     for index, path in enumerate(paths):
         items = [item for _, item in read_trace(path)]
         header, events = items[0], items[1:]
         models.add(header.get("model"))
         got = samples(header, events, skip_warmup)
-        computes += got.computes
-        copies += [attrs.evolve(c, trace=index) for c in got.copies]
-        heads += got.heads
-        fills += got.fills
+        merged.computes.extend(got.computes)
+        merged.copies.extend(attrs.evolve(c, trace=index) for c in got.copies)
+        merged.heads.extend(got.heads)
+        merged.fills.extend(got.fills)
+        merged.decodes.extend(got.decodes)
     if len(models) > 1:
         raise UsageError(f"TRACE: traces name different models: {sorted(map(str, models))}")
-    return computes, copies, heads, fills, models.pop()
+    return ReadSamples(merged, models.pop())
 
 
 def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = None
               ) -> Calibration:
     """Fit every term; with `skip_warmup`, a trace's first request (of several) is left out.
     `copier` ("serial" or "pipelined") overrides what the traces show."""
-    computes, copies, heads, fills, model = read_samples(paths, skip_warmup)
-    if not computes and not copies:
-        raise UsageError("TRACE: no compute or copy stage events to fit")
+    read = read_samples(paths, skip_warmup)
+    computes, copies, got = read.samples.computes, read.samples.copies, read.samples
+    if not computes and not copies and not got.decodes:
+        raise UsageError("TRACE: no compute, copy or decode stage events to fit")
     shown = copier_of(copies)  # paced traces too: their spans queue most
     copies = [c for c in copies if not c.paced] or copies  # paced links hide the raw one
     names = link_stage_names(copies)
@@ -92,9 +107,9 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     fit_copier = fit_fixed if kind == "serial" else fit_fixed_pipelined
     fixed = fit_copier(copies, gather, links, streamed)
     compute, dense = fit_attention(computes)
-    return Calibration(model, compute, gather, links, streamed, kind, basis, fixed.latency_s,
-                       fixed.span_s, fixed.rms, median(heads), dense, fill_per_byte(fills),
-                       tuple(paths))
+    return Calibration(read.model, compute, gather, links, streamed, kind, basis,
+                       fixed.latency_s, fixed.span_s, fixed.rms, median(got.heads), dense,
+                       fill_per_byte(got.fills), tuple(paths), fit_decode(got.decodes))
 
 
 def fill_per_byte(fills: list[tuple[float, int]]) -> float:
@@ -138,6 +153,7 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         f"contention = {c.get('contention')!r}",
         f"copier = {json.dumps(cal.copier)}  # {COPIER_BASIS[cal.copier_basis]}",
         f"fill_byte_s = {cal.fill_byte_s!r}  # export only: median of the `fill` stages",
+        *_decode_lines(cal.decode),
         "", "[compute]",
         f"token_s = {c.get('token_s')!r}",
         f"pair_s = {c.get('pair_s')!r}",
@@ -157,6 +173,16 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _decode_lines(decode: Fit) -> list[str]:
+    """The decode-step fields, when the traces had decode stages (serving traces)."""
+    if not decode.samples:
+        return []
+    return [f"# decode step = decode_s + decode_row_s * batch + decode_kv_token_s * kv_tokens:"
+            f" {decode.samples} steps, rank {decode.rank}/3, rms residual {decode.rms:.3e} s "
+            f"({100 * decode.rel_rms:.2f}%)",
+            *(f"{n} = {decode.get(n)!r}" for n in decode.names)]
+
+
 def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
     """(name, value, unit, rms residual of its fit in seconds)."""
     c = cal.compute
@@ -169,6 +195,9 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
     out += [("latency_s", cal.latency_s, "s", cal.copy_rms), ("span_s", cal.span_s, "s",
                                                                cal.copy_rms),
             ("head_s", cal.head_s, "s", 0.0), ("fill_byte_s", cal.fill_byte_s, "s/B", 0.0)]
+    if cal.decode.samples:
+        units = {"decode_s": "s/step", "decode_row_s": "s/row", "decode_kv_token_s": "s/token"}
+        out += [(n, cal.decode.get(n), units[n], cal.decode.rms) for n in cal.decode.names]
     return out
 
 

@@ -7,7 +7,7 @@ from collections import defaultdict
 import attrs
 import numpy as np
 
-from pdsim.fit.samples import ComputeSample, CopySample
+from pdsim.fit.samples import ComputeSample, CopySample, DecodeSample
 
 
 @attrs.frozen
@@ -87,6 +87,14 @@ def fit_attention(samples: list[ComputeSample]) -> tuple[Fit, bool]:
     return causal, False
 
 
+def fit_decode(samples: list[DecodeSample]) -> Fit:
+    """One batched decode step: duration = decode_s + decode_row_s * batch
+    + decode_kv_token_s * kv_tokens (the KV tokens its attention read)."""
+    x = np.array([[1.0, s.batch, s.kv_tokens] for s in samples], dtype=float).reshape(-1, 3)
+    y = np.array([s.duration for s in samples], dtype=float)
+    return fit(("decode_s", "decode_row_s", "decode_kv_token_s"), x, y)
+
+
 def fit_stage(copies: list[CopySample], name: str) -> Fit:
     """duration of stage `name` = intercept + per_byte * bytes."""
     pairs = [(c.nbytes, c.stage(name)) for c in copies if c.stage(name) is not None]
@@ -118,12 +126,13 @@ def copier_of(copies: list[CopySample]) -> str | None:
     """"pipelined" or "serial" by most votes of the spans that were issued while the span
     before them (same trace) had not landed: on a serial copier such a span's first stage
     waits for that land, on a pipelined one it starts before. None without such a span."""
-    votes, prev = [], None
+    votes, prev = [], {}
     for c in copies:
-        if prev is not None and prev.trace == c.trace and c.issue < prev.land:
+        before = prev.get((c.trace, c.producer))
+        if before is not None and c.issue < before.land:
             first = min(a for _, a, _ in c.stages)
-            votes.append(first < max(b for _, _, b in prev.stages) - 1e-12)
-        prev = c
+            votes.append(first < max(b for _, _, b in before.stages) - 1e-12)
+        prev[(c.trace, c.producer)] = c
     if not votes:
         return None
     return "pipelined" if sum(votes) * 2 > len(votes) else "serial"
@@ -142,13 +151,13 @@ class FixedCost:
 
 def fit_fixed(copies: list[CopySample], gather: Fit, links, pipelined: bool) -> FixedCost:
     """The per-span fixed costs around the bandwidth terms of a serial copier (one copy
-    worker per trace); `pipelined`: the link's stages stream (overlap within a span)."""
-    pre, gaps, post, lasts, prev_end, trace = [], [], [], [], 0.0, None
+    worker per producer of a trace); `pipelined`: the link's stages stream (overlap within a
+    span)."""
+    pre, gaps, post, lasts, ends = [], [], [], [], {}
     for c in copies:
-        if c.trace != trace:  # a new clock: the worker starts free
-            prev_end, trace = 0.0, c.trace
+        worker = (c.trace, c.producer)  # each trace has its own clock: a worker starts free
         g = c.stage("gather")
-        start, end = max(c.issue, prev_end), max(b for _, _, b in c.stages)
+        start, end = max(c.issue, ends.get(worker, 0.0)), max(b for _, _, b in c.stages)
         pre.append((g or c.stages[0][1:])[0] - start)
         link = [c.stage(n) for n, _ in links if c.stage(n)]
         if g and link:
@@ -156,7 +165,7 @@ def fit_fixed(copies: list[CopySample], gather: Fit, links, pipelined: bool) -> 
         if c.last:  # an engine harvests the last span after `produced`, not before
             post.append(c.land - (max(end, c.produced) if c.land >= c.produced else end))
             lasts.append((c, start))
-        prev_end = end
+        ends[worker] = end
     intercepts = [f.get("intercept_s") for _, f in links] or [0.0]
     latency = max(0.0, median(gaps)) + (max(intercepts) if pipelined else sum(intercepts))
     span_s = max(0.0, median(pre)) + max(0.0, median(post)) + gather.get("intercept_s")
@@ -175,10 +184,10 @@ def fit_fixed_pipelined(copies: list[CopySample], gather: Fit, links,
     watcher). span_s = before the gather + after the last stage + the gather's intercept;
     latency = the gaps + the link stages' intercepts."""
     pre, gaps, post, alone = [], defaultdict(list), [], []
-    free, prev_land, trace = {}, 0.0, None
+    lanes, lands = defaultdict(dict), {}
     for c in copies:
-        if c.trace != trace:  # a new clock: every lane starts free
-            free, prev_land, trace = {}, 0.0, c.trace
+        worker = (c.trace, c.producer)  # each trace has its own clock: every lane starts free
+        free, prev_land = lanes[worker], lands.get(worker, 0.0)
         stages = [(n, c.stage(n)) for n in ("gather", *(n for n, _ in links))
                   if c.stage(n) is not None]
         idle = all(free.get(n, -np.inf) <= c.issue for n, _ in stages)
@@ -193,7 +202,7 @@ def fit_fixed_pipelined(copies: list[CopySample], gather: Fit, links,
         if idle:
             alone.append(c)
         free.update((n, b) for n, (_, b) in stages)
-        prev_land = c.land
+        lands[worker] = c.land
     intercepts = [f.get("intercept_s") for _, f in links] or [0.0]
     latency = sum(max(0.0, median(g)) for g in gaps.values())
     latency += max(intercepts) if streamed else sum(intercepts)

@@ -4,7 +4,13 @@ A compute sample pairs a `compute` stage with the `computed` event that closes i
 region gives tokens and the layer fraction) and the time gathers overlapped it. A copy
 sample is one span: its bytes, issue and land times, and its gather / link stages. A fill
 sample (export only) pairs a `fill` stage (the payload written) with the `computed` event
-that closes it: its duration and bytes.
+that closes it: its duration and bytes. A decode sample is one `decode` stage of a serving
+trace (`pdgpu serve`): one batched decode step, its rows and the KV tokens it read.
+
+A serving trace stamps a producer's stages with its own clock moved onto the decoder's
+(an offset estimate), so a compute stage may sort after the `computed` event the decoder
+logged for it: a request's compute stages and `computed` events are paired in order,
+whichever comes first.
 """
 
 from __future__ import annotations
@@ -27,6 +33,15 @@ class ComputeSample:
 
 
 @attrs.frozen
+class DecodeSample:
+    """One batched decode step: `batch` requests read `kv_tokens` KV tokens in all."""
+
+    duration: float
+    batch: int
+    kv_tokens: int
+
+
+@attrs.frozen
 class CopySample:
     nbytes: int
     issue: float
@@ -36,6 +51,7 @@ class CopySample:
     produced: float = 0.0  # when its request's prefill finished (`produced`)
     trace: int = 0  # which trace it came from (each trace has its own clock)
     paced: bool = False  # the trace's link was paced (header `link_gbps`): not the raw link
+    producer: str = "p0"  # whose copier ran it (each producer has its own lanes)
 
     def stage(self, name: str) -> tuple[float, float] | None:
         return next(((a, b) for n, a, b in self.stages if n == name), None)
@@ -48,6 +64,7 @@ class _Reader:
         self.producer: dict[str, str] = {}
         self.open_compute: dict[str, deque] = defaultdict(deque)
         self.open_fill: dict[str, deque] = defaultdict(deque)
+        self.early_computed: dict[str, deque] = defaultdict(deque)  # before their stage
         self.fills: list[tuple[float, int]] = []  # (seconds, bytes) of export payload writes
         self.computes: list[tuple[str, object, object]] = []
         self.issues: dict = {}
@@ -57,6 +74,7 @@ class _Reader:
         self.gathers: dict[str, list] = defaultdict(list)
         self.heads: list[float] = []  # durations of `head` stages (the first token's LM head)
         self.produced: dict[str, float] = {}
+        self.decodes: list[DecodeSample] = []
 
     def feed(self, e) -> None:
         kind = e.kind
@@ -81,10 +99,22 @@ class _Reader:
         elif self.open_fill[e.req]:
             fill = self.open_fill[e.req].popleft()
             self.fills.append((fill.end - fill.t, self.geometry.region_bytes(e.layers, e.tokens)))
+        else:  # a serving trace: its compute stage sorts later (another clock)
+            self.early_computed[e.req].append(e)
+
+    def _compute_stage(self, e) -> None:
+        if self.early_computed[e.req]:
+            self.computes.append((self.producer.get(e.req, "p0"), e,
+                                  self.early_computed[e.req].popleft()))
+        else:
+            self.open_compute[e.req].append(e)
 
     def _stage(self, e) -> None:
         if e.name == "compute":
-            self.open_compute[e.req].append(e)
+            self._compute_stage(e)
+        elif e.name == "decode":
+            if e.batch is not None and e.kv_tokens is not None:
+                self.decodes.append(DecodeSample(e.end - e.t, e.batch, e.kv_tokens))
         elif e.name == "fill":
             self.open_fill[e.req].append(e)
         elif e.name == "head":
@@ -124,7 +154,8 @@ class _Reader:
             stages = tuple(sorted(self.span_stages[span], key=lambda s: s[1]))
             if c.nbytes > 0 and stages:
                 out.append(attrs.evolve(c, stages=stages, last=req not in seen,
-                                        paced=self.paced, produced=self.produced.get(req, 0.0)))
+                                        paced=self.paced, produced=self.produced.get(req, 0.0),
+                                        producer=self.producer.get(req, "p0")))
                 seen.add(req)
         return out[::-1]
 
@@ -135,11 +166,13 @@ class TraceSamples:
     copies: list[CopySample]
     heads: list[float]
     fills: list[tuple[float, int]]
+    decodes: list[DecodeSample] = attrs.Factory(list)
 
 
 def samples(header, events, skip_warmup: bool = True) -> TraceSamples:
     """Samples of one trace (events in trace order). With several requests, the first is the
-    engine's warm-up (cold buffers, first-touch page faults) and is left out."""
+    engine's warm-up (cold buffers, first-touch page faults) and is left out; decode steps
+    are the batch's, not that request's, and all kept."""
     chunk = header.get("chunk")
     reader = _Reader(header.geometry, chunk if isinstance(chunk, int) else None,
                      paced=bool(header.get("link_gbps")))
@@ -147,7 +180,7 @@ def samples(header, events, skip_warmup: bool = True) -> TraceSamples:
     reqs = list(dict.fromkeys(e.req for e in events if e.kind == "reserve"))
     skip = reqs[0] if skip_warmup and len(reqs) > 1 else None
     for e in events:
-        if skip is None or e.req != skip:
+        if skip is None or e.req != skip or (e.kind == "stage" and e.name == "decode"):
             reader.feed(e)
     return TraceSamples(reader.compute_samples(), reader.copy_samples(), reader.heads,
-                        reader.fills)
+                        reader.fills, reader.decodes)
