@@ -1,39 +1,77 @@
 #!/usr/bin/env bash
-# GPU check (issues 4 and 11), about 5 minutes on one GPU:
-#   1. the CUDA tests (pytest -m gpu)
+# GPU check (issues 4 and 11), under 5 minutes on one GPU (each step has its own time limit;
+# together they are 290 s):
+#   1. the CUDA tests (pytest -m gpu): every one must run, a skipped one fails the check
 #   2. pdgpu compare with qwen3-0.6b geometry (random weights, bf16): parity of chunk and
 #      layer with whole, traces checked by pdref
 #   3. bench/engine_overlap.py with qwen3-0.6b at 8192 tokens / chunk 256, no link pacing,
 #      plus the measured pinned copy bandwidth, in the same run.
 #   4. the export-only curve (no compute, `pdgpu run --no-compute`): 0.1, 0.5, 1, 2, 4 GB of
 #      qwen3-0.6b KV, whole vs chunked (256-token spans), interleaved, median of ratios.
-# Results go to $OUT_DIR (default gpu_check_out/). Decoder: cuda:1 with two GPUs, else the
-# same GPU (a host-staged round trip through pinned memory, the brief's copy path).
+# Results go to $OUT_DIR (default gpu_check_out/, or gpu_check_out/dry-run/), with each
+# step's seconds in timings.txt.
+# Decoder: cuda:1 with two GPUs, else the same GPU (a host-staged round trip through pinned
+# memory, the brief's copy path). Without CUDA it stops at once, exit 1.
+#
+#   scripts/gpu_check.sh --dry-run   # no GPU: the same steps on CPU at toy sizes (tiny model,
+#                                    # KB payloads; the CUDA tests only collected), so the
+#                                    # commands and their options are known to work (~1 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-OUT=${OUT_DIR:-gpu_check_out}
+DRY=0
+case "${1:-}" in
+    "") ;;
+    --dry-run) DRY=1 ;;
+    *) echo "gpu_check: unknown option ${1} (only --dry-run)" >&2; exit 2 ;;
+esac
+OUT=${OUT_DIR:-gpu_check_out$([ "$DRY" = 1 ] && echo /dry-run)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$DRY" = 0 ]; then  # before anything is written
+    "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device (use --dry-run on a CPU machine)')"
+fi
 mkdir -p "$OUT"
+: > "$OUT/timings.txt"
 
-"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device')"
-"$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| GPUs:', torch.cuda.device_count())" | tee "$OUT/device.txt"
-DECODER=$("$PY" -c "import torch; print('cuda:1' if torch.cuda.device_count() > 1 else 'cuda:0')")
+step() {  # step SECONDS NAME COMMAND...: run it under a time limit, output to $OUT/NAME.txt
+    local limit=$1 name=$2 start=$SECONDS
+    shift 2
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+    echo "$name $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/timings.txt"
+}
+
+if [ "$DRY" = 1 ]; then
+    DEV=cpu DECODER=cpu MODEL=tiny PROMPT=256 CHUNK=32 COMPARE_PROMPT=128
+    PAYLOADS=2e4,5e4,1e5,2e5,4e5 REPEATS=1 CURVE_REPEATS=1
+    TESTS=(--collect-only)
+    echo "device: cpu (dry run: toy sizes, nothing measured)" | tee "$OUT/device.txt"
+else
+    "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| GPUs:', torch.cuda.device_count())" | tee "$OUT/device.txt"
+    DEV=cuda:0 MODEL=qwen3-0.6b PROMPT=8192 CHUNK=256 COMPARE_PROMPT=2048
+    DECODER=$("$PY" -c "import torch; print('cuda:1' if torch.cuda.device_count() > 1 else 'cuda:0')")
+    PAYLOADS=1e8,5e8,1e9,2e9,4e9 REPEATS=3 CURVE_REPEATS=2
+    TESTS=(-rs)
+fi
 
 echo "== 1. CUDA tests"
-timeout 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_pdgpu_gpu.py 2>&1 | tee "$OUT/pytest_gpu.txt"
+step 60 pytest_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" tests/test_pdgpu_gpu.py
+if [ "$DRY" = 0 ] && grep -qi "skipped" "$OUT/pytest_gpu.txt"; then
+    echo "gpu_check: CUDA tests were skipped (see $OUT/pytest_gpu.txt)" >&2
+    exit 1
+fi
 
-echo "== 2. parity, qwen3-0.6b geometry, 2048 tokens, chunk 256 (decoder $DECODER)"
-timeout 90 "$PY" -m pdgpu compare --model qwen3-0.6b --prompt 2048 --chunk 256 \
-    --device cuda:0 --decoder-device "$DECODER" --trace-dir "$OUT" | tee "$OUT/compare.txt"
+echo "== 2. parity, $MODEL geometry, $COMPARE_PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
+step 40 compare "$PY" -m pdgpu compare --model "$MODEL" --prompt "$COMPARE_PROMPT" \
+    --chunk "$CHUNK" --device "$DEV" --decoder-device "$DECODER" --trace-dir "$OUT"
 "$PY" -m pdref check "$OUT"/whole.jsonl "$OUT"/chunk.jsonl "$OUT"/layer.jsonl
 
-echo "== 3. overlap benchmark, qwen3-0.6b, 8192 tokens, chunk 256 (decoder $DECODER)"
-timeout 210 "$PY" bench/engine_overlap.py --model qwen3-0.6b --prompt 8192 --chunk 256 \
-    --device cuda:0 --decoder-device "$DECODER" --link-gbps 0 --repeats 3 \
-    --out "$OUT/engine_overlap.json" | tee "$OUT/engine_overlap.txt"
+echo "== 3. overlap benchmark, $MODEL, $PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
+step 100 engine_overlap "$PY" bench/engine_overlap.py --model "$MODEL" --prompt "$PROMPT" \
+    --chunk "$CHUNK" --device "$DEV" --decoder-device "$DECODER" --link-gbps 0 \
+    --repeats "$REPEATS" --out "$OUT/engine_overlap.json"
 
-echo "== 4. export-only curve, qwen3-0.6b geometry, whole vs chunk 256 (decoder $DECODER)"
-timeout 240 "$PY" bench/engine_overlap.py --model qwen3-0.6b --chunk 256 --export-only \
-    --payloads 1e8,5e8,1e9,2e9,4e9 --device cuda:0 --decoder-device "$DECODER" --link-gbps 0 \
-    --repeats 2 --out "$OUT/export_curve.json" | tee "$OUT/export_curve.txt"
+echo "== 4. export-only curve, $MODEL geometry, whole vs chunk $CHUNK (decoder $DECODER)"
+step 90 export_curve "$PY" bench/engine_overlap.py --model "$MODEL" --chunk "$CHUNK" \
+    --export-only --payloads "$PAYLOADS" --device "$DEV" --decoder-device "$DECODER" \
+    --link-gbps 0 --repeats "$CURVE_REPEATS" --out "$OUT/export_curve.json"
+echo "gpu_check: done, results in $OUT/"

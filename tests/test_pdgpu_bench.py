@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import runpy
+import subprocess
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "engine_overlap.py"
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "engine_overlap.py"
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 
 
 def test_overlap_bench_reports_ratios_and_targets(capsys, tmp_path):
@@ -25,6 +31,9 @@ def test_overlap_bench_reports_ratios_and_targets(capsys, tmp_path):
     assert {m["threads"] for m in result["median"].values()} == {result["threads"]}
     assert result["median"]["chunk"]["tail_s"] < result["median"]["whole"]["tail_s"]
     assert result["copy_bandwidth"]["d2h_gbps"] > 0
+    fracs = [m["check_frac"] for m in result["median"].values()]
+    assert result["ratios"]["live_check_frac"] == max(fracs) > 0  # the worst configuration
+    assert 0 < result["ratios"]["live_check_cpu_frac"] < 1
 
 
 def test_export_curve_reports_whole_and_chunked_per_payload(capsys):
@@ -37,3 +46,36 @@ def test_export_curve_reports_whole_and_chunked_per_payload(capsys):
     assert [r["payload"] for r in rows] == [20000, 60000]
     assert all(r["whole_s"] > 0 and r["chunk_s"] > 0 and r["chunk_over_whole"] > 0 for r in rows)
     assert rows[1]["whole_s"] > rows[0]["whole_s"]  # three times the bytes on a paced link
+
+
+def _gpu_check(tmp_path, *args, **env):
+    return subprocess.run(["bash", str(GPU_CHECK), *args], capture_output=True, text=True,
+                          env={**os.environ, "OUT_DIR": str(tmp_path / "out"), **env},
+                          timeout=300)
+
+
+def test_gpu_check_parses_and_stops_loudly_without_cuda(tmp_path):
+    """scripts/gpu_check.sh is valid bash; with no CUDA device it exits 1 saying so and
+    writes nothing; an unknown option is exit 2."""
+    assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
+    run = _gpu_check(tmp_path, CUDA_VISIBLE_DEVICES="")
+    assert run.returncode == 1 and "no CUDA device" in run.stderr
+    assert not (tmp_path / "out").exists()
+    assert _gpu_check(tmp_path, "--fast").returncode == 2
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
+    """--dry-run: every step's command runs on CPU at toy sizes (CUDA tests collected only):
+    checked traces, the overlap bench's JSON and a five-point export curve, each step timed."""
+    run = _gpu_check(tmp_path, "--dry-run")
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = tmp_path / "out"
+    steps = [line.split()[0] for line in (out / "timings.txt").read_text().splitlines()]
+    assert steps == ["pytest_gpu", "compare", "engine_overlap", "export_curve"]
+    collected = (out / "pytest_gpu.txt").read_text().split("test_pdgpu_gpu.py: ")[1]
+    assert int(collected.split()[0]) >= 10  # the CUDA tests, collected
+    assert {p.name for p in out.glob("*.jsonl")} == {"whole.jsonl", "chunk.jsonl", "layer.jsonl"}
+    assert "targets" in json.loads((out / "engine_overlap.json").read_text())
+    curve = json.loads((out / "export_curve.json").read_text())["export_curve"]
+    assert len(curve) == 5 and all(r["chunk_s"] > 0 and r["whole_s"] > 0 for r in curve)
