@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 from serve_helpers import serve
 
+from pdref.models import load_model
 from pdref.trace import parse_lines, read_trace
 from pdsim.cli import main
+from pdsim.core.costs import costs_for
+from pdsim.core.profiles import link_of, load_hw
 from pdsim.fit.calibrate import calibrate
 from pdsim.fit.fitting import fit_decode
 from pdsim.fit.samples import samples
@@ -67,11 +70,33 @@ def test_calibrate_cli_writes_the_decode_fields(tmp_path, capsys):
     out = tmp_path / "p.toml"
     assert main(["calibrate", str(tmp_path / "d.jsonl"), "-o", str(out), "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)["figures"]
-    text = out.read_text()
+    costs = costs_for(load_model("tiny"), load_hw(str(out)), link_of(load_hw(str(out))))
     for name, value in TRUTH.items():
         assert figures[name]["value"] == pytest.approx(value, rel=0.02)
-        line = next(x for x in text.splitlines() if x.startswith(f"{name} = "))
-        assert float(line.split("=")[1]) == pytest.approx(value, rel=0.02)
+        assert getattr(costs, name) == pytest.approx(value, rel=0.02)
+    synthetic = tmp_path / "c.jsonl"
+    synthetic.write_text(out.read_text() and _copy_trace())
+    assert main(["calibrate", str(synthetic), "-o", str(out)]) == 0
+    assert "decode" not in out.read_text()
+
+
+def _copy_trace() -> str:
+    """One request, one chunk, one span with its stages, no decode stage."""
+    events = [
+        {"kind": "reserve", "t": 0.0, "req": "a", "prompt": 32, "prefix": 0,
+         "pages": [0, 1]},
+        {"kind": "stage", "t": 0.0, "req": "a", "name": "compute", "end": 0.01},
+        {"kind": "computed", "t": 0.01, "req": "a", "layers": [0, 4], "tokens": [0, 32]},
+        {"kind": "issue", "t": 0.01, "req": "a", "span": 0, "layers": [0, 4],
+         "tokens": [0, 32], "bytes": 4096},
+        {"kind": "stage", "t": 0.01, "req": "a", "name": "gather", "end": 0.011, "span": 0},
+        {"kind": "stage", "t": 0.011, "req": "a", "name": "h2d", "end": 0.012, "span": 0},
+        {"kind": "land", "t": 0.012, "req": "a", "span": 0},
+        {"kind": "produced", "t": 0.012, "req": "a", "token": 1},
+        {"kind": "admit", "t": 0.012, "req": "a"},
+        {"kind": "release", "t": 0.02, "req": "a"},
+    ]
+    return "".join(json.dumps(x) + "\n" for x in [HEADER, *events])
 
 
 def test_compute_stage_sorting_after_its_computed_is_still_paired():

@@ -3,15 +3,15 @@
 Compute terms (per chunk, per token, per attention pair, contention) come from every trace's
 `compute` stages; gather and link bandwidths (each link direction on its own) from the copy
 stages; the per-span fixed cost and link latency from what is left of each span's
-issue-to-land time, read the way the copier runs spans (pdsim/core/copier.py): serial, from where
-the previous span ended; pipelined, from where each stage's lane was free. The copier is
+issue-to-land time, read the way the copier runs spans (pdsim/core/copier.py): serial, from
+where the previous span ended; pipelined, from where each stage's lane was free. The copier is
 what the traces show (a span issued before the previous one landed starts before that land
 only on a pipelined copier), else `--copier`, else pipelined (pdgpu's copier). Copies of
 traces whose link was paced (header `link_gbps`) are left out of the copy fits when unpaced
 ones exist; export-only traces' `fill` stages give the payload write per byte. Serving
 traces (`pdgpu serve`) add their `decode` stages: a decode step's fixed, per-row and per-KV-
-token seconds (hw fields decode_s, decode_row_s, decode_kv_token_s), by the same
-non-negative least squares.
+token seconds (decode_s, decode_row_s, decode_kv_token_s), by the same
+non-negative least squares; the profile's [compute] table carries them.
 The profile written is an hw profile (with its link inline) that `pdsim run --hw
 PROFILE.toml` accepts with the traces' model; each figure is printed with its residual.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import attrs
 
 from pdref.trace import read_trace
-from pdsim.core.profiles import COPIERS, load_hw
+from pdsim.core.profiles import COPIERS, link_of, load_hw
 from pdsim.fit.fitting import (
     Fit,
     copier_of,
@@ -153,7 +153,6 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         f"contention = {c.get('contention')!r}",
         f"copier = {json.dumps(cal.copier)}  # {COPIER_BASIS[cal.copier_basis]}",
         f"fill_byte_s = {cal.fill_byte_s!r}  # export only: median of the `fill` stages",
-        *_decode_lines(cal.decode),
         "", "[compute]",
         f"token_s = {c.get('token_s')!r}",
         f"pair_s = {c.get('pair_s')!r}",
@@ -161,20 +160,38 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         "  # the better fit: pairs of a chunk [a, b) are n * b (true) or the causal triangle",
         f"chunk_s = {c.get('chunk_s')!r}",
         f"head_s = {cal.head_s!r}  # median of the traces' `head` stages",
-        "", "[link]",
-        f"name = {json.dumps(name + '-link')}",
-        f"pipelined = {'true' if cal.pipelined else 'false'}",
-        f"latency_s = {cal.latency_s!r}",
+        *_decode_lines(cal.decode),
     ]
+    return "\n".join(lines + (_link_lines(cal, name) if cal.links else _base_link(base))) + "\n"
+
+
+def _link_lines(cal: Calibration, name: str) -> list[str]:
+    lines = ["", "[link]", f"name = {json.dumps(name + '-link')}",
+             f"pipelined = {'true' if cal.pipelined else 'false'}",
+             f"latency_s = {cal.latency_s!r}"]
     for stage, f in cal.links:
         lines += ["", "[[link.stages]]", f"name = {json.dumps(stage)}",
                   f"bandwidth = {_bandwidth(f.get('per_byte_s'))!r}"
                   f"  # rms {f.rms:.3e} s over {f.samples} spans"]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _base_link(base) -> list[str]:
+    """No copy stage in the traces (e.g. decode steps only): the base profile's link."""
+    link = link_of(base)
+    lines = ["", "[link]  # no copy stages in the traces: the base profile's link, not fitted",
+             f"name = {json.dumps(link.name)}",
+             f"pipelined = {'true' if link.pipelined else 'false'}",
+             f"latency_s = {link.latency_s!r}"]
+    for stage in link.stages:
+        lines += ["", "[[link.stages]]", f"name = {json.dumps(stage.name)}",
+                  f"bandwidth = {stage.bandwidth!r}"]
+    return lines
 
 
 def _decode_lines(decode: Fit) -> list[str]:
-    """The decode-step fields, when the traces had decode stages (serving traces)."""
+    """The [compute] decode-step fields, when the traces had decode stages (serving traces);
+    without them the simulator derives the terms from the model and device."""
     if not decode.samples:
         return []
     return [f"# decode step = decode_s + decode_row_s * batch + decode_kv_token_s * kv_tokens:"
