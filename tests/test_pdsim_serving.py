@@ -48,7 +48,7 @@ def times(result, kind: str) -> dict[str, float]:
 
 
 def decode_stages(result) -> list:
-    return [e for e in result.events if e.kind == "stage" and e.name == "decode"]
+    return [e for e in result.trace_events() if e.kind == "stage" and e.name == "decode"]
 
 
 def test_one_request_decodes_by_hand():
@@ -268,3 +268,18 @@ def test_decode_terms_from_the_profile_or_derived():
     assert costs_for(spec, own, load_link(hw.link)).decode_s == 0.5
     with pytest.raises(ProfileError, match="decode_row_s"):
         hw_from_dict({**data, "compute": {"decode_row_s": -1.0}}, "x", "x.toml")
+
+
+def test_steps_ended_in_place_give_the_same_run_as_through_the_heap(tmp_path, monkeypatch):
+    """A decode step that ends before every other pending event is handled in place; forcing
+    every step through the heap gives a byte-identical trace and the same summary."""
+    config = cfg(output_tokens=12, producers=2, concurrency=3)
+    requests = reqs(*[16 + 24 * i for i in range(9)])
+    inline = simulate(config, requests)
+    write_trace(tmp_path / "a.jsonl", inline)
+    monkeypatch.setattr("pdsim.core.env.Env.first_at", lambda self, t: False)
+    heap = simulate(config, requests)
+    write_trace(tmp_path / "b.jsonl", heap)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert workload_metrics(inline) == workload_metrics(heap)
+    assert inline.decode.steps > 9 and check_file(tmp_path / "a.jsonl").ok

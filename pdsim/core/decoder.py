@@ -3,7 +3,8 @@
 Between decode steps the decoder handles what reached it while the step ran (spans' lands,
 first tokens, arrivals: `deliver`), admits every request pdref allows, reserves slabs for
 waiting requests (`Sim.dispatch`), then runs one batched decode step for every running
-request: one heap event per step, whatever the batch. A step over `batch` requests that
+request: one heap event per step at most, whatever the batch (none when the step ends
+before every other pending event). A step over `batch` requests that
 read `kv_tokens` KV tokens in all takes
 
     decode_s + batch * decode_row_s + kv_tokens * decode_kv_token_s
@@ -14,6 +15,9 @@ request one more and its KV one more token; it is released at its output-token c
 slab back to the pool. The generated tokens' KV lives in the decoder's own decode cache
 (pdgpu: a tensor of prompt + output tokens per request), not in the handoff pool, which
 holds slabs only: the pool's occupancy does not grow while a request decodes.
+Steps are recorded (DecodeRecord), not emitted one by one: they are no protocol event, and
+at batch 1 one per token would double a run's events. The trace writer adds them as the
+contract's `decode` stages, in time order (`pdref check` checks them there).
 """
 
 from __future__ import annotations
@@ -27,17 +31,26 @@ from pdref import events as ev
 
 @attrs.define
 class DecodeRecord:
-    """What the decode batch did, for the serving metrics (pdgpu/serve/report.py's)."""
+    """What the decode batch did, one entry per step, for the serving metrics and the trace's
+    `decode` stages (`stages()`)."""
 
     step_start: list[float] = attrs.Factory(list)
     step_end: list[float] = attrs.Factory(list)
     batch: list[int] = attrs.Factory(list)
+    kv_tokens: list[int] = attrs.Factory(list)
+    label: list[str] = attrs.Factory(list)  # the req a step's stage names (need not be live)
     # req -> (first token time, first decode step, decode steps) of the life that decoded
     tokens: dict[str, tuple[float, int, int]] = attrs.Factory(dict)
 
     @property
     def steps(self) -> int:
         return len(self.step_end)
+
+    def stages(self) -> list[ev.Stage]:
+        """Each step as the contract's `decode` stage (batch, KV tokens read), in time order."""
+        return [ev.Stage(t, req, "decode", end, None, "decoder", None, batch, kv)
+                for t, end, batch, kv, req in zip(self.step_start, self.step_end, self.batch,
+                                                  self.kv_tokens, self.label, strict=True)]
 
 
 class Decoder:
@@ -111,35 +124,44 @@ class Decoder:
     # -- one decode step --------------------------------------------------------------------------
 
     def _start_step(self) -> None:
+        """Run steps while requests are running; a step that ends before any other pending
+        event ends at once, here (nothing can happen meanwhile: no heap round trip)."""
+        while self.running:
+            self.waking = False
+            now, batch, kv = self.env.now, self.running, self.kv_tokens
+            end = now + self.step_fixed + batch * self.row_s + kv * self.kv_s
+            record = self.record
+            record.step_start.append(now)
+            record.batch.append(batch)
+            record.kv_tokens.append(kv)
+            record.label.append(self.last_req)
+            self.stepping = True
+            self.next_step += 1
+            if not self.env.first_at(end):
+                self.env.at(end, self._end_step, batch)
+                return
+            self.env.skip_to(end)
+            self._boundary(batch)
         self.waking = False
-        if not self.running:
-            return
-        now, batch, kv = self.env.now, self.running, self.kv_tokens
-        end = now + self.step_fixed + batch * self.row_s + kv * self.kv_s
-        if self.sim.cfg.stages:
-            self.sim.emit(ev.Stage(now, self.last_req, "decode", end, None, "decoder",
-                                   batch=batch, kv_tokens=kv))
-        self.stepping = True
-        self.record.step_start.append(now)
-        self.record.batch.append(batch)
-        self.next_step += 1
-        self.env.at(end, self._end_step, batch)
 
     def _end_step(self, batch: int) -> None:
-        """Every request of the step has one more token; the finished ones are released;
-        then what arrived meanwhile is handled, slabs reserved, and the next step runs."""
+        self._boundary(batch)
+        self._start_step()
+
+    def _boundary(self, batch: int) -> None:
+        """A step ended: every request of it has one more token, the finished ones are
+        released; then what arrived meanwhile is handled and slabs are reserved."""
         self.record.step_end.append(self.env.now)
         self.kv_tokens += batch
         for job in self.finishing.pop(self.next_step - 1, ()):
             self.running -= 1
             self.kv_tokens -= job.request.prompt + self.next_step - self.record.tokens[job.req][1]
             self._release(job)
-        self.stepping, self.waking = False, True  # this boundary starts the next step itself
+        self.stepping, self.waking = False, True  # the caller starts the next step itself
         inbox, self.inbox = self.inbox, []
         for callback, args in inbox:
             callback(*args)
         self.sim.dispatch()
-        self._start_step()
 
     def drop(self, job) -> None:
         """A running request was cancelled (faults): it leaves the batch now."""

@@ -49,7 +49,8 @@ def workload_metrics(result: SimResult) -> dict:
     out.update(_latencies(result, ok))
     out.update(_rates(ok, makespan))
     out.update(pool_occupancy_mean=occupancy, pool_peak_pages=peak_pages,
-               peak_staging_bytes=peak, events=len(result.events))
+               peak_staging_bytes=peak,
+               events=len(result.events) + (result.decode.steps if cfg.stages else 0))
     out.update(serving_metrics(result, ok, makespan, peak_pages))
     return out
 

@@ -13,6 +13,7 @@ one in at that moment).
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 import attrs
@@ -37,6 +38,13 @@ class SimResult:
     outcomes: tuple = ()  # with faults: one fault_sim.Outcome per request, in workload order
     leaked_pages: int = 0  # pages not back in the pool at the end
     decode: DecodeRecord = attrs.Factory(DecodeRecord)  # the decode batch's steps
+
+    def trace_events(self):
+        """Every event of the trace in time order: the checked events, and (with stage
+        events on) the decode steps as `decode` stages (the first among equal times)."""
+        if not self.cfg.stages or not self.decode.steps:
+            return iter(self.events)
+        return heapq.merge(self.events, self.decode.stages(), key=lambda e: e.t)
 
 
 def make_header(cfg: SimConfig) -> ev.Header:

@@ -25,7 +25,7 @@ __all__ = ["format_metrics", "request_results", "write_atomic", "write_json",
 def write_trace(path: str, result: SimResult) -> None:
     """The run's contract-v1 JSONL trace, written atomically."""
     with TraceWriter(path, result.header) as writer:
-        for event in result.events:
+        for event in result.trace_events():
             writer.write(event)
 
 
