@@ -346,3 +346,29 @@ def test_cuda_link_pacing_holds_each_direction_and_orders_the_next_on_the_host(f
     assert stage["d2h"].end - stage["d2h"].start >= floor
     assert stage["h2d"].end - stage["h2d"].start >= floor
     assert stage["h2d"].start >= stage["d2h"].end
+
+
+def test_cuda_failed_span_is_reported_after_the_device_ran_and_the_next_span_still_runs(
+        fake_cuda):
+    """On the CUDA path a span whose h2d work raises is not reported (nor its slot given
+    back) before the device ran what was enqueued before its end event; it comes back with
+    the error, after its writer stopped, and the next span on the same lanes lands."""
+    reports = []
+    backend = FakeCudaBackend(_clock(), fake_cuda)
+    copier, source, request, pool = _copier(slots=2, on_done=reports.append, backend=backend)
+    slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
+    try:
+        copier.submit(_job(copier, request, slab, 0, (0, 8), fail=True))
+        copier.submit(_job(copier, request, slab, 1, (8, 16)))
+        time.sleep(0.05)
+        assert reports == [] and copier.free_slots == 0
+        fake_cuda.run()
+        copier.drain()
+    finally:
+        copier.close()
+    failed, ok = reports
+    assert "injected fault on span 0" in failed.error and ok.error is None
+    assert [s.name for s in failed.stages] == ["gather", "d2h", "h2d"]
+    assert failed.done_t >= max(s.end for s in failed.stages)
+    assert torch.equal(pool.read_slab(slab)[:, :, 8:16], source.kv[:, :, request.slots[8:16]])
+    assert copier.free_slots == 2
