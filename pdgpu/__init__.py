@@ -5,13 +5,20 @@ Modules (one concept each):
   checkpoint    local Hugging Face checkpoints (config.json + *.safetensors), validated first
   source_cache  the producer's paged KV cache and the gather of a span out of it
   decoder_pool  the decoder's paged pool; slabs come from pdref's allocator
-  copier        the one copy worker per producer (the only module that knows streams,
-                events and pinned memory; CPU threads with the same structure)
+  copier        the copy path of one producer: a span's gather, d2h and h2d each on its own
+                lane, a watcher that lands spans as they complete (with streams.py, the
+                only modules that know streams, events and pinned memory)
+  streams       lanes (a CUDA stream, or a CPU thread), readiness marks, staging rings
   workload      engine settings, requests, and every check made before allocating
-  recorder      the live pdref Monitor, the run clock, stage events, metrics
-  engine        schedule -> run -> finish, per request, in whole / chunk / layer mode
+  recorder      the live pdref Monitor, the run clock, stage events, live-check cost, metrics
+  ledger        every resource operation of a run, each one call with the event it emits
+  faults        fault injection: a failing span, the protocol-breaking debug switches
+  payload       export only: the known payload written and checked byte-exact
+  host          glibc told to keep freed memory (a serving process keeps its heap)
+  engine        one step loop over pdref.plan.plan_steps per request (whole / chunk / layer)
   compare       the modes side by side: KV parity with whole, ratios
   cli           `pdgpu run` and `pdgpu compare` (and registers serve_cli's commands)
+  cli_types     argument types shared by the command lines (integer >= n, finite > 0)
   decode_kv     a request's K/V for decoding and the batch the model's decode_step takes
   generate      `pdgpu generate`: single-process greedy reference, no handoff
   serve/        `pdgpu serve`: decoder and producer processes over torch.distributed

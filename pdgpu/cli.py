@@ -16,6 +16,7 @@ import torch
 
 from pdgpu import serve_cli
 from pdgpu.checkpoint import CheckpointError, inspect_checkpoint, load_checkpoint
+from pdgpu.cli_types import int_at_least, positive_float
 from pdgpu.compare import compare_modes, compare_table
 from pdgpu.engine import Engine, EngineError, RunResult
 from pdgpu.model import build_model
@@ -46,37 +47,16 @@ class _Parser(argparse.ArgumentParser):
         raise BadInput(message)
 
 
-def _int(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset name, profile .toml, or HF folder")
-    p.add_argument("--prompt", type=_int(1),
+    p.add_argument("--prompt", type=int_at_least(1),
                    help="prompt tokens (default: 256 random ids, or as many as --tokens gives)")
-    p.add_argument("--prefix", type=_int(0), default=0, help="tokens the decoder already holds")
-    p.add_argument("--chunk", type=_int(1), default=64, help="prefill chunk tokens")
-    p.add_argument("--max-pending", type=_int(1), default=2, help="spans in flight at most")
-    p.add_argument("--page-tokens", type=_int(1), default=16, help="tokens per KV page")
-    p.add_argument("--seed", type=_int(0), default=0, help="weights and random prompt seed")
+    p.add_argument("--prefix", type=int_at_least(0), default=0,
+                   help="tokens the decoder already holds")
+    p.add_argument("--chunk", type=int_at_least(1), default=64, help="prefill chunk tokens")
+    p.add_argument("--max-pending", type=int_at_least(1), default=2, help="spans in flight at most")
+    p.add_argument("--page-tokens", type=int_at_least(1), default=16, help="tokens per KV page")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="weights and random prompt seed")
     p.add_argument("--device", default=None, help="producer device (default cuda if any)")
     p.add_argument("--decoder-device", default=None,
                    help="decoder device (default: cuda:1 with two GPUs, else cpu)")
@@ -84,17 +64,17 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="override the model's dtype (default: the model's own)")
     p.add_argument("--tokens", help="prompt token ids, comma separated")
     p.add_argument("--tokens-file", help="file of prompt token ids (whitespace or commas)")
-    p.add_argument("--pool-pages", type=_int(1),
+    p.add_argument("--pool-pages", type=int_at_least(1),
                    help="decoder pool pages (default: just enough for one request)")
-    p.add_argument("--link-gbps", type=_positive_float,
+    p.add_argument("--link-gbps", type=positive_float,
                    help="pace each direction of the link (d2h, h2d) to this many GB/s, "
                         "1e9 bytes/s (default: unpaced)")
-    p.add_argument("--fail-span", type=_int(0),
+    p.add_argument("--fail-span", type=int_at_least(0),
                    help="make the copy of this span id fail (default: none fails)")
-    p.add_argument("--retries", type=_int(0), default=2, help="retries after a failed copy")
-    p.add_argument("--requests", type=_int(1), default=1,
+    p.add_argument("--retries", type=int_at_least(0), default=2, help="retries after a failed copy")
+    p.add_argument("--requests", type=int_at_least(1), default=1,
                    help="serve the prompt this many times back to back (metrics: the last one)")
-    p.add_argument("--threads", type=_int(1),
+    p.add_argument("--threads", type=int_at_least(1),
                    help="torch compute threads (default: one core fewer than the machine)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="no warm-up before t = 0: the first request runs on cold buffers")
@@ -113,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--debug", choices=tuple(DEBUG_BREAKS), help="break the protocol on purpose")
     run.add_argument("--no-compute", action="store_true",
                      help="export only: a known payload instead of prefill, checked at the decoder")
-    run.add_argument("--payload", type=_int(1),
+    run.add_argument("--payload", type=int_at_least(1),
                      help="with --no-compute: payload bytes (sets the prompt length)")
     cmp = sub.add_parser("compare", help="run every mode on one prompt: parity and ratios")
     _workload_args(cmp)
