@@ -213,18 +213,28 @@ def format_summary(result: dict) -> str:
 def add_args(p) -> None:
     p.add_argument("--model", default="small", help="model preset both shells load")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default",
-                   help="configurations: default = 15 grid points, quick = 3 (tests)")
+                   help="configurations: default = 15 grid points, quick = 3 (tests); "
+                        "with --serving: 14 serve runs, quick = 2")
     p.add_argument("--requests", type=int, default=4,
                    help="requests per engine run (timings: median over all but the first)")
     p.add_argument("--device", default=None, help="engine device (default: cuda if any)")
     p.add_argument("--out", default="validate-out", help="folder for traces, profile, PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--serving", action="store_true",
+                   help="validate serving instead: pdgpu serve over a grid of concurrency, "
+                        "prompt range, output tokens, producers, mode and link pacing; "
+                        "calibrate on part, predict tokens/s and TTFT of the rest "
+                        "(pdsim/fit/validate_serving.py; --requests does not apply)")
 
 
 def command(args) -> int:
     from pdsim.views.validate_plot import validation_png
 
+    if args.serving:
+        from pdsim.fit import validate_serving
+
+        return validate_serving.command(args)
     if args.requests < 1:
         raise UsageError(f"--requests must be >= 1, got {args.requests}")
     load_model(args.model)

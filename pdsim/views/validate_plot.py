@@ -1,4 +1,5 @@
-"""Predicted-vs-measured figure of `pdsim validate` (handoff left, tail right)."""
+"""Predicted-vs-measured figures of `pdsim validate` (handoff left, tail right) and of
+`pdsim validate --serving` (tokens/s left, TTFT p50 right)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,29 @@ def _log_axes(ax) -> None:
         axis.set_minor_formatter(NullFormatter())
     ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     ax.tick_params(axis="y", labelsize=7)
+
+
+def serving_png(rows) -> bytes:
+    """Scatter of predicted against measured tokens/s and median TTFT, one point per serve
+    run (colour: mode; hollow = training, filled = held out); the diagonal is perfect."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
+    for ax, key, label, scale in ((axes[0], "tokens_per_s", "tokens/s", 1.0),
+                                  (axes[1], "ttft_p50_s", "TTFT p50 (ms)", 1e3)):
+        values = []
+        for mode, color in MODE_COLORS.items():
+            for role, face in (("train", "none"), ("test", color)):
+                pts = [(r.run.summary[key] * scale, r.predicted[key] * scale) for r in rows
+                       if r.run.point.mode == mode and r.role == role]
+                if pts:
+                    ax.scatter(*zip(*pts, strict=True), edgecolors=color, facecolors=face,
+                               label=f"{mode} ({role})", s=28)
+                    values += [v for p in pts for v in p]
+        if values:
+            lo, hi = min(values) / 1.2, max(values) * 1.2
+            ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_xlabel(f"measured {label}")
+        ax.set_ylabel(f"predicted {label}")
+    axes[0].set_title("pdgpu serve vs serving simulator", fontsize=9)
+    fig.tight_layout()
+    return _png(fig)

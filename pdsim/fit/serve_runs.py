@@ -1,0 +1,105 @@
+"""`pdgpu serve` runs for `pdsim validate --serving`, as a subprocess (pdsim never imports
+pdgpu).
+
+A `ServePoint` is one serving configuration. Its requests are drawn here (seeded: prompt
+lengths uniform over the point's range, token ids uniform over the model's vocabulary) and
+written as a `--prompts` file in the engine's format, so the engine serves, and the simulator
+later plays, the very same prompts in the same order. The engine writes its trace (for
+`pdsim calibrate`) and prints its summary (`--json`: tokens_per_s, ttft_p50_s, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+
+from pdsim.fit.engine_runs import EngineRunError
+
+
+@attrs.frozen
+class ServePoint:
+    """One `pdgpu serve` configuration (closed loop: `concurrency` requests in at once)."""
+
+    concurrency: int
+    prompt_range: tuple[int, int]  # drawn prompt lengths, both ends included
+    output_tokens: int
+    producers: int = 1
+    mode: str = "chunk"
+    link_gbps: float | None = None  # each span paced to this many GB/s (None: unpaced)
+    requests: int = 8
+    chunk: int = 64
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        lo, hi = self.prompt_range
+        link = f"-link{self.link_gbps:g}" if self.link_gbps else ""
+        return (f"c{self.concurrency}-p{lo}_{hi}-o{self.output_tokens}-x{self.producers}-"
+                f"{self.mode}{link}-n{self.requests}-s{self.seed}")
+
+
+@attrs.frozen
+class ServeRun:
+    """One point as the engine served it: its prompts, trace and summary."""
+
+    point: ServePoint
+    prompts: list[dict]  # {"req", "tokens", "output_tokens"} in arrival order
+    trace: str
+    summary: dict  # pdgpu serve --json
+
+
+def draw_prompts(point: ServePoint, vocab: int) -> list[dict]:
+    """The point's requests, seeded by its seed: the lines of a `--prompts` file."""
+    rng = random.Random(point.seed)
+    lo, hi = point.prompt_range
+    return [{"req": f"r{i}", "tokens": [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))],
+             "output_tokens": point.output_tokens} for i in range(point.requests)]
+
+
+def serve_argv(point: ServePoint, model: str, prompts: Path, trace: Path,
+               device: str | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "pdgpu", "serve", "--model", model, "--prompts", str(prompts),
+            "--concurrency", str(point.concurrency), "--producers", str(point.producers),
+            "--mode", point.mode, "--chunk", str(point.chunk), "--seed", str(point.seed),
+            "--trace", str(trace), "--json", "--no-progress"]
+    if point.link_gbps:
+        argv += ["--link-gbps", repr(point.link_gbps)]
+    if device:
+        argv += ["--device", device]
+    return argv
+
+
+def run_serve(point: ServePoint, model: str, vocab: int, folder: Path,
+              device: str | None = None) -> ServeRun:
+    """Serve the point's prompts on the engine (files under `folder`); its ServeRun."""
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = draw_prompts(point, vocab)
+    prompts_path, trace = folder / "prompts.jsonl", folder / "trace.jsonl"
+    prompts_path.write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    proc = subprocess.run(serve_argv(point, model, prompts_path, trace, device),
+                          capture_output=True, text=True)
+    summary = _summary(proc.stdout)
+    if proc.returncode != 0 or summary is None:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EngineRunError(f"pdgpu serve on {point.name}: exit {proc.returncode}: {last}")
+    if summary.get("ok") != point.requests:
+        raise EngineRunError(f"pdgpu serve on {point.name}: {summary.get('ok')} of "
+                             f"{point.requests} requests ended ok")
+    return ServeRun(point, prompts, str(trace), summary)
+
+
+def _summary(stdout: str) -> dict | None:
+    """The JSON summary: the last line of stdout that is a JSON object."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return None

@@ -1,0 +1,200 @@
+"""`pdsim validate --serving`: run `pdgpu serve` over a grid of serving configurations on
+this machine, calibrate the simulator on the training part, predict the held-out rest.
+
+Each point serves prompts drawn here (pdsim/fit/serve_runs.py) in a closed loop. The
+training points' traces feed `pdsim calibrate` (prefill compute per chunk from compute
+stages, gather and link from copy stages, the decode step from decode stages); the serving
+simulator (pdsim.core.serving) then plays every point's very prompts with that profile,
+each link direction paced as the engine paced it. The errors of tokens/s and of the median
+TTFT on the held-out points are the result; the training points' errors are calibration,
+reported apart.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import attrs
+from tqdm import tqdm
+
+from pdref.models import load_model
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.profiles import link_of, load_hw
+from pdsim.core.serving import serving_config, simulate_serving
+from pdsim.fit.calibrate import calibrate, profile_toml
+from pdsim.fit.predict import paced
+from pdsim.fit.serve_runs import ServePoint, ServeRun, run_serve
+from pdsim.options import UsageError
+from pdsim.views.report import write_atomic
+
+S = ServePoint
+SERVE_GRIDS = {  # (point, role): "train" feeds calibration, "test" is held out; roles
+    # alternate so that load drifts on a shared machine hit both halves alike
+    "default": (
+        (S(1, (64, 256), 16), "train"),
+        (S(2, (64, 256), 16), "test"),
+        (S(4, (128, 512), 16), "train"),
+        (S(4, (64, 256), 32, mode="whole"), "test"),
+        (S(2, (256, 512), 16, producers=2), "train"),
+        (S(4, (128, 512), 16, producers=2), "test"),
+        (S(3, (64, 384), 24, mode="layer"), "train"),
+        (S(2, (128, 512), 32, mode="layer"), "test"),
+        (S(2, (128, 512), 16, link_gbps=0.05), "train"),
+        (S(4, (128, 512), 16, mode="whole", link_gbps=0.05), "test"),
+        (S(1, (256, 512), 32, mode="whole"), "test"),
+        (S(3, (64, 512), 24, producers=2), "test"),
+        (S(4, (256, 512), 8, link_gbps=0.05), "test"),
+        (S(2, (64, 256), 48, producers=2, mode="whole"), "test"),
+    ),
+    "quick": (
+        (S(2, (32, 96), 8, requests=4, chunk=32), "train"),
+        (S(2, (32, 96), 12, requests=4, chunk=32, seed=1), "test"),
+    ),
+}
+SCORED = ("tokens_per_s", "ttft_p50_s")  # what the targets are about
+
+
+@attrs.frozen
+class ServeRow:
+    """One serving configuration: what the engine measured and what the simulator predicted."""
+
+    run: ServeRun
+    role: str
+    predicted: dict
+
+    def err_pct(self, key: str) -> float:
+        """|predicted / measured - 1| of one summary figure, in percent."""
+        return 100.0 * abs(self.predicted[key] / self.run.summary[key] - 1.0)
+
+    def to_json(self) -> dict:
+        point = attrs.asdict(self.run.point)
+        figures = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "handoff_p50_s",
+                   "wall_s")
+        return {**point, "name": self.run.point.name, "role": self.role, "trace": self.run.trace,
+                **{f"measured_{k}": self.run.summary.get(k) for k in figures},
+                **{f"predicted_{k}": self.predicted.get(k) for k in figures},
+                "tps_err_pct": self.err_pct("tokens_per_s"),
+                "ttft_p50_err_pct": self.err_pct("ttft_p50_s")}
+
+
+def run_serve_grid(grid, model: str, out: Path, device: str | None = None,
+                   progress: bool = True) -> list[tuple[ServeRun, str]]:
+    """Every point on the engine (files under out/serve/POINT/)."""
+    vocab = load_model(model).vocab
+    done = []
+    bar = tqdm(grid, desc="serve runs", unit="run", disable=not progress, file=sys.stderr)
+    for point, role in bar:
+        bar.set_postfix_str(point.name)
+        done.append((run_serve(point, model, vocab, out / "serve" / point.name, device), role))
+    return done
+
+
+def fit_serving_profile(runs: list[tuple[ServeRun, str]], out: Path, model: str) -> Path:
+    """Calibrate from the training runs' traces; the profile is out/serving-profile.toml."""
+    traces = [run.trace for run, role in runs if role == "train"]
+    if not traces:
+        raise UsageError("serving grid: no training point to calibrate from")
+    path = out / "serving-profile.toml"
+    write_atomic(path, profile_toml(calibrate(traces), load_hw("a100-pcie"), f"{model}-serve"))
+    return path
+
+
+def serving_requests(prompts: list[dict]) -> list[RequestSpec]:
+    """A run's prompts as the simulator's requests (closed loop: arrivals are the loop's)."""
+    return [RequestSpec(row["req"], 0.0, len(row["tokens"]), 0, row["output_tokens"])
+            for row in prompts]
+
+
+def serving_setup(spec, profile: str, point: ServePoint, prompts: list[dict],
+                  stages: bool = False) -> tuple[SimConfig, list[RequestSpec]]:
+    """The simulator's config and requests for a point served with `prompts`: the profile's
+    costs, each link direction paced as the engine paced it, the engine's defaults."""
+    hw = load_hw(profile)
+    costs = paced(costs_for(spec, hw, link_of(hw)), point.link_gbps)
+    pacing = (("link_gbps", point.link_gbps),) if point.link_gbps else ()
+    cfg = SimConfig(sim_geometry(spec), costs, point.mode, point.chunk,
+                    producers=point.producers, output_tokens=point.output_tokens,
+                    stages=stages, labels=(("model", spec.name), ("hw", hw.name), *pacing))
+    requests = serving_requests(prompts)
+    return serving_config(cfg, requests, concurrency=point.concurrency), requests
+
+
+def predict_serving(spec, profile: Path, run: ServeRun) -> dict:
+    """The serving simulator's summary of the run's point, prompts and pacing."""
+    return simulate_serving(*serving_setup(spec, str(profile), run.point, run.prompts))
+
+
+def serving_summary(rows: list[ServeRow], role: str = "test") -> dict:
+    """Median / worst errors of tokens/s and TTFT p50 over the rows of one role."""
+    chosen = [r for r in rows if r.role == role]
+    if not chosen:
+        return {"n": 0}
+    tps = [r.err_pct("tokens_per_s") for r in chosen]
+    ttft = [r.err_pct("ttft_p50_s") for r in chosen]
+    return {"n": len(chosen), "median_tps_err_pct": statistics.median(tps),
+            "worst_tps_err_pct": max(tps), "median_ttft_p50_err_pct": statistics.median(ttft),
+            "worst_ttft_p50_err_pct": max(ttft)}
+
+
+def validate_serving(model: str, grid_name: str, out: Path, device: str | None = None,
+                     progress: bool = True, predictor=predict_serving
+                     ) -> tuple[list[ServeRow], dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    runs = run_serve_grid(SERVE_GRIDS[grid_name], model, out, device, progress)
+    profile = fit_serving_profile(runs, out, model)
+    spec = load_model(model)
+    rows = [ServeRow(run, role, predictor(spec, profile, run)) for run, role in runs]
+    held_out = serving_summary(rows, "test")
+    result = {"model": model, "grid": grid_name, "profile": str(profile), **held_out,
+              "train": serving_summary(rows, "train"),
+              "configs": [r.to_json() for r in rows if r.role == "test"],
+              "train_configs": [r.to_json() for r in rows if r.role == "train"]}
+    return rows, result
+
+
+def format_table(rows: list[ServeRow]) -> str:
+    lines = [f"{'role':5} {'point':44} {'tok/s':>7} {'pred':>7} {'err%':>6} "
+             f"{'TTFT50 ms':>9} {'pred':>8} {'err%':>6}"]
+    for r in rows:
+        m, p = r.run.summary, r.predicted
+        lines.append(f"{r.role:5} {r.run.point.name:44} {m['tokens_per_s']:7.1f} "
+                     f"{p['tokens_per_s']:7.1f} {r.err_pct('tokens_per_s'):6.1f} "
+                     f"{m['ttft_p50_s'] * 1e3:9.1f} {p['ttft_p50_s'] * 1e3:8.1f} "
+                     f"{r.err_pct('ttft_p50_s'):6.1f}")
+    return "\n".join(lines)
+
+
+def format_summary(result: dict) -> str:
+    lines = []
+    for label, s in (("held-out", result), ("training (calibration)", result["train"])):
+        if s.get("n"):
+            lines.append(f"{label} ({s['n']} configs): tokens/s error median "
+                         f"{s['median_tps_err_pct']:.1f}%, worst {s['worst_tps_err_pct']:.1f}%;"
+                         f" TTFT p50 error median {s['median_ttft_p50_err_pct']:.1f}%, worst "
+                         f"{s['worst_ttft_p50_err_pct']:.1f}%")
+    return "\n".join(lines)
+
+
+def command(args) -> int:
+    """`pdsim validate --serving`: the grid, the profile, the table or one JSON object."""
+    import json
+
+    from pdsim.views.validate_plot import serving_png
+
+    load_model(args.model)
+    out = Path(args.out)
+    rows, result = validate_serving(args.model, args.grid, out, args.device,
+                                    progress=not args.quiet)
+    write_atomic(out / "serving-validation.png", serving_png(rows))
+    write_atomic(out / "serving-validation.json", json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(rows))
+        print(format_summary(result))
+        print(f"wrote {out / 'serving-validation.json'}, {out / 'serving-validation.png'}, "
+              f"{result['profile']}")
+    return 0

@@ -1,0 +1,150 @@
+"""`pdsim validate --serving`: serve runs' prompts and command lines, errors and summaries,
+and the whole calibrate-then-predict pipeline against a simulated engine."""
+
+import json
+import statistics
+
+import pytest
+
+from pdref.models import SPECS_DIR, load_model
+from pdsim.cli import main
+from pdsim.core.metrics import workload_metrics
+from pdsim.core.sim import simulate
+from pdsim.fit import validate_serving as vs
+from pdsim.fit.serve_runs import ServePoint, ServeRun, draw_prompts, serve_argv
+from pdsim.views.report import write_trace
+
+SMALL = load_model("small")
+TRUTH_COMPUTE = """
+[compute]
+token_s = 2e-4
+chunk_s = 5e-3
+head_s = 2e-3
+decode_s = 4e-3
+decode_row_s = 5e-4
+decode_kv_token_s = 2e-6
+"""
+
+
+def test_drawn_prompts_are_seeded_and_in_range():
+    """Prompts: `requests` lines, lengths inside the range (both ends), ids inside the
+    vocabulary, the same for the same seed and different for another."""
+    point = ServePoint(2, (10, 20), 5, requests=40, seed=3)
+    rows = draw_prompts(point, 50)
+    assert [r["req"] for r in rows] == [f"r{i}" for i in range(40)]
+    lengths = {len(r["tokens"]) for r in rows}
+    assert min(lengths) >= 10 and max(lengths) <= 20 and len(lengths) > 5
+    assert all(0 <= t < 50 for r in rows for t in r["tokens"])
+    assert all(r["output_tokens"] == 5 for r in rows)
+    assert draw_prompts(point, 50) == rows
+    assert draw_prompts(ServePoint(2, (10, 20), 5, requests=40, seed=4), 50) != rows
+
+
+def test_serve_argv_carries_every_setting(tmp_path):
+    """The engine command names the point's prompts, loop, producers, mode, chunk and pacing
+    (pacing only when the point is paced)."""
+    point = ServePoint(3, (8, 16), 4, producers=2, mode="layer", link_gbps=0.05, chunk=32)
+    argv = serve_argv(point, "tiny", tmp_path / "p.jsonl", tmp_path / "t.jsonl")
+    pairs = dict(zip(argv, argv[1:], strict=False))
+    assert pairs["--prompts"] == str(tmp_path / "p.jsonl")
+    assert (pairs["--concurrency"], pairs["--producers"], pairs["--mode"],
+            pairs["--chunk"], pairs["--link-gbps"]) == ("3", "2", "layer", "32", "0.05")
+    assert "--link-gbps" not in serve_argv(ServePoint(1, (8, 16), 4), "tiny",
+                                           tmp_path / "p", tmp_path / "t")
+
+
+def _row(role, measured_tps, predicted_tps, measured_ttft, predicted_ttft):
+    run = ServeRun(ServePoint(1, (8, 8), 1), [], "t.jsonl",
+                   {"tokens_per_s": measured_tps, "ttft_p50_s": measured_ttft})
+    return vs.ServeRow(run, role, {"tokens_per_s": predicted_tps,
+                                   "ttft_p50_s": predicted_ttft})
+
+
+def test_summary_is_median_and_worst_of_held_out_rows_only():
+    """Errors are |predicted/measured - 1|; the summary takes the test rows' median and max
+    and leaves the training rows out."""
+    rows = [_row("test", 100, 110, 1.0, 0.9), _row("test", 50, 49, 2.0, 2.5),
+            _row("test", 10, 10, 1.0, 1.0), _row("train", 10, 100, 1.0, 9.0)]
+    assert rows[0].err_pct("tokens_per_s") == pytest.approx(10.0)
+    got = vs.serving_summary(rows)
+    assert got["n"] == 3
+    assert got["median_tps_err_pct"] == pytest.approx(2.0)
+    assert got["worst_tps_err_pct"] == pytest.approx(10.0)
+    assert got["median_ttft_p50_err_pct"] == pytest.approx(10.0)
+    assert got["worst_ttft_p50_err_pct"] == pytest.approx(25.0)
+    assert vs.serving_summary(rows, "train")["worst_tps_err_pct"] == pytest.approx(900.0)
+
+
+def test_default_grid_spans_the_serving_axes():
+    """The default grid varies concurrency, prompt range, output tokens, producers, mode and
+    link pacing, and both halves (train, test) hold paced, multi-producer and every mode."""
+    grid = vs.SERVE_GRIDS["default"]
+    for half in ("train", "test"):
+        points = [p for p, role in grid if role == half]
+        assert {p.mode for p in points} == {"whole", "chunk", "layer"} or half == "train"
+        assert any(p.link_gbps for p in points) and any(p.producers > 1 for p in points)
+    points = [p for p, _ in grid]
+    for axis in ("concurrency", "prompt_range", "output_tokens", "producers", "mode",
+                 "link_gbps"):
+        assert len({getattr(p, axis) for p in points}) > 1, axis
+
+
+def test_prediction_plays_the_runs_prompts_and_pacing():
+    """The simulator serves exactly the run's requests and outputs; pacing the link to a
+    crawl lowers tokens/s."""
+    point = ServePoint(2, (64, 256), 8, requests=6)
+    prompts = draw_prompts(point, SMALL.vocab)
+    fast = vs.predict_serving(SMALL, "a100-pcie", ServeRun(point, prompts, "", {}))
+    assert fast["requests"] == fast["ok"] == 6
+    assert fast["generated_tokens"] == 6 * 8
+    slow_point = ServePoint(2, (64, 256), 8, requests=6, link_gbps=0.001)
+    slow = vs.predict_serving(SMALL, "a100-pcie", ServeRun(slow_point, prompts, "", {}))
+    assert slow["tokens_per_s"] < 0.5 * fast["tokens_per_s"]
+
+
+def _simulated_engine(truth: str):
+    """A stand-in for `pdgpu serve`: the simulator on the truth profile, its trace and
+    summary, for the same prompts the real run would get."""
+    def run(point, model, vocab, folder, device=None):
+        folder.mkdir(parents=True, exist_ok=True)
+        prompts = draw_prompts(point, vocab)
+        cfg, requests = vs.serving_setup(load_model(model), truth, point, prompts,
+                                         stages=True)
+        result = simulate(cfg, requests)
+        write_trace(str(folder / "trace.jsonl"), result)
+        return ServeRun(point, prompts, str(folder / "trace.jsonl"), workload_metrics(result))
+    return run
+
+
+def test_validation_against_a_simulated_engine_is_exact(tmp_path, monkeypatch, capsys):
+    """With the simulator itself as the engine, calibrating on the training runs' serving
+    traces and predicting the held-out runs gives tokens/s and TTFT within 2%: the fit reads
+    every term serving needs from serve-shaped traces. The command prints one JSON object
+    with the issue's keys and writes the profile and the PNG."""
+    truth = tmp_path / "truth.toml"  # a device unlike the base profile calibrate starts from
+    truth.write_text((SPECS_DIR / "hw" / "a100-pcie.toml").read_text() + TRUTH_COMPUTE)
+    monkeypatch.setattr(vs, "run_serve", _simulated_engine(str(truth)))
+    assert main(["validate", "--serving", "--model", "small", "--out", str(tmp_path / "v"),
+                 "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["configs"]) == sum(r == "test" for _, r in vs.SERVE_GRIDS["default"])
+    for key in ("median_tps_err_pct", "worst_tps_err_pct", "median_ttft_p50_err_pct",
+                "worst_ttft_p50_err_pct"):
+        assert 0 <= out[key] < 2.0, (key, out[key])
+    assert statistics.median(c["tps_err_pct"] for c in out["configs"]) == pytest.approx(
+        out["median_tps_err_pct"])
+    assert (tmp_path / "v" / "serving-validation.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["run", "--hw", str(tmp_path / "v" / "serving-profile.toml"), "--model", "small",
+                 "--requests", "4", "--concurrency", "2", "--output-tokens", "4",
+                 "--json"]) == 0
+
+
+@pytest.mark.slow
+def test_quick_serving_grid_on_the_engine(tmp_path, capsys):
+    """The quick grid on the real engine (tiny model): every config measured and predicted."""
+    assert main(["validate", "--serving", "--grid", "quick", "--model", "tiny", "--out",
+                 str(tmp_path), "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["configs"]) == 1 and out["train"]["n"] == 1
+    assert all(c["measured_tokens_per_s"] > 0 and c["predicted_tokens_per_s"] > 0
+               for c in out["configs"] + out["train_configs"])
