@@ -5,8 +5,10 @@
 2. `pdsim calibrate` fits a profile of this device from those traces;
 3. the simulator predicts the same runs: measured vs predicted, side by side;
 4. a chunk-size sweep in the simulator for this device and for qwen3-0.6b on a100-pcie and h200;
-5. every trace (engine and simulated) is checked by `pdref check`;
-6. everything lands in one folder with a report.md linking the PNGs.
+5. a served run: `pdgpu serve` (a decoder and two producer processes) on one prompts file in
+   whole and chunk mode, spans verified, the decoder's tokens checked against `pdgpu generate`;
+6. every trace (engine, served and simulated) is checked by `pdref check`;
+7. everything lands in one folder with a report.md linking the PNGs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tqdm import tqdm
 from pdref.check import check_file
 from pdref.models import load_model
 from pdsim.core.profiles import load_hw
+from pdsim.demo_serve import ServeDemo, run_served, served_rows
 from pdsim.fit.calibrate import calibrate, figures, profile_toml
 from pdsim.fit.engine_runs import EnginePoint, Measured, run_point
 from pdsim.fit.predict import predict, simulate_point
@@ -120,8 +123,26 @@ def base_sim_config(model: str, hw: str):
                      labels=(("model", spec.name), ("hw", profile.name)))
 
 
+def serve_step(cfg: DemoConfig) -> dict:
+    # Prompts of 1/8 .. 3/8 of the demo's prompt: 128..384 tokens by default.
+    demo = ServeDemo(model=cfg.model, device=cfg.device,
+                     prompt_range=(max(1, cfg.prompt // 8), max(1, cfg.prompt * 3 // 8)),
+                     chunk=min(cfg.chunks))
+    served = run_served(demo, cfg.out / "serve")
+    for row in served_rows(served):
+        print(f"  {row['mode']:5}: {row['ok']}/{demo.requests} ok, "
+              f"{row['tokens_per_s']:.1f} tokens/s, TTFT p50 {row['ttft_p50_s']:.2f} s, "
+              f"ITL p50 {row['itl_p50_s'] * 1e3:.0f} ms, handoff p50 "
+              f"{row['handoff_p50_s']:.2f} s, leaked pages {row['leaked_pages']}")
+    p = served["parity"]
+    print(f"  tokens: whole and chunk agree: {p['modes_agree']}; equal to pdgpu generate for "
+          f"{', '.join(p['reference_requests'])}: {p['reference_ok']}")
+    return served
+
+
 def check_step(cfg: DemoConfig) -> list:
     traces = sorted(cfg.out.glob("engine/*/*.jsonl")) + sorted(cfg.out.glob("sim/*.jsonl"))
+    traces += [cfg.out / "serve" / f"{mode}.jsonl" for mode in ("whole", "chunk")]
     return [check_file(t) for t in traces]
 
 
@@ -139,12 +160,15 @@ def run_demo(cfg: DemoConfig) -> dict:
     print(comparison_table(pairs))
     say("sweep: chunk size in the simulator (this device, and qwen3-0.6b on a100-pcie, h200)")
     sweeps = sweep_step(cfg, profile)
+    say(f"serve: pdgpu serve, {cfg.model}, a decoder and 2 producer processes, whole and chunk "
+        "mode, spans verified, tokens checked against pdgpu generate")
+    served = serve_step(cfg)
     say("pdref check: every trace")
     checks = check_step(cfg)
     print(trace_table(checks, cfg.out))
     result = {"config": {k: str(v) if isinstance(v, Path) else v
                          for k, v in attrs.asdict(cfg).items()},
-              "pairs": pairs, "sweeps": sweeps, "checks": checks,
+              "pairs": pairs, "sweeps": sweeps, "served": served, "checks": checks,
               "wall_s": time.perf_counter() - start}
     write_atomic(cfg.out / "report.md", report_md(result, cfg.out))
     write_json(cfg.out / "summary.json", summary_json(result))
@@ -160,6 +184,8 @@ def summary_json(result: dict) -> dict:
                                                       "peak_staging_bytes")}}
                      for m, p in result["pairs"]],
             "best_chunk": {s["label"]: s["best"] for s in result["sweeps"]},
+            "served": {"parity": result["served"]["parity"],
+                       "runs": served_rows(result["served"])},
             "checks": [c.to_json() for c in result["checks"]]}
 
 
@@ -193,7 +219,7 @@ def command(args) -> int:
     cfg = _config(args)
     result = run_demo(cfg)
     bad = [c for c in result["checks"] if not c.ok]
-    parity = all(m.parity for m, _ in result["pairs"])
+    parity = all(m.parity for m, _ in result["pairs"]) and result["served"]["parity"]["ok"]
     say(f"done in {result['wall_s']:.0f} s: {cfg.out / 'report.md'}"
         + ("" if parity else "; PARITY FAILED") + (f"; {len(bad)} trace(s) refused" if bad
                                                    else ""))

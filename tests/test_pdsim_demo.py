@@ -20,7 +20,11 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert len(links) == 3 and all((out / p).read_bytes()[:4] == b"\x89PNG" for p in links)
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["runs"]) == 6 and all(r["parity"] for r in summary["runs"])
-    assert len(summary["checks"]) == 12 and all(c["ok"] for c in summary["checks"])
+    assert len(summary["checks"]) == 14 and all(c["ok"] for c in summary["checks"])
+    served = summary["served"]
+    assert served["parity"]["ok"] and [r["mode"] for r in served["runs"]] == ["whole", "chunk"]
+    assert all(r["ok"] == 6 and r["leaked_pages"] == 0 for r in served["runs"])
+    assert "## Served run" in report
     assert (out / "profile.toml").exists()
     printed = capsys.readouterr().out
     assert "handoff ms" in printed and "predicted" in printed

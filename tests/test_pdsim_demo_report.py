@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
+
+from pdsim.demo_serve import ServeDemo, parity
 from pdsim.fit.engine_runs import Measured
 from pdsim.views.demo_report import report_md
 
@@ -22,10 +25,21 @@ def _pairs(tmp_path: Path, device: str, decoder: str, prefill_s: float) -> list:
     return pairs
 
 
+def _served(ok: bool) -> dict:
+    summary = {"requests": 2, "ok": 2, "tokens_per_s": 10.0, "ttft_p50_s": 0.5,
+               "itl_p50_s": 0.06, "handoff_p50_s": 0.5, "peak_pool_pages": 9, "leaked_pages": 0,
+               "wall_s": 3.0}
+    return {"config": attrs.asdict(ServeDemo(requests=2)),
+            "runs": [{"mode": m, "summary": summary, "results": {}} for m in ("whole", "chunk")],
+            "parity": {"all_ok": True, "modes_agree": ok, "reference_ok": True,
+                       "reference_requests": ["q0"], "ok": ok}}
+
+
 def _report(tmp_path, pairs, asked=None, requests=3) -> str:
     result = {"config": {"model": "small", "prompt": 1024, "chunks": (128, 256),
                          "device": asked, "requests": requests},
-              "pairs": pairs, "sweeps": [], "checks": [], "wall_s": 12.0}
+              "pairs": pairs, "sweeps": [], "checks": [], "wall_s": 12.0,
+              "served": _served(True)}
     return report_md(result, tmp_path)
 
 
@@ -54,3 +68,26 @@ def test_one_request_reads_in_the_singular(tmp_path):
     pairs = _pairs(tmp_path, "cpu", "cpu", 0.9)
     assert "1 request per run" in _report(tmp_path, pairs, requests=1)
     assert "3 requests per run" in _report(tmp_path, pairs, requests=3)
+
+
+def test_served_run_section_says_failed_parity(tmp_path):
+    """A served run whose modes disagree reads FAILED in the report, with the table."""
+    pairs = _pairs(tmp_path, "cpu", "cpu", 0.9)
+    result = {"config": {"model": "small", "prompt": 1024, "chunks": (128,), "device": None,
+                         "requests": 3}, "pairs": pairs, "sweeps": [], "checks": [],
+              "wall_s": 1.0, "served": _served(False)}
+    text = report_md(result, tmp_path)
+    assert "## Served run" in text and "Parity: FAILED" in text and "| chunk | 2/2 |" in text
+
+
+def test_serve_parity_needs_every_mode_to_agree_and_every_request_ok():
+    """One differing token in one mode, or one failed request, breaks the demo's parity."""
+    lines = [{"req": "q0", "tokens": [1, 2], "output_tokens": 2}]
+    demo = ServeDemo(references=0)
+
+    def runs(chunk_output, status="ok"):
+        return [{"results": {"q0": {"status": "ok", "output": [5, 6]}}},
+                {"results": {"q0": {"status": status, "output": chunk_output}}}]
+    assert parity(demo, lines, runs([5, 6]))["ok"]
+    assert not parity(demo, lines, runs([5, 7]))["modes_agree"]
+    assert not parity(demo, lines, runs([5, 6], "failed"))["ok"]

@@ -134,7 +134,35 @@ def report_md(result: dict, out: Path) -> str:
         "`pdsim validate` predicts held-out runs.", "",
         _markdown(comparison_rows(result["pairs"])), "",
         "## Chunk-size sweeps (simulator)", "", *sweep_lines(result["sweeps"]),
+        *served_lines(result["served"]),
         f"## Trace checks (`pdref check`): {'all legal' if ok else 'VIOLATIONS'}", "",
         _markdown(check_rows(result["checks"], out)), "",
-        "Engine traces: `engine/`, simulated traces: `sim/`, figures: `summary.json`.", ""]
+        "Engine traces: `engine/`, served runs: `serve/`, simulated traces: `sim/`, figures: "
+        "`summary.json`.", ""]
     return "\n".join(lines)
+
+
+def served_lines(served: dict) -> list[str]:
+    """The served run: a decoder and producer processes, tokens checked end to end."""
+    cfg, p = served["config"], served["parity"]
+    rows = [["mode", "ok", "tokens/s", "TTFT p50 s", "ITL p50 ms", "handoff p50 s",
+             "peak pool pages", "leaked pages", "wall s"]]
+    for run in served["runs"]:
+        s = run["summary"]
+        rows.append([run["mode"], f"{s['ok']}/{s['requests']}", f"{s['tokens_per_s']:.1f}",
+                     f"{s['ttft_p50_s']:.2f}", f"{s['itl_p50_s'] * 1e3:.0f}",
+                     f"{s['handoff_p50_s']:.2f}", str(s["peak_pool_pages"]),
+                     str(s["leaked_pages"]), f"{s['wall_s']:.1f}"])
+    verdict = "ok" if p["ok"] else "FAILED"
+    return ["## Served run (`pdgpu serve`)", "",
+            f"A decoder and {cfg['producers']} producer processes over torch.distributed "
+            f"(gloo), model `{cfg['model']}`, {count(cfg['requests'], 'request')} of "
+            f"{cfg['prompt_range'][0]}..{cfg['prompt_range'][1]} prompt tokens and "
+            f"{cfg['output_tokens']} output tokens, concurrency {cfg['concurrency']}, chunk "
+            f"{cfg['chunk']}; every landed span checked against a checksum taken when its KV "
+            "was computed (`--verify`). The tokens are the decoder's, decoded from the KV it "
+            f"received. Parity: {verdict} (every request ok: {p['all_ok']}; whole and chunk "
+            f"give the same tokens: {p['modes_agree']}; equal to `pdgpu generate`, no handoff, "
+            f"for {', '.join(p['reference_requests'])}: {p['reference_ok']}). Timings on a "
+            "shared CPU are noisy: these are one run each, not a mode comparison "
+            "(`bench/serve.py` is).", "", _markdown(rows), ""]
