@@ -420,6 +420,32 @@ def test_host_running_ahead_emits_computed_late_and_still_overlaps(monkeypatch):
     assert _check(lagging).ok
 
 
+def test_step_loop_never_waits_for_a_readiness_mark_while_steps_remain(monkeypatch):
+    """With a device running behind the host, the compute thread launches every step without
+    waiting for any step's readiness mark (only the lanes wait for them); it may wait once
+    the last step is launched. The CPU analog of the CUDA test that the host never
+    synchronizes in the step loop."""
+    device = LaggingDevice(0.05)
+    monkeypatch.setattr(Backend, "mark_ready", lambda backend: device.mark_ready(backend))
+    launched, waits, steps = [0], [], 96 // 16
+    compute, wait = Engine._compute, HostMark.wait
+
+    def counting(self, loop, step):
+        compute(self, loop, step)
+        launched[0] += 1
+
+    def logged(mark):
+        waits.append((threading.current_thread().name, launched[0]))
+        wait(mark)
+
+    monkeypatch.setattr(Engine, "_compute", counting)
+    monkeypatch.setattr(HostMark, "wait", logged)
+    result = _run("chunk", [Request("r", _tokens(96), 0)], chunk=16)
+    assert launched[0] == steps and _check(result).ok
+    assert [w for w in waits if w[0] == "MainThread" and 0 < w[1] < steps] == []
+    assert any(name == "pdgpu-gather" for name, _ in waits)
+
+
 def test_abort_is_refused_while_a_failed_span_is_unfenced():
     """Ledger.abort refuses to abort a life whose failed span's writer was not fenced (the
     pages must not go back while a writer may still write them); nothing is scrubbed."""
