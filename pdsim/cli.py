@@ -59,6 +59,8 @@ def _commands():
         "calibrate": ("pdsim.fit.calibrate", "fit a hw profile from traces' stage events"),
         "validate": ("pdsim.fit.validate",
                      "run the engine over a grid, calibrate on part, predict the rest"),
+        "study": ("pdsim.study", "chunk/layer overlap's serving gain over whole copy: "
+                  "grid, plots, report"),
         "demo": ("pdsim.demo",
                  "the main job: engine, calibration, prediction, sweeps, checks, report"),
     }

@@ -37,6 +37,8 @@ class Costs:
     streamed: bool = True  # a span's link stages overlap (the link profile's `pipelined`)
     copier: str = attrs.field(default="serial", validator=attrs.validators.in_(COPIERS))
     contention: float = attrs.field(default=0.0, validator=non_negative)
+    # the producer's copy stages whose time slows compute they overlap (`contention`)
+    contended: tuple[str, ...] = ("gather",)
     decode_token_s: float = attrs.field(default=0.0, validator=non_negative)
     decode_s: float = attrs.field(default=0.0, validator=non_negative)  # a decode step's own
     decode_row_s: float = attrs.field(default=0.0, validator=non_negative)  # per request

@@ -130,7 +130,7 @@ class FaultyProducer(Producer):
                            span, f"{self.name}.copy")
         stages = self._stages_run(fate, times)
         if stages:
-            self.gathers.append(stages[0][1:])
+            self.contend(stages)
             if cfg.stages:
                 self._schedule_stages(job.req, span, stages)
         self.lands.append(fate.stop_t)

@@ -129,7 +129,8 @@ class Producer:
         self.env.after(duration, self._end_step, job, step)
 
     def _stretched(self, base: float) -> float:
-        """Compute time when known gathers overlap [now, now + base]: contention slows it."""
+        """Compute time when known gathers (or other contended copy stages) overlap
+        [now, now + base]: contention slows it."""
         now, end = self.env.now, self.env.now + base
         while self.gathers and self.gathers[0][1] <= now:
             self.gathers.popleft()
@@ -218,11 +219,16 @@ class Producer:
 
     def _schedule_copy(self, job: Job, span: int, times: SpanTimes) -> None:
         """The copier runs the span's stages at `times`, then the span lands."""
-        self.gathers.append(times.stages[0][1:])
+        self.contend(times.stages)
         if self.cfg.stages:
             self._schedule_stages(job.req, span, times.stages)
         self.lands.append(times.land)
         self.env.at(times.land, self._arrived, job, span)
+
+    def contend(self, stages) -> None:
+        """The span's stages that slow overlapping compute (`Costs.contended`; gather)."""
+        contended = self.cfg.costs.contended
+        self.gathers.extend((a, b) for name, a, b in stages if name in contended)
 
     def _schedule_stages(self, req: str, span: int, stages, emit=None) -> None:
         """Stage events (absolute (name, start, end)) at their start times; stages starting
