@@ -35,7 +35,8 @@ class Peer:
     last_seen: float = attrs.Factory(time.perf_counter)
 
 
-HANDSHAKE = ("joined", "hello", "ready")
+HANDSHAKE = ("joined", "hello", "ready")  # from a joining producer
+JOIN_OPS = ("setup", "go", "refuse")  # to it
 
 
 class Members:
@@ -68,8 +69,10 @@ class Members:
         self.peers[rank].last_seen = time.perf_counter()
 
     def send(self, rank: int, op: str, body: dict) -> None:
-        """Send to a live producer; a failure marks it for `due_deaths` (never raises)."""
-        if self.peers[rank].state is PeerState.DEAD:
+        """Send to a serving producer (a joining one gets its handshake only); a failure
+        marks it for `due_deaths` (never raises)."""
+        state = self.peers[rank].state
+        if state is PeerState.DEAD or (state is PeerState.JOINING and op not in JOIN_OPS):
             return
         try:
             self.transport.send(rank, op, body)

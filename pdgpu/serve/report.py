@@ -67,6 +67,7 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "mode": str(ledger.header.mode),
         "pool_pages": ledger.header.pool_pages,
         "producers": len(decoder.members.peers),
+        "producer_kills": decoder.members.kills,
         "producer_deaths": decoder.members.deaths,
         "producer_restarts": decoder.members.restarts,
         "generated_tokens": generated,

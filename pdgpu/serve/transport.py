@@ -6,12 +6,14 @@ UCX ...) can be added later. `GlooTransport` is the CPU one. Each pair of proces
 rendezvoused under its own store prefix `link/A/B/GENERATION`. gloo cannot re-add a rank to
 a group, so a producer that died is replaced by a new process joining a new link (generation
 + 1) while the other links keep serving; the dead link is dropped and anything still queued
-from it is discarded. Every message is three or more blocking `send`s (a fixed-size length
-header, a JSON body, then each tensor), guarded by the link's lock so messages from several
-threads never interleave. A receiving thread per link does the matching blocking `recv`s and
-queues whole messages: the owner polls the queue (gloo's `irecv` cannot be polled for
-completion). A broken link (the peer died: gloo sees its socket close) is reported once as a
-message `lost` from that peer. KV payloads travel as tensors through the same channel.
+from it is discarded. `send` only queues a message: a sending thread per link makes it three
+or more blocking gloo `send`s (a fixed-size length header, a JSON body, then each tensor), so
+messages never interleave and no caller blocks on a peer that hangs (a stopped process stops
+reading, and gloo's send then waits for it). A receiving thread per link does the matching
+blocking `recv`s and queues whole messages: the owner polls the queue (gloo's `irecv` cannot
+be polled for completion). A broken link (the peer died: gloo sees its socket close) is
+reported once as a message `lost` from that peer. KV payloads travel as tensors through the
+same channel.
 """
 
 from __future__ import annotations
@@ -121,8 +123,10 @@ class Link:
 
     def __init__(self, pg, me: int, peer: int, generation: int) -> None:
         self.pg, self.me, self.peer, self.generation = pg, me, peer, generation
-        self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # frames to send; None: stop
+        self.error: str | None = None  # the link broke
+        self.thread: threading.Thread | None = None  # receiving
+        self.sender: threading.Thread | None = None
 
     @property
     def other(self) -> int:
@@ -155,11 +159,14 @@ class GlooTransport:
         link = Link(connect_gloo(store, me, 2, self.timeout_s, alive), me, peer, generation)
         link.thread = threading.Thread(target=self._receive, args=(link,), daemon=True,
                                        name=f"pdgpu-recv-{peer}")
+        link.sender = threading.Thread(target=self._send_loop, args=(link,), daemon=True,
+                                       name=f"pdgpu-send-{peer}")
         if self.generations.get(peer) != generation:  # given up while it connected
             self.dropped.append(link)
             return
         self.links[peer] = link
         link.thread.start()
+        link.sender.start()
 
     def connect_async(self, peer: int, generation: int) -> None:
         """Connect in the background; a message `joined` (or `lost`) from `peer` says when."""
@@ -180,25 +187,35 @@ class GlooTransport:
         self.generations.pop(peer, None)
         link = self.links.pop(peer, None)
         if link is not None:
+            link.outbox.put(None)
             self.dropped.append(link)
 
     def send(self, dst: int, op: str, body: dict | None = None, tensors=()) -> None:
-        """One whole message to `dst`; blocks until its bytes are handed to the peer."""
+        """Queue one whole message to `dst` (the tensors are not copied: hand over tensors
+        nobody writes any more); TransportError when the link is gone or broke."""
         link = self.links.get(dst)
-        if link is None:
-            raise TransportError(f"send to {peer_name(dst)} failed: no link")
+        if link is None or link.error is not None:
+            raise TransportError(f"send to {peer_name(dst)} failed: "
+                                 f"{'no link' if link is None else link.error}")
         tensors = [t.contiguous() for t in tensors]
         meta = {"op": op, "body": body or {},
                 "tensors": [[str(t.dtype), list(t.shape)] for t in tensors]}
         raw = torch.frombuffer(bytearray(orjson.dumps(meta)), dtype=torch.uint8)  # [n]
         header = torch.tensor([raw.numel(), len(tensors)], dtype=torch.int64)  # [2]
+        link.outbox.put((header, raw, *tensors))
+
+    def _send_loop(self, link: Link) -> None:
         try:
-            with link.lock:
-                for t in (header, raw, *tensors):
+            while (frames := link.outbox.get()) is not None:
+                for t in frames:
                     if t.numel():
                         link.pg.send([t], link.other, 0).wait()
-        except Exception as e:  # noqa: BLE001
-            raise TransportError(f"send to {peer_name(dst)} failed: {_first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 - the link broke: tell the owner once
+            link.error = _first_line(e)
+            if not self.closing.is_set():
+                self.inbox.put(Message(link.peer, "lost", {
+                    "error": f"send to {peer_name(link.peer)} failed: {link.error}"},
+                    (), link.generation))
 
     def get(self, timeout: float | None = None) -> Message | None:
         """The next message from a current link; None when none came within `timeout`."""
@@ -212,12 +229,18 @@ class GlooTransport:
             if self.generations.get(msg.src) == msg.generation:
                 return msg  # else from a dropped link: discarded
 
-    def close(self, wait_s: float = 5.0) -> bool:
-        """Quiet the receiving threads and wait until each one's peer hung up (call once the
-        peers are told to stop or are stopped); False when one is still blocked."""
+    def close(self, wait_s: float = 5.0, flush_s: float = 2.0) -> bool:
+        """Send what is queued (up to `flush_s`), then quiet the receiving threads and wait
+        until each one's peer hung up (call once the peers are told to stop or are stopped);
+        False when one is still blocked."""
+        links = list(self.links.values())
+        deadline = time.monotonic() + flush_s
+        for link in links:
+            link.outbox.put(None)
+        for link in links:
+            link.sender.join(timeout=max(0.0, deadline - time.monotonic()))
         self.closing.set()
         deadline = time.monotonic() + wait_s
-        links = list(self.links.values())
         for link in links:
             link.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         return not any(link.thread.is_alive() for link in links)
