@@ -14,7 +14,7 @@ from pdref.models import ProfileError
 from pdref.plan import PlanError
 from pdsim.core.env import gc_paused
 from pdsim.core.faults import add_fault_options, fault_spec
-from pdsim.core.metrics import single_metrics, workload_metrics
+from pdsim.core.metrics import serving_summary, single_metrics, workload_metrics
 from pdsim.core.sim import simulate
 from pdsim.fit.engine_runs import EngineRunError
 from pdsim.options import Parser, UsageError, add_run_options, run_setup
@@ -33,6 +33,8 @@ def cmd_run(args) -> int:
         result = simulate(cfg, requests, faults)
         single = len(requests) == 1 and faults is None
         metrics = single_metrics(result) if single else workload_metrics(result)
+        if single and cfg.output_of(requests[0]):  # one request that decodes: serving keys
+            metrics.update(serving_summary(result))
         if args.trace:
             write_trace(args.trace, result)
         if args.results:

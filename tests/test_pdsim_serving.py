@@ -283,3 +283,12 @@ def test_steps_ended_in_place_give_the_same_run_as_through_the_heap(tmp_path, mo
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     assert workload_metrics(inline) == workload_metrics(heap)
     assert inline.decode.steps > 9 and check_file(tmp_path / "a.jsonl").ok
+
+
+def test_one_request_run_with_output_tokens_prints_the_serving_keys(capsys):
+    """`pdsim run` of one request that decodes adds pdgpu serve's keys to the single-run
+    metrics; tokens/s = its tokens over its wall time."""
+    assert main(["run", "--prompt", "512", "--output-tokens", "9", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["decode_steps"] == 8 and out["handoff_s"] > 0
+    assert out["tokens_per_s"] == pytest.approx(9 / out["wall_s"])

@@ -55,6 +55,15 @@ def workload_metrics(result: SimResult) -> dict:
     return out
 
 
+def serving_summary(result: SimResult) -> dict:
+    """pdgpu serve's summary keys alone (serving_metrics.py), e.g. for a one-request run."""
+    lives, _ = life_metrics(result.events)
+    ok = [life for life in lives if life.outcome == "released"]
+    makespan = max((life.end_t for life in lives), default=0.0)
+    return {"requests": len(result.requests),
+            **serving_metrics(result, ok, makespan, _occupancy(result)[1])}
+
+
 def outcome_counts(result: SimResult, lives) -> dict:
     """ok / cancelled / failed requests, lives spent, failed spans, fences, leaked pages."""
     statuses = [o.status for o in result.outcomes]
