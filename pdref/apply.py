@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdref import events as ev
 from pdref.intervals import fmt
 from pdref.pool import PoolError, QuarantineError
-from pdref.progress import Coverage, LayerProgress, ProgressError
+from pdref.progress import LayerProgress, ProgressError, empty_coverage
 from pdref.state import Phase, Quarantine, RequestLife, Span, SystemState, Unfenced
 from pdref.violations import Violation
 
@@ -54,10 +54,11 @@ def apply_reserve(state: SystemState, event: ev.Reserve) -> SystemState:
     except PoolError as e:
         raise Violation("SLAB-1", str(e), event) from None
     layers = state.geometry.layers
+    empty = empty_coverage(layers)
     life = RequestLife(
         req=event.req, producer=event.producer, prompt=event.prompt, prefix=event.prefix,
         pages=event.pages, progress=LayerProgress(layers, event.prefix, event.prompt),
-        computed=Coverage(layers), held=Coverage(layers), serial=state.lives,
+        computed=empty, held=empty, serial=state.lives,
     )
     return state.with_life(life, pool=pool, lives=state.lives + 1)
 

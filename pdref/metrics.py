@@ -122,8 +122,11 @@ def life_metrics(events: Iterable, fences: bool = True) -> tuple[list[LifeMetric
     """Every request life in the trace (ended ones first, then open ones) and peak staging.
     `fences`: the trace is version 2 (staging is held until a fence)."""
     tracker = _Tracker(fences)
+    feed, live = tracker.feed, tracker.live
     for event in events:
-        tracker.feed(event)
+        if type(event) is ev.Stage and event.req in live:  # most events: `feed` skips them
+            continue
+        feed(event)
     return tracker.done + list(tracker.live.values()), tracker.peak_staging
 
 

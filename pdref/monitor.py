@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from pdref import events as ev
 from pdref.apply import TRANSITIONS, apply, check_end, initial_state
+from pdref.events import Stage
 from pdref.state import SystemState
 from pdref.violations import Violation
 
@@ -31,7 +32,9 @@ class Monitor:
         t = event.t
         if t < self.last_t:
             raise Violation("TRACE-2", f"t {t} is before the previous t {self.last_t}", event)
-        self.state = TRANSITIONS[type(event)](self.state, event)  # `apply`, one call less
+        cls = type(event)
+        if cls is not Stage:  # a stage changes no state (`apply_stage`): most events
+            self.state = TRANSITIONS[cls](self.state, event)  # `apply`, one call less
         self.last_t = t
         self.events += 1
         if self.sink is not None:

@@ -113,21 +113,34 @@ class Coverage:
 
 
 # One-band coverage values recur: chunk k of every request extends [prefix, k * chunk) by
-# the same chunk. Shared (immutable) results save two objects per `computed` and `land`.
-_UNIONS: dict[tuple, Coverage] = {}
+# the same chunk. Shared (immutable) results save two objects per `computed` and `land`. They
+# are keyed by the identity of the coverage they extend (hashing its tokens cost more than the
+# union): each entry holds that coverage, so its id cannot name another object while the
+# entry lives. Chains start from one shared empty coverage per layer count (`empty_coverage`).
+_UNIONS: dict[tuple[int, int, int], tuple[Coverage, Coverage]] = {}
 _UNIONS_MAX = 8192
+_EMPTY: dict[int, Coverage] = {}
+
+
+def empty_coverage(num_layers: int) -> Coverage:
+    """The empty coverage of `num_layers` layers (one shared value per layer count)."""
+    found = _EMPTY.get(num_layers)
+    if found is None:
+        found = _EMPTY[num_layers] = Coverage(num_layers)
+    return found
 
 
 def _one_band_union(cov: Coverage, a: int, b: int) -> Coverage:
     """`cov` (one band, every layer) with tokens [a, b) added on every layer."""
-    tokens = cov.sets[0]
-    key = (cov.num_layers, tokens.starts, tokens.ends, a, b)
+    key = (id(cov), a, b)
     found = _UNIONS.get(key)
-    if found is None:
-        if len(_UNIONS) >= _UNIONS_MAX:
-            _UNIONS.clear()
-        found = _UNIONS[key] = Coverage(cov.num_layers, cov.starts, (tokens.union((a, b)),))
-    return found
+    if found is not None:
+        return found[1]
+    if len(_UNIONS) >= _UNIONS_MAX:
+        _UNIONS.clear()
+    union = Coverage(cov.num_layers, cov.starts, (cov.sets[0].union((a, b)),))
+    _UNIONS[key] = (cov, union)
+    return union
 
 
 class ProgressError(ValueError):
@@ -153,7 +166,7 @@ class LayerProgress(_Progress):
     def __new__(cls, num_layers: int, prefix: int, prompt: int, landed: Coverage | None = None,
                 finished: bool = False) -> LayerProgress:
         if landed is None:  # nothing landed yet
-            landed = Coverage(num_layers)
+            landed = empty_coverage(num_layers)
         return _new(cls, (num_layers, prefix, prompt, landed, finished))
 
     @property
