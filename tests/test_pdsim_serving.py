@@ -5,6 +5,8 @@ import json
 
 import attrs
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdref.check import check_file
 from pdref.geometry import Geometry
@@ -19,6 +21,7 @@ from pdsim.core.serving import serving_config, simulate_serving
 from pdsim.core.sim import simulate
 from pdsim.views.report import write_trace
 
+MODE_NAMES = ("whole", "chunk", "layer")
 GEO = Geometry(layers=2, kv_heads=1, head_dim=4, dtype_bytes=2, page_tokens=4)
 DECODE = dict(decode_s=0.01, decode_row_s=0.001, decode_kv_token_s=1e-5)
 COSTS = Costs(token_s=1e-5, pair_s=0.0, chunk_s=1e-3, span_s=1e-5, gather_byte_s=1e-12,
@@ -292,3 +295,33 @@ def test_one_request_run_with_output_tokens_prints_the_serving_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["decode_steps"] == 8 and out["handoff_s"] > 0
     assert out["tokens_per_s"] == pytest.approx(9 / out["wall_s"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompts=st.lists(st.integers(1, 200), min_size=1, max_size=8),
+       outputs=st.lists(st.integers(0, 12), min_size=8, max_size=8),
+       gaps=st.lists(st.floats(0.0, 0.05), min_size=8, max_size=8),
+       producers=st.integers(1, 3), concurrency=st.one_of(st.none(), st.integers(1, 4)),
+       sender=st.sampled_from(["blocking", "queued"]), mode=st.sampled_from(MODE_NAMES))
+def test_every_decode_step_reads_what_its_batch_holds(prompts, outputs, gaps, producers,
+                                                      concurrency, sender, mode):
+    """Any workload: each step's batch is the requests decoding then and its KV tokens the
+    sum of their prompt plus tokens decoded so far; each request takes its output - 1 steps;
+    the trace is legal and every request released."""
+    arrivals = [sum(gaps[:i + 1]) for i in range(len(prompts))]
+    requests = reqs(*prompts, outputs=outputs[:len(prompts)], arrivals=arrivals)
+    result = simulate(cfg(producers=producers, concurrency=concurrency, sender=sender,
+                          mode=mode), requests)
+    record = result.decode
+    batch = [0] * record.steps
+    kv = [0] * record.steps
+    for r in requests:
+        first_t, first, steps = record.tokens[r.req]
+        assert steps == max(r.output_tokens - 1, 0)
+        for k in range(first, first + steps):
+            batch[k] += 1
+            kv[k] += r.prompt + k - first
+    assert batch == record.batch and kv == record.kv_tokens
+    assert all(b >= a for a, b in zip(record.step_end, record.step_start[1:], strict=False))
+    assert sum(e.kind == "release" for e in result.events) == len(requests)
+    assert result.leaked_pages == 0
