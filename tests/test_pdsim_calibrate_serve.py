@@ -144,3 +144,33 @@ def test_decode_fit_predicts_held_out_decode_steps_of_a_serve_run(tmp_path):
 def _read(path):
     items = [item for _, item in read_trace(path)]
     return items[0], items[1:]
+
+
+def _serve_life(req, producer, reserve, computes, head, produced):
+    """One request's events in a serving trace: its chunks of 32 tokens on `producer`."""
+    out = [{"kind": "reserve", "t": reserve, "req": req, "prompt": 32 * len(computes),
+            "prefix": 0, "pages": [], "producer": producer}]
+    for i, (a, b) in enumerate(computes):
+        out += [{"kind": "stage", "t": a, "req": req, "name": "compute", "end": b},
+                {"kind": "computed", "t": b, "req": req, "layers": [0, 4],
+                 "tokens": [32 * i, 32 * i + 32]}]
+    out += [{"kind": "stage", "t": head[0], "req": req, "name": "head", "end": head[1]},
+            {"kind": "produced", "t": produced, "req": req, "token": 1}]
+    return out
+
+
+def test_serving_trace_gives_chunk_gaps_and_idle_message_round_trips():
+    """A `pdgpu serve` trace: a chunk after the first also counts the producer's idle time
+    since the chunk before (its step loop's per-chunk cost), and a request reserved while
+    its producer was idle gives reserve-to-produced less its prefill as the message round
+    trip; one queued behind another prefill gives none (its wait is not latency)."""
+    header = dict(HEADER, source="pdgpu serve")
+    events = sorted(
+        _serve_life("w", "p1", 0.0, [(0.01, 0.05)], (0.05, 0.06), 0.08)  # warm-up
+        + _serve_life("a", "p1", 0.1, [(0.12, 0.20), (0.21, 0.30)], (0.30, 0.31), 0.33)
+        + _serve_life("b", "p1", 0.11, [(0.31, 0.40)], (0.40, 0.41), 0.43),  # queued behind a
+        key=lambda e: e["t"])
+    items = [item for _, item in parse_lines(json.dumps(x).encode() for x in [header, *events])]
+    got = samples(items[0], items[1:])
+    assert [round(s.duration, 3) for s in got.computes] == [0.08, 0.1, 0.09]
+    assert got.latencies == [pytest.approx(0.33 - 0.1 - (0.31 - 0.12))]

@@ -61,6 +61,7 @@ class Calibration:
     fill_byte_s: float  # export only: payload write per byte (0 without fill stages)
     traces: tuple[str, ...]
     decode: Fit  # serving traces: one decode step (no samples: none in the traces)
+    serve_latency_s: float  # serving traces: a request's message round trip (else 0)
 
 
 @attrs.frozen
@@ -72,7 +73,7 @@ class ReadSamples:
 
 
 def read_samples(paths: list[str], skip_warmup: bool = True) -> ReadSamples:
-    merged, models = TraceSamples([], [], [], [], []), set()
+    merged, models = TraceSamples([], [], [], [], [], []), set()
     for index, path in enumerate(paths):
         items = [item for _, item in read_trace(path)]
         header, events = items[0], items[1:]
@@ -83,6 +84,7 @@ def read_samples(paths: list[str], skip_warmup: bool = True) -> ReadSamples:
         merged.heads.extend(got.heads)
         merged.fills.extend(got.fills)
         merged.decodes.extend(got.decodes)
+        merged.latencies.extend(got.latencies)
     if len(models) > 1:
         raise UsageError(f"TRACE: traces name different models: {sorted(map(str, models))}")
     return ReadSamples(merged, models.pop())
@@ -107,9 +109,11 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     fit_copier = fit_fixed if kind == "serial" else fit_fixed_pipelined
     fixed = fit_copier(copies, gather, links, streamed)
     compute, dense = fit_attention(computes)
+    latency = max(0.0, median(got.latencies))
     return Calibration(read.model, compute, gather, links, streamed, kind, basis,
-                       fixed.latency_s, fixed.span_s, fixed.rms, median(got.heads), dense,
-                       fill_per_byte(got.fills), tuple(paths), fit_decode(got.decodes))
+                       fixed.latency_s, fixed.span_s, fixed.rms, median(got.heads) + latency,
+                       dense, fill_per_byte(got.fills), tuple(paths), fit_decode(got.decodes),
+                       latency)
 
 
 def fill_per_byte(fills: list[tuple[float, int]]) -> float:
@@ -159,7 +163,9 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         f"dense_attention = {'true' if cal.dense_attention else 'false'}"
         "  # the better fit: pairs of a chunk [a, b) are n * b (true) or the causal triangle",
         f"chunk_s = {c.get('chunk_s')!r}",
-        f"head_s = {cal.head_s!r}  # median of the traces' `head` stages",
+        f"head_s = {cal.head_s!r}  # median of the traces' `head` stages"
+        + (f" + serving message round trip {cal.serve_latency_s:.4g} s (before the first "
+           "token reaches the decoder)" if cal.serve_latency_s else ""),
         *_decode_lines(cal.decode),
     ]
     return "\n".join(lines + (_link_lines(cal, name) if cal.links else _base_link(base))) + "\n"
@@ -211,7 +217,8 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
             for n, f in cal.links]
     out += [("latency_s", cal.latency_s, "s", cal.copy_rms), ("span_s", cal.span_s, "s",
                                                                cal.copy_rms),
-            ("head_s", cal.head_s, "s", 0.0), ("fill_byte_s", cal.fill_byte_s, "s/B", 0.0)]
+            ("head_s", cal.head_s, "s", 0.0), ("fill_byte_s", cal.fill_byte_s, "s/B", 0.0),
+            ("serve_latency_s", cal.serve_latency_s, "s", 0.0)]
     if cal.decode.samples:
         units = {"decode_s": "s/step", "decode_row_s": "s/row", "decode_kv_token_s": "s/token"}
         out += [(n, cal.decode.get(n), units[n], cal.decode.rms) for n in cal.decode.names]

@@ -10,7 +10,11 @@ trace (`pdgpu serve`): one batched decode step, its rows and the KV tokens it re
 A serving trace stamps a producer's stages with its own clock moved onto the decoder's
 (an offset estimate), so a compute stage may sort after the `computed` event the decoder
 logged for it: a request's compute stages and `computed` events are paired in order,
-whichever comes first.
+whichever comes first. There a compute sample also counts the producer's idle time since
+the request's previous compute stage (its step loop's messages and span hand-offs between
+chunks: the simulator's per-chunk cost), and each request's life gives a latency sample: the
+decoder's reserve-to-produced time less the producer's first-compute-to-head-end time (the
+prefill message's trip to the producer and the first token's back).
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from collections import defaultdict, deque
 import attrs
 
 from pdref.intervals import length
+
+SERVE_SOURCE = "pdgpu serve"  # the header `source` of a serving trace
+# Fed even for the warm-up request: its life keeps its producer busy for the others
+ALWAYS = ("reserve", "produced")
 
 
 @attrs.frozen
@@ -58,9 +66,14 @@ class CopySample:
 
 
 class _Reader:
-    def __init__(self, geometry, chunk: int | None, paced: bool = False) -> None:
+    def __init__(self, geometry, chunk: int | None, paced: bool = False,
+                 serving: bool = False) -> None:
         self.geometry, self.layers = geometry, geometry.layers
-        self.chunk, self.paced = chunk, paced
+        self.chunk, self.paced, self.serving = chunk, paced, serving
+        self.reserves: dict[str, list[float]] = defaultdict(list)
+        self.compute_span: dict[str, tuple[float, float]] = {}  # req -> first start, last end
+        self.head_end: dict[str, float] = {}
+        self.skip: str | None = None  # the warm-up request: no sample of its own
         self.producer: dict[str, str] = {}
         self.open_compute: dict[str, deque] = defaultdict(deque)
         self.open_fill: dict[str, deque] = defaultdict(deque)
@@ -80,6 +93,7 @@ class _Reader:
         kind = e.kind
         if kind == "reserve":
             self.producer[e.req] = e.producer
+            self.reserves[e.req].append(e.t)
         elif kind == "stage":
             self._stage(e)
         elif kind == "computed":
@@ -103,11 +117,14 @@ class _Reader:
             self.early_computed[e.req].append(e)
 
     def _compute_stage(self, e) -> None:
+        first, last = self.compute_span.get(e.req, (e.t, None))
+        lead = max(0.0, e.t - last) if self.serving and last is not None else 0.0
+        self.compute_span[e.req] = (first, e.end)
         if self.early_computed[e.req]:
-            self.computes.append((self.producer.get(e.req, "p0"), e,
+            self.computes.append((self.producer.get(e.req, "p0"), (e, lead),
                                   self.early_computed[e.req].popleft()))
         else:
-            self.open_compute[e.req].append(e)
+            self.open_compute[e.req].append((e, lead))
 
     def _stage(self, e) -> None:
         if e.name == "compute":
@@ -119,6 +136,7 @@ class _Reader:
             self.open_fill[e.req].append(e)
         elif e.name == "head":
             self.heads.append(e.end - e.t)
+            self.head_end[e.req] = e.end
         elif e.span is not None:
             self.span_stages[e.span].append((e.name, e.t, e.end))
             if e.name == "gather":
@@ -131,13 +149,33 @@ class _Reader:
 
     def compute_samples(self) -> list[ComputeSample]:
         out = []
-        for producer, stage, done in self.computes:
+        for producer, (stage, lead), done in self.computes:
             overlap = sum(max(0.0, min(b, stage.end) - max(a, stage.t))
                           for a, b in self.gathers[producer])
             n = length(done.tokens)
             chunks = -(-n // self.chunk) if self.chunk else 1
-            out.append(ComputeSample(stage.end - stage.t, length(done.layers) / self.layers,
+            out.append(ComputeSample(stage.end - stage.t + lead,
+                                     length(done.layers) / self.layers,
                                      done.tokens, chunks, overlap, self._masked(n)))
+        return out
+
+    def latencies(self) -> list[float]:
+        """Serving traces: per one-life request whose producer was idle when it was reserved
+        (every earlier request on that producer had produced), reserve-to-produced (decoder's
+        clock) less first compute to head end (producer's clock): the messages' round trip,
+        with no wait behind another prefill in it."""
+        if not self.serving:
+            return []
+        out, busy_until = [], defaultdict(float)  # producer -> last produced so far
+        lives = sorted((times[0], req) for req, times in self.reserves.items()
+                       if len(times) == 1 and req in self.produced)
+        for reserved, req in lives:
+            producer = self.producer.get(req, "p0")
+            idle = busy_until[producer] <= reserved
+            busy_until[producer] = max(busy_until[producer], self.produced[req])
+            if idle and req != self.skip and req in self.head_end and req in self.compute_span:
+                prefill = self.head_end[req] - self.compute_span[req][0]
+                out.append(self.produced[req] - reserved - prefill)
         return out
 
     def _masked(self, n: int) -> float:
@@ -167,6 +205,7 @@ class TraceSamples:
     heads: list[float]
     fills: list[tuple[float, int]]
     decodes: list[DecodeSample] = attrs.Factory(list)
+    latencies: list[float] = attrs.Factory(list)  # serving traces: seconds, one per request
 
 
 def samples(header, events, skip_warmup: bool = True) -> TraceSamples:
@@ -175,12 +214,14 @@ def samples(header, events, skip_warmup: bool = True) -> TraceSamples:
     are the batch's, not that request's, and all kept."""
     chunk = header.get("chunk")
     reader = _Reader(header.geometry, chunk if isinstance(chunk, int) else None,
-                     paced=bool(header.get("link_gbps")))
+                     paced=bool(header.get("link_gbps")), serving=header.source == SERVE_SOURCE)
     events = list(events)
     reqs = list(dict.fromkeys(e.req for e in events if e.kind == "reserve"))
     skip = reqs[0] if skip_warmup and len(reqs) > 1 else None
+    reader.skip = skip
     for e in events:
-        if skip is None or e.req != skip or (e.kind == "stage" and e.name == "decode"):
+        if skip is None or e.req != skip or e.kind in ALWAYS or (
+                e.kind == "stage" and e.name == "decode"):
             reader.feed(e)
     return TraceSamples(reader.compute_samples(), reader.copy_samples(), reader.heads,
-                        reader.fills, reader.decodes)
+                        reader.fills, reader.decodes, reader.latencies())
