@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from itertools import chain
+
 import attrs
 
 from pdref.events import Mode
@@ -44,7 +46,9 @@ def plan_chunks(prompt: int, prefix: int, chunk: int) -> list[Range]:
     """The prefill chunks of the suffix [prefix, prompt), in order, aligned at prefix."""
     if chunk < 1:
         raise PlanError(f"chunk must be >= 1, got {chunk}")
-    return [(a, min(a + chunk, prompt)) for a in range(prefix, prompt, chunk)]
+    # (a, min(a + chunk, prompt)) for each start a, built in C; no start: no chunk
+    starts = range(prefix, prompt, chunk)
+    return list(zip(starts, chain(starts[1:], (prompt,)), strict=False))
 
 
 def plan_spans(mode: Mode, geometry: Geometry, prompt: int, prefix: int, chunk: int):
