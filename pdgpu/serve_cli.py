@@ -47,7 +47,6 @@ from pdgpu.serve.workload import (
 from pdgpu.workload import WorkloadError
 from pdref.cli_format import format_metrics
 from pdref.models import ProfileError
-from pdref.trace import TraceWriter
 from pdref.violations import Violation
 
 COMMANDS = ("serve", "generate")
@@ -185,23 +184,23 @@ def _serve(args, config, policy, workload, producers, endpoint, run: ServeRun) -
     try:
         if args.role == "decoder":
             _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar, run,
-                                args.eos_token)
+                                args.eos_token, args.trace)
             return
         endpoint = endpoint or Endpoint(LOCALHOST, 0)
         serve_local(config, workload, producers, opts, endpoint, policy, bar, run=run,
-                    eos=args.eos_token)
+                    eos=args.eos_token, trace=args.trace)
     finally:
         bar.close()
 
 
 def _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar, run,
-                        eos) -> None:
+                        eos, trace) -> None:
     store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)
     transport = GlooTransport(store, 0, opts.connect_timeout_s)
     try:
         connect_producers(transport, producers)
         run_decoder(transport, config, workload, policy, opts.connect_timeout_s, progress=bar,
-                    run=run, eos=eos)
+                    run=run, eos=eos, trace=trace)
     except BaseException as e:
         for rank in transport.peers():
             try:
@@ -217,10 +216,7 @@ def _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar
 def _write_outputs(args, run: ServeRun) -> None:
     if run.ledger is None:
         return
-    if args.trace:
-        with TraceWriter(args.trace, run.ledger.header) as writer:
-            for event in run.ledger.trace():
-                writer.write(event)
+    run.ledger.log.close()  # the trace was written while the run went
     if args.results and run.decoder is not None:
         write_results(run.decoder, args.results)
 
@@ -260,6 +256,7 @@ def cmd_serve(args) -> int:
     finally:
         _write_outputs(args, run)  # after an error too: its live requests are aborted in it
     values = summary(run.decoder, run.ledger, run.wall_s)
+    run.ledger.log.discard()
     print(json.dumps(values) if args.json else _summary_text(values))
     bad = values["failed"]
     if bad:

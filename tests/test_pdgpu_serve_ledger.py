@@ -8,6 +8,7 @@ import torch
 
 from pdgpu.serve.digest import row_digests
 from pdgpu.serve.ledger import Ledger
+from pdgpu.serve.tracelog import TraceLog
 from pdref import events as ev
 from pdref.geometry import Geometry
 from pdref.violations import Violation
@@ -15,9 +16,9 @@ from pdref.violations import Violation
 GEO = Geometry(layers=2, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)
 
 
-def _ledger(pool_pages: int = 4) -> Ledger:
+def _ledger(tmp_path, pool_pages: int = 4) -> Ledger:
     header = ev.Header("test", "chunk", GEO, pool_pages, 2)
-    return Ledger(header, "cpu", torch.float32)
+    return Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"))
 
 
 def _span(ledger: Ledger, req: str, tokens) -> tuple[int, torch.Tensor]:
@@ -27,9 +28,9 @@ def _span(ledger: Ledger, req: str, tokens) -> tuple[int, torch.Tensor]:
     return span, torch.randn(2, 2, n, 2, 4)  # [nl, 2, nt, KVH, D]
 
 
-def test_landed_bytes_are_what_admit_hands_to_decoding():
+def test_landed_bytes_are_what_admit_hands_to_decoding(tmp_path):
     """Two spans land; the admitted context is the prefix cache then exactly their bytes."""
-    ledger = _ledger()
+    ledger = _ledger(tmp_path)
     ledger.reserve("r", 8, 0, "p1")
     parts = []
     for tokens in ((0, 4), (4, 8)):
@@ -42,9 +43,9 @@ def test_landed_bytes_are_what_admit_hands_to_decoding():
     assert torch.equal(context, torch.cat(parts, dim=2))
 
 
-def test_a_span_landing_twice_or_over_landed_tokens_writes_nothing():
+def test_a_span_landing_twice_or_over_landed_tokens_writes_nothing(tmp_path):
     """A second land is REQ-1 and a span over landed tokens is COV-2: slab bytes unchanged."""
-    ledger = _ledger()
+    ledger = _ledger(tmp_path)
     ledger.reserve("r", 4, 0, "p1")
     span, kv = _span(ledger, "r", (0, 4))
     ledger.land("r", span, kv, None)
@@ -59,17 +60,17 @@ def test_a_span_landing_twice_or_over_landed_tokens_writes_nothing():
     assert torch.equal(ledger.kv, before)
 
 
-def test_a_checksum_mismatch_is_fail_then_fence_and_never_admitted():
+def test_a_checksum_mismatch_is_fail_then_fence_and_never_admitted(tmp_path):
     """Bytes that differ from the compute-time digests: fail + fence; admit refused; the
     abort gives every page back."""
-    ledger = _ledger()
+    ledger = _ledger(tmp_path)
     ledger.reserve("r", 4, 0, "p1")
     span, kv = _span(ledger, "r", (0, 4))
     digests = row_digests(kv)
     kv[1, 0, 3] += 1.0  # the copy changed one row on the way
     error = ledger.land("r", span, kv, digests)
     assert error == "checksum mismatch at layer 1 token 3"
-    assert [e.kind for e in ledger.protocol[-2:]] == ["fail", "fence"]
+    assert [e.kind for e in list(ledger.recent)[-2:]] == ["fail", "fence"]
     ledger.produced("r", 1)
     with pytest.raises(Violation) as refused:
         ledger.admit("r", torch.zeros(2, 2, 0, 2, 4))
@@ -78,3 +79,20 @@ def test_a_checksum_mismatch_is_fail_then_fence_and_never_admitted():
     ledger.abort("r", "copy failed")
     assert ledger.used_pages == 0 and ledger.peak_pages == 1
     ledger.monitor.close()  # LIFE-1: nothing held, nothing unfenced
+
+
+def test_the_trace_log_writes_in_time_order_and_clamps_only_overlong_stages(tmp_path):
+    """Stages reported after later protocol events are merged by time within the window; a
+    stage older than what was written is written at that time and counted."""
+    header = ev.Header("test", "chunk", GEO, 4, 2)
+    log = TraceLog(header, tmp_path / "t.jsonl", window_s=1.0)
+    log.add(ev.Reserve(0.5, "r", 4, 0, (0,), "p1"))
+    log.add(ev.Stage(0.2, "r", "compute", 0.6))  # started before the reserve was written
+    log.add(ev.Computed(3.0, "r", (0, 2), (0, 4)))  # writes what is older than 2.0
+    log.add(ev.Stage(0.1, "r", "gather", 3.0))  # older than what was written: clamped
+    log.close()
+    lines = [line.split('"kind":"')[1].split('"')[0] + "@" + line.split('"t":')[1].split(",")[0]
+             for line in (tmp_path / "t.jsonl").read_text().splitlines()[1:]]
+    assert lines == ["stage@0.2", "reserve@0.5", "stage@0.5", "computed@3.0"]
+    assert log.stages_clamped == 1
+    assert [e.kind for e in log.protocol()] == ["reserve", "computed"]

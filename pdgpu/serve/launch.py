@@ -33,6 +33,7 @@ from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.members import Members
 from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
 from pdgpu.serve.producer import Producer
+from pdgpu.serve.tracelog import TraceLog
 from pdgpu.serve.transport import Endpoint, GlooTransport, TransportError, open_store
 from pdgpu.serve.workload import Workload
 from pdgpu.source_cache import SourceCache
@@ -253,16 +254,18 @@ def connect_producers(transport, producers: int, alive=lambda: None) -> None:
 
 def run_decoder(transport, config: ServeConfig, workload: Workload, policy: FaultPolicy,
                 timeout_s: float, processes: LocalProducers | None = None, progress=None,
-                run: ServeRun | None = None, eos: int | None = None):
-    """The decoder rank: handshake, models, the serving loop; fills and returns `run`."""
+                run: ServeRun | None = None, eos: int | None = None, trace=None):
+    """The decoder rank: handshake, models, the serving loop; fills and returns `run` (its
+    trace written to `trace`, or to a temporary file when None)."""
     run = run if run is not None else ServeRun()
     check_peers = processes.check if processes is not None else (lambda: None)
     handshake(transport, config, timeout_s, check_peers)
     torch.set_num_threads(config.threads)
     model = load_served_model(config.model, config.seed, config.dtype)
     prefix_kv = prefix_cache(model, config)
-    run.ledger = Ledger(_header(config, model.spec, len(transport.peers())), "cpu",
-                        model.model.embed_tokens.weight.dtype)
+    header = _header(config, model.spec, len(transport.peers()))
+    run.ledger = Ledger(header, "cpu", model.model.embed_tokens.weight.dtype,
+                        TraceLog(header, trace))
     offsets = {}
     for _ in transport.peers():
         msg = _wait(transport, "ready", timeout_s, check_peers)
@@ -290,7 +293,8 @@ def end_on_error(run: ServeRun, error: BaseException) -> None:
 
 def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: ProducerOptions,
                 endpoint: Endpoint, policy: FaultPolicy | None = None, progress=None,
-                on_start=None, run: ServeRun | None = None, eos: int | None = None) -> ServeRun:
+                on_start=None, run: ServeRun | None = None, eos: int | None = None,
+                trace=None) -> ServeRun:
     """Decoder here, `producers` processes started from here; the run, or its error raised
     after every producer is stopped and every live request aborted."""
     store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)  # port 0: free
@@ -303,7 +307,7 @@ def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: P
     try:
         connect_producers(transport, producers, alive=procs.check)
         run_decoder(transport, config, workload, policy or FaultPolicy(),
-                    opts.connect_timeout_s, procs, progress, run, eos)
+                    opts.connect_timeout_s, procs, progress, run, eos, trace)
         procs.stop(grace_s=10.0)
     except BaseException as e:
         procs.stop(grace_s=5.0 if isinstance(e, Refused) else 0.0)  # before the close below

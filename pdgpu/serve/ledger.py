@@ -5,16 +5,19 @@ reserve -> pages of a slab | issue -> a span id | land -> the span's bytes writt
 slab, checked against the producer's compute-time digests (`--verify`): `land` or `fail` |
 reuse -> the producer may free its source pages | admit -> the request's context K/V |
 release / abort -> pages back. The Monitor is the authority for every process of the run.
+Every accepted event goes to the run's TraceLog (written while the run goes).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 
 import torch
 
 from pdgpu.serve.digest import first_mismatch
+from pdgpu.serve.tracelog import TraceLog
 from pdgpu.source_cache import paged_kv, token_slots
 from pdref import events as ev
 from pdref.apply import apply
@@ -23,20 +26,25 @@ from pdref.violations import Violation
 
 
 class Ledger:
-    def __init__(self, header: ev.Header, device, dtype: torch.dtype) -> None:
+    def __init__(self, header: ev.Header, device, dtype: torch.dtype,
+                 log: TraceLog | None = None) -> None:
         self.header = header
         self.geometry = header.geometry
-        self.protocol: list = []
-        self.stages: list[ev.Stage] = []
-        self.monitor = Monitor(header, sink=self.protocol.append)
+        self.log = log if log is not None else TraceLog(header, None)
+        self.recent: deque = deque(maxlen=8)  # the last protocol events (for tests, errors)
+        self.monitor = Monitor(header, sink=self._record)
         self.kv = paged_kv(self.geometry, header.pool_pages, device, dtype)  # [L, 2, S, KVH, D]
         self.slots: dict[str, torch.Tensor] = {}  # req -> [prompt - prefix] pool slot per token
         self.peak_pages = 0
         self._spans = itertools.count()
         self.t0 = time.perf_counter()
 
+    def _record(self, event) -> None:
+        self.recent.append(event)
+        self.log.add(event)
+
     def restart_clock(self) -> None:
-        if self.protocol:
+        if self.monitor.events:
             raise RuntimeError("the clock can only restart before the first event")
         self.t0 = time.perf_counter()
 
@@ -147,9 +155,5 @@ class Ledger:
     def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None,
               batch: int | None = None, kv_tokens: int | None = None):
         start = max(0.0, start)
-        self.stages.append(ev.Stage(start, req, name, max(start, end), span, resource,
-                                    batch=batch, kv_tokens=kv_tokens))
-
-    def trace(self) -> list:
-        """Every event in time order (protocol order kept among equal times)."""
-        return sorted(self.protocol + self.stages, key=lambda e: e.t)
+        self.log.add(ev.Stage(start, req, name, max(start, end), span, resource,
+                              batch=batch, kv_tokens=kv_tokens))

@@ -47,7 +47,7 @@ class Members:
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
         self.restart = restart and processes is not None
         self.peers = {rank: Peer(rank, offset) for rank, offset in offsets.items()}
-        self.broken: dict[int, str] = {}  # rank -> why a send to it failed
+        self.broken: dict[int, str] = {}  # rank -> why a send to its current link failed
         self.deaths = self.restarts = self.kills = 0
 
     def ready(self) -> list[int]:
@@ -100,6 +100,7 @@ class Members:
     def declare_dead(self, rank: int) -> None:
         """Tear its link down and stop its process; respawn it when restarts are on."""
         peer = self.peers[rank]
+        self.broken.pop(rank, None)  # about the link torn down here, not the next one
         self.transport.drop(rank)
         if self.processes is not None:
             self.processes.kill(rank)

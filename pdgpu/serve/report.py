@@ -49,7 +49,7 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
     ok = [t for t in tracked if t.status == "ok"]
     itl = [b - a for t in ok for a, b in zip(t.token_t, t.token_t[1:], strict=False)]
     ttft = [t.token_t[0] - t.arrival for t in ok]
-    lives, _ = life_metrics(ledger.protocol)
+    lives, _ = life_metrics(ledger.log.protocol())  # read back: the run kept none
     handoff = [life.ready_t - life.reserve_t for life in lives
                if life.outcome == "released" and life.ready_t is not None]
     generated = sum(len(t.output) for t in ok)
@@ -74,6 +74,7 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "spans": sum(life.spans for life in lives),
         "failed_spans": sum(life.failed_spans for life in lives),
         "lives": len(lives),
+        "stages_clamped": ledger.log.stages_clamped,
     }
 
 
