@@ -280,7 +280,7 @@ def test_steps_ended_in_place_give_the_same_run_as_through_the_heap(tmp_path, mo
     requests = reqs(*[16 + 24 * i for i in range(9)])
     inline = simulate(config, requests)
     write_trace(tmp_path / "a.jsonl", inline)
-    monkeypatch.setattr("pdsim.core.env.Env.first_at", lambda self, t: False)
+    monkeypatch.setattr("pdsim.core.env.Env.take", lambda self, t: False)
     heap = simulate(config, requests)
     write_trace(tmp_path / "b.jsonl", heap)
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()

@@ -126,21 +126,21 @@ class Decoder:
     def _start_step(self) -> None:
         """Run steps while requests are running; a step that ends before any other pending
         event ends at once, here (nothing can happen meanwhile: no heap round trip)."""
+        env, record = self.env, self.record
+        fixed, row_s, kv_s = self.step_fixed, self.row_s, self.kv_s
         while self.running:
             self.waking = False
-            now, batch, kv = self.env.now, self.running, self.kv_tokens
-            end = now + self.step_fixed + batch * self.row_s + kv * self.kv_s
-            record = self.record
+            now, batch, kv = env.now, self.running, self.kv_tokens
+            end = now + fixed + batch * row_s + kv * kv_s
             record.step_start.append(now)
             record.batch.append(batch)
             record.kv_tokens.append(kv)
             record.label.append(self.last_req)
             self.stepping = True
             self.next_step += 1
-            if not self.env.first_at(end):
-                self.env.at(end, self._end_step, batch)
+            if not env.take(end):
+                env.at(end, self._end_step, batch)
                 return
-            self.env.skip_to(end)
             self._boundary(batch)
         self.waking = False
 
@@ -153,15 +153,20 @@ class Decoder:
         released; then what arrived meanwhile is handled and slabs are reserved."""
         self.record.step_end.append(self.env.now)
         self.kv_tokens += batch
-        for job in self.finishing.pop(self.next_step - 1, ()):
-            self.running -= 1
-            self.kv_tokens -= job.request.prompt + self.next_step - self.record.tokens[job.req][1]
-            self._release(job)
+        done = self.finishing.pop(self.next_step - 1, None)
+        if done:
+            first = self.record.tokens
+            for job in done:
+                self.running -= 1
+                self.kv_tokens -= job.request.prompt + self.next_step - first[job.req][1]
+                self._release(job)
         self.stepping, self.waking = False, True  # the caller starts the next step itself
-        inbox, self.inbox = self.inbox, []
-        for callback, args in inbox:
-            callback(*args)
-        self.sim.dispatch()
+        if self.inbox:
+            inbox, self.inbox = self.inbox, []
+            for callback, args in inbox:
+                callback(*args)
+        if self.sim.queue:
+            self.sim.dispatch()
 
     def drop(self, job) -> None:
         """A running request was cancelled (faults): it leaves the batch now."""

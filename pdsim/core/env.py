@@ -62,17 +62,15 @@ class Env:
             raise ValueError(f"cannot schedule at {t}, before now {self.now}")
         heapq.heappush(self._heap, (t, seq, callback, args))
 
-    def first_at(self, t: float) -> bool:
-        """Whether an event due at `t` would be the next one handled (every pending event is
-        later): its caller may then handle it at once with `skip_to`."""
-        return not self._heap or t < self._heap[0][0]
-
-    def skip_to(self, t: float) -> None:
-        """Handle an event due at `t` in place (`first_at(t)` said nothing comes before)."""
-        if not self.first_at(t) or t < self.now:
-            raise ValueError(f"cannot skip to {t}: now {self.now}, next pending event first")
+    def take(self, t: float) -> bool:
+        """Handle an event due at `t` in place if it would be the next one handled (every
+        pending event is later): time moves to `t` and True; else False, nothing changes."""
+        heap = self._heap
+        if (heap and heap[0][0] <= t) or t < self.now:
+            return False
         self.now = t
         self.steps += 1
+        return True
 
     def after(self, delay: float, callback: Callable, *args) -> None:
         self.at(self.now + delay, callback, *args)
