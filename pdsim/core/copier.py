@@ -44,6 +44,9 @@ class Copier:
     def __init__(self, costs: Costs) -> None:
         self.costs = costs
         self.free: dict[str, float] = {}  # lane -> when its last span's stage ends
+        # serial: nbytes -> (stage offsets, copy time) of a span alone. Spans of a workload
+        # share a few sizes (every full chunk's), so the plan is worked out once per size.
+        self._plans: dict[int, tuple[tuple[tuple[str, float, float], ...], float]] = {}
 
     @property
     def serial(self) -> bool:
@@ -55,9 +58,13 @@ class Copier:
 
     def _serial(self, issue_t: float, nbytes: int) -> SpanTimes:
         start = max(issue_t, self.free.get(WORKER, 0.0))
-        stages = tuple((name, start + a, start + b)
-                       for name, a, b in self.costs.stage_plan(nbytes))
-        land = start + self.costs.copy_s(nbytes)
+        plan = self._plans.get(nbytes)
+        if plan is None:
+            plan = self._plans[nbytes] = (tuple(self.costs.stage_plan(nbytes)),
+                                          self.costs.copy_s(nbytes))
+        offsets, copy_s = plan
+        stages = tuple([(name, start + a, start + b) for name, a, b in offsets])
+        land = start + copy_s
         self.free[WORKER] = land
         return SpanTimes(start, stages, land)
 
