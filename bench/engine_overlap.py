@@ -18,7 +18,7 @@ Ratios and targets (issue 11):
   chunk tail / one span's copy       <= 1.2   (the unhidden tail is about one span)
   live checks / run time             < 1%      (wall seconds in every call into pdref's
                                                Monitor: events, stages, queries; the worst
-                                               configuration's median; CPU seconds besides)
+                                               configuration's median)
   same compute threads in every configuration
 Reported besides: chunk and layer handoff / whole handoff, chunked prefill / one-shot (the
 compute cost of chunking), staging in spans (== max_pending), the copy bandwidth.
@@ -42,8 +42,7 @@ from pdgpu.workload import EngineConfig, Request
 from pdref.models import load_model
 
 FIGURES = ("prefill_s", "handoff_s", "tail_s", "copy_s", "peak_staging_bytes", "check_frac",
-           "check_cpu_frac", "compute_s", "blocked_s", "host_staging_bytes", "source_alloc_bytes",
-           "threads")
+           "compute_s", "blocked_s", "host_staging_bytes", "source_alloc_bytes", "threads")
 COMPUTE = ("whole", "chunk", "layer", "oneshot")
 EXPORT = ("export_whole", "export_chunk")
 
@@ -148,7 +147,6 @@ def ratios(rounds: list[dict], span_bytes: int, max_pending: int) -> dict:
         "chunk_staging_over_whole": med["chunk"]["peak_staging_bytes"]
         / med["whole"]["peak_staging_bytes"],
         "live_check_frac": max(m["check_frac"] for m in med.values()),
-        "live_check_cpu_frac": max(m["check_cpu_frac"] for m in med.values()),
         "threads_differ": len({r[n]["threads"] for r in rounds for n in r}) > 1,
         "max_pending": max_pending,
     }

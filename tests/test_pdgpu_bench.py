@@ -33,7 +33,6 @@ def test_overlap_bench_reports_ratios_and_targets(capsys, tmp_path):
     assert result["copy_bandwidth"]["d2h_gbps"] > 0
     fracs = [m["check_frac"] for m in result["median"].values()]
     assert result["ratios"]["live_check_frac"] == max(fracs) > 0  # the worst configuration
-    assert 0 < result["ratios"]["live_check_cpu_frac"] < 1
 
 
 def test_export_curve_reports_whole_and_chunked_per_payload(capsys):

@@ -269,11 +269,11 @@ def test_freeing_source_pages_under_a_copy_in_flight_is_refused_before_freeing()
 
 def test_live_check_cost_times_every_call_into_the_monitor():
     """Every protocol and stage event of the run went through a timed Monitor call (queries
-    come on top), and the wall and CPU seconds of those calls are a part of the run."""
+    come on top), and the seconds of those calls are a part of the run."""
     result = _run("chunk", [Request("r", _tokens(64), 0)], chunk=16)
     m = result.metrics
     assert m["checks"] >= len(result.events)
-    assert 0 < m["check_s"] < m["wall_s"] and 0 < m["check_cpu_s"] < m["wall_s"]
+    assert 0 < m["check_s"] < m["wall_s"]
     assert m["check_frac"] == pytest.approx(m["check_s"] / m["wall_s"])
 
 
