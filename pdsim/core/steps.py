@@ -41,6 +41,9 @@ def plan_steps(cfg: SimConfig, request: RequestSpec) -> list[Step]:
     if cfg.no_compute:  # export only: the payload is written (fill), then copied
         fill = cfg.costs.fill_byte_s
         return [Step(s.layers, s.tokens, fill * _region_bytes(cfg, s), s.spans) for s in steps]
+    every = (0, cfg.geometry.layers)
+    if all(s.layers == every for s in steps):  # whole and chunk modes: each step its chunk
+        return [Step(s.layers, s.tokens, cfg.costs.compute_s(s.tokens), s.spans) for s in steps]
     chunks = plan.plan_chunks(request.prompt, request.prefix, cfg.chunk)
     per_layer = sum(cfg.costs.compute_s(t) for t in chunks) / cfg.geometry.layers
     return [Step(s.layers, s.tokens, _step_cost(cfg, s, per_layer), s.spans) for s in steps]
