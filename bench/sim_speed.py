@@ -7,7 +7,10 @@ the whole `pdsim run` process on that workload (start-up and imports included).
     python bench/sim_speed.py --process-only --baseline DIR   # and another checkout's, in
                                                 # alternating rounds (DIR: its repository root)
 
-Every simulated event goes through pdref's Monitor (the spec), as in any pdsim run.
+Every simulated event goes through pdref's Monitor (the spec), as in any pdsim run; decode
+steps are recorded by the decoder and written as `decode` stages by the trace writer.
+The whole-process figure reports wall and CPU seconds (medians): on a shared machine the CPU
+time moves less with other work.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -90,41 +94,55 @@ def process_command(count: int) -> list[str]:
             "--output-tokens", "65", "--json"]
 
 
-def _timed_process(count: int, root: str | None) -> tuple[float, str]:
-    """Wall seconds of one whole `pdsim run` process, and its output. `root`: run that
-    checkout's code instead (PYTHONPATH), for side-by-side rounds."""
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process's waited-for children so far."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def _timed_process(count: int, root: str | None) -> tuple[float, float, str]:
+    """Wall and CPU seconds of one whole `pdsim run` process, and its output. `root`: run
+    that checkout's code instead (PYTHONPATH), for side-by-side rounds. CPU time moves less
+    than wall time when other work shares the cores."""
     env = dict(os.environ)
     if root is not None:
         env["PYTHONPATH"] = root
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_s()
     done = subprocess.run(process_command(count), capture_output=True, text=True, env=env,
                           check=True, cwd=root)
-    return time.perf_counter() - start, done.stdout
+    return time.perf_counter() - start, _cpu_s() - cpu, done.stdout
 
 
 def process_speed(count: int, rounds: int, baseline: str | None = None) -> dict:
     """Whole-process requests per second, median of `rounds`; with `baseline`, that checkout
     runs in alternating rounds and its summary must be identical."""
     walls: dict[str, list[float]] = {"this": [], "baseline": []}
+    cpus: dict[str, list[float]] = {"this": [], "baseline": []}
     outputs = set()
     for _ in range(rounds):
         for name, root in (("this", None), ("baseline", baseline)):
             if name == "baseline" and baseline is None:
                 continue
-            wall, out = _timed_process(count, root)
+            wall, cpu, out = _timed_process(count, root)
             walls[name].append(wall)
+            cpus[name].append(cpu)
             outputs.add(out)
-    median = statistics.median(walls["this"])
+    median, cpu = statistics.median(walls["this"]), statistics.median(cpus["this"])
     out = {"command": " ".join(["pdsim"] + process_command(count)[3:]), "rounds": rounds,
            "wall_s": [round(w, 3) for w in walls["this"]], "median_s": round(median, 3),
            "requests_per_s": round(count / median), "target_requests_per_s": TARGET_PROCESS_RPS,
            "meets_target": count / median >= TARGET_PROCESS_RPS,
-           "load_avg": os.getloadavg()[0]}
+           "cpu_s": [round(c, 3) for c in cpus["this"]], "median_cpu_s": round(cpu, 3),
+           "requests_per_cpu_s": round(count / cpu), "load_avg": os.getloadavg()[0]}
     if baseline is not None:
-        base = statistics.median(walls["baseline"])
+        base, base_cpu = (statistics.median(walls["baseline"]),
+                          statistics.median(cpus["baseline"]))
         out.update(baseline_wall_s=[round(w, 3) for w in walls["baseline"]],
                    baseline_median_s=round(base, 3), baseline_requests_per_s=round(count / base),
-                   speedup=round(base / median, 2), same_summary=len(outputs) == 1)
+                   speedup=round(base / median, 2),
+                   baseline_cpu_s=[round(c, 3) for c in cpus["baseline"]],
+                   baseline_median_cpu_s=round(base_cpu, 3), cpu_speedup=round(base_cpu / cpu, 2),
+                   same_summary=len(outputs) == 1)
     return out
 
 
