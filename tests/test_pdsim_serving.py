@@ -325,3 +325,25 @@ def test_every_decode_step_reads_what_its_batch_holds(prompts, outputs, gaps, pr
     assert all(b >= a for a, b in zip(record.step_end, record.step_start[1:], strict=False))
     assert sum(e.kind == "release" for e in result.events) == len(requests)
     assert result.leaked_pages == 0
+
+
+def test_corrupted_spans_fail_at_their_land_and_are_fenced_at_once(tmp_path):
+    """--corrupt-rate with --verify (pdgpu serve's fault kind): a corrupted span's copy runs
+    out, fails when the decoder checks it and is fenced then; lives retried, nothing leaked."""
+    config = cfg(output_tokens=4, concurrency=3, producers=2, sender="queued")
+    requests = reqs(*[64 + 16 * i for i in range(10)])
+    result = simulate(config, requests, FaultSpec(corrupt_rate=0.1, verify=True, seed=2))
+    fails = {e.span: e for e in result.events if e.kind == "fail"}
+    fences = {e.span: e.t for e in result.events if e.kind == "fence"}
+    assert fails and all("checksum" in e.error for e in fails.values())
+    assert all(fences[span] == e.t for span, e in fails.items())
+    write_trace(tmp_path / "t.jsonl", result)
+    assert check_file(tmp_path / "t.jsonl").ok and result.leaked_pages == 0
+    assert sum(o.attempts for o in result.outcomes) > len(requests)
+
+
+def test_corrupt_rate_without_verify_is_refused(capsys):
+    """Unchecked corrupted bytes would be decoded: refused in one line naming both, exit 2."""
+    assert main(["run", "--requests", "3", "--prompt", "256", "--corrupt-rate", "0.1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--corrupt-rate" in err and "--verify" in err

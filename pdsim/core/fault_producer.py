@@ -157,8 +157,12 @@ class FaultyProducer(Producer):
                 if a < fate.stop_t]
 
     def _fail(self, run: SpanRun) -> None:
-        """The span's failure is detected: `fail` (unless it was cancelled or lost before)."""
+        """The span's failure is detected: `fail` (unless it was cancelled or lost before),
+        when the decoder handles it (between decode steps, as pdgpu serve's loop)."""
         if self.down or run.state is not SpanState.IN_FLIGHT:
+            return
+        if self.sim.decoder.stepping:
+            self.sim.decoder.deliver(self._fail, run)
             return
         self.fail_span(run, run.fate.error)
 

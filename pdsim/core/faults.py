@@ -9,6 +9,9 @@ asked of the simulator first:
   producer acknowledges the cancel `--fence-delay` later (`fence`).
 - `--span-timeout S`: any span not landed S after its issue fails then (queued spans behind
   a stall too); its writer stops at its copy's end or at the acknowledged cancel.
+- `--corrupt-rate P` (needs `--verify`): a span's bytes are altered in transit; the copy runs
+  out, the decoder's check of the landed bytes against the compute-time checksums finds it
+  (`fail`), and the decoder, which wrote them, fences it at once (`fence`), as pdgpu serve.
 - `--cancel-rate P`: a request is cancelled at a drawn moment after its first `reserve`,
   uniform over a fault-free life's length (pipeline lower bound plus decode), so often while
   its spans are in flight (`abort` with spans in flight; a queued retry leaves the queue); the
@@ -29,7 +32,7 @@ import random
 
 import attrs
 
-RATE_OPTIONS = ("fail_rate", "stall_rate", "cancel_rate")
+RATE_OPTIONS = ("fail_rate", "stall_rate", "cancel_rate", "corrupt_rate")
 
 
 def _flag(name: str) -> str:
@@ -83,17 +86,22 @@ class FaultSpec:
     restart_producers: bool = False
     restart_delay: float = attrs.field(default=2.0, validator=_non_negative)
     seed: int = 0
+    corrupt_rate: float = attrs.field(default=0.0, validator=_rate)
+    verify: bool = False  # the decoder checks landed bytes against compute-time checksums
 
     def __attrs_post_init__(self) -> None:
         if self.stall_rate > 0 and self.span_timeout is None:
             raise ValueError("--stall-rate needs --span-timeout (a stalled span without a "
                              "deadline never ends)")
+        if self.corrupt_rate > 0 and not self.verify:
+            raise ValueError("--corrupt-rate needs --verify (unchecked, altered bytes would be "
+                             "decoded: the simulator cannot say what the tokens become)")
 
     @property
     def active(self) -> bool:
         """Whether anything can go wrong (a deadline alone can fire on a slow link)."""
         return bool(self.fail_rate or self.stall_rate or self.cancel_rate or self.kills
-                    or self.span_timeout is not None)
+                    or self.corrupt_rate or self.span_timeout is not None)
 
     def check_producers(self, producers: int) -> None:
         for kill in self.kills:
@@ -121,6 +129,7 @@ class Draws:
         self.spec = spec
         self._requests = random.Random(spec.seed * 4 + 1)
         self._spans = random.Random(spec.seed * 4 + 2)
+        self._corrupt = random.Random(spec.seed * 4 + 3)  # its own: other draws stay as before
 
     def cancel_fraction(self) -> float | None:
         """For each request in workload order: None, or where in its life it is cancelled."""
@@ -140,6 +149,8 @@ class Draws:
             if detect <= deadline:
                 return SpanFate(copy_end, detect, "copy failed")
         if copy_end <= deadline:
+            if spec.corrupt_rate and self._corrupt.random() < spec.corrupt_rate:
+                return SpanFate(copy_end, copy_end, "checksum mismatch (corrupted in transit)")
             return SpanFate(copy_end)
         return SpanFate(max(start, min(copy_end, cancel_ack)), deadline, "deadline passed")
 
@@ -163,6 +174,11 @@ def add_fault_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fail-rate", type=float, default=0.0, help="chance a span's copy fails")
     g.add_argument("--stall-rate", type=float, default=0.0,
                    help="chance a span's writer hangs until its deadline (needs --span-timeout)")
+    g.add_argument("--corrupt-rate", type=float, default=0.0,
+                   help="chance a span's bytes are altered in transit; found at its land by "
+                        "--verify (needs it): fail, fence, retry")
+    g.add_argument("--verify", action="store_true",
+                   help="the decoder checks each landed span against compute-time checksums")
     g.add_argument("--cancel-rate", type=float, default=0.0,
                    help="chance a request is cancelled, at a drawn moment within a fault-free "
                         "life's length after its first reserve")
@@ -189,6 +205,6 @@ def fault_spec(args, producers: int) -> FaultSpec | None:
     spec = FaultSpec(args.fail_rate, args.stall_rate, args.cancel_rate,
                      tuple(args.kill_producer or ()), args.span_timeout, args.heartbeat_timeout,
                      args.fence_delay, args.max_attempts, args.restart_producers,
-                     args.restart_delay, args.seed)
+                     args.restart_delay, args.seed, args.corrupt_rate, args.verify)
     spec.check_producers(producers)
     return spec if spec.active else None
