@@ -302,16 +302,19 @@ def test_one_request_run_with_output_tokens_prints_the_serving_keys(capsys):
        outputs=st.lists(st.integers(0, 12), min_size=8, max_size=8),
        gaps=st.lists(st.floats(0.0, 0.05), min_size=8, max_size=8),
        producers=st.integers(1, 3), concurrency=st.one_of(st.none(), st.integers(1, 4)),
-       sender=st.sampled_from(["blocking", "queued"]), mode=st.sampled_from(MODE_NAMES))
+       sender=st.sampled_from(["blocking", "queued"]), mode=st.sampled_from(MODE_NAMES),
+       handling=st.booleans())
 def test_every_decode_step_reads_what_its_batch_holds(prompts, outputs, gaps, producers,
-                                                      concurrency, sender, mode):
-    """Any workload: each step's batch is the requests decoding then and its KV tokens the
-    sum of their prompt plus tokens decoded so far; each request takes its output - 1 steps;
-    the trace is legal and every request released."""
+                                                      concurrency, sender, mode, handling):
+    """Any workload (with or without the decoder's own work between steps): each step's
+    batch is the requests decoding then and its KV tokens the sum of their prompt plus tokens
+    decoded so far; each request takes its output - 1 steps; every request released."""
     arrivals = [sum(gaps[:i + 1]) for i in range(len(prompts))]
     requests = reqs(*prompts, outputs=outputs[:len(prompts)], arrivals=arrivals)
-    result = simulate(cfg(producers=producers, concurrency=concurrency, sender=sender,
-                          mode=mode), requests)
+    costs = attrs.evolve(COSTS, decode_gap_s=0.002, land_byte_s=1e-6, admit_byte_s=1e-7) \
+        if handling else COSTS
+    result = simulate(cfg(costs=costs, producers=producers, concurrency=concurrency,
+                          sender=sender, mode=mode), requests)
     record = result.decode
     batch = [0] * record.steps
     kv = [0] * record.steps
@@ -347,3 +350,39 @@ def test_corrupt_rate_without_verify_is_refused(capsys):
     assert main(["run", "--requests", "3", "--prompt", "256", "--corrupt-rate", "0.1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--corrupt-rate" in err and "--verify" in err
+
+
+def test_the_decoders_own_work_between_steps_delays_the_next_step():
+    """decode_gap_s after every step, admit_byte_s per KV byte of an admitted context: a
+    lone request's first step starts that much after its admission, later tokens come a
+    step plus a gap apart, and tokens/s falls accordingly."""
+    gap, per_byte = 0.004, 1e-6
+    costs = attrs.evolve(COSTS, decode_gap_s=gap, admit_byte_s=per_byte)
+    result = simulate(cfg(costs=costs, output_tokens=5), reqs(64))
+    stages = decode_stages(result)
+    admit = times(result, "admit")["r0"]
+    assert stages[0].t == pytest.approx(admit + per_byte * GEO.bytes_per_token * 64)
+    for a, b in zip(stages, stages[1:], strict=False):
+        assert b.t == pytest.approx(a.end + gap)
+    m = workload_metrics(result)
+    assert m["wall_s"] == pytest.approx(stages[-1].end)
+    plain = workload_metrics(simulate(cfg(output_tokens=5), reqs(64)))
+    assert m["tokens_per_s"] < plain["tokens_per_s"]
+
+
+def test_landing_bytes_keeps_the_decoder_busy():
+    """land_byte_s: each landed span costs the decoder its bytes' time; spans arriving
+    meanwhile land together after it, so the last land (and the admission) comes later."""
+    costs = attrs.evolve(COSTS, land_byte_s=1e-5)
+    slow = simulate(cfg(costs=costs, output_tokens=2), reqs(256))
+    plain = simulate(cfg(output_tokens=2), reqs(256))
+    groups: dict[float, int] = {}
+    for e in slow.events:
+        if e.kind == "land":
+            groups[e.t] = groups.get(e.t, 0) + 1
+    at = sorted(groups)
+    span = GEO.region_bytes((0, GEO.layers), (0, 32))
+    assert max(groups.values()) >= 2  # some spans waited for the decoder and landed together
+    assert all(b - a >= 1e-5 * span * groups[a] - 1e-12 for a, b in zip(at, at[1:],
+                                                                          strict=False))
+    assert times(slow, "admit")["r0"] > times(plain, "admit")["r0"] + 1e-5 * span

@@ -10,6 +10,9 @@ fill (export only: writing the payload of n bytes) = fill_byte_s * n (calibrated
 decode step (batch B, KV tokens K read) = decode_s + decode_row_s * B + decode_kv_token_s * K
   derived when a profile lacks them: the weights read once per step at HBM bandwidth, a
   row's matmul FLOPs at the compute rate, a KV token's bytes (every layer) at HBM bandwidth
+between decode steps the decoder's loop works decode_gap_s, plus land_byte_s per byte of a
+  span it lands and admit_byte_s per KV byte of a context it admits (profile [compute]
+  values; absent: 0, not modeled)
 While a gather overlaps a compute chunk, the chunk runs slower by `contention` times the
 overlapped time. `pdsim calibrate` fits these same terms from engine traces.
 """
@@ -43,6 +46,11 @@ class Costs:
     decode_s: float = attrs.field(default=0.0, validator=non_negative)  # a decode step's own
     decode_row_s: float = attrs.field(default=0.0, validator=non_negative)  # per request
     decode_kv_token_s: float = attrs.field(default=0.0, validator=non_negative)  # per KV token
+    # The decoder's own work between steps (pdgpu serve's loop): per step, per landed byte
+    # written into its slab, per KV byte of an admitted context copied to its decode cache.
+    decode_gap_s: float = attrs.field(default=0.0, validator=non_negative)
+    land_byte_s: float = attrs.field(default=0.0, validator=non_negative)
+    admit_byte_s: float = attrs.field(default=0.0, validator=non_negative)
     head_s: float = attrs.field(default=0.0, validator=non_negative)  # first token's LM head
     dense_attention: bool = False  # pairs of a chunk [a, b): n * b, not the causal triangle
     state_bytes: int = 0
@@ -145,6 +153,9 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
         contention=hw.contention,
         decode_token_s=weights / hw.hbm_bandwidth,
         **decode,
+        decode_gap_s=over.decode_gap_s or 0.0,
+        land_byte_s=over.land_byte_s or 0.0,
+        admit_byte_s=over.admit_byte_s or 0.0,
         state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),
         head_s=over.head_s or 0.0,  # shipped GPU profiles: absorbed in their efficiency
         dense_attention=bool(over.dense_attention),

@@ -61,6 +61,9 @@ class Decoder:
         costs = sim.cfg.costs
         self.step_fixed, self.row_s, self.kv_s = (costs.decode_s, costs.decode_row_s,
                                                   costs.decode_kv_token_s)
+        self.gap_s = costs.decode_gap_s  # the loop's own time between two steps
+        self.land_byte_s, self.admit_byte_s = costs.land_byte_s, costs.admit_byte_s
+        self.admit_bytes = sim.cfg.geometry.bytes_per_token  # KV bytes a prompt token copies
         self.record = DecodeRecord()
         self.first_token: dict[str, float] = {}  # req -> its latest life's `produced` time
         self.admitted: set[str] = set()
@@ -68,8 +71,10 @@ class Decoder:
         self.kv_tokens = 0  # KV tokens they hold: prompt + tokens decoded so far, each
         self.next_step = 0  # index of the next decode step
         self.finishing: dict[int, list] = defaultdict(list)  # step index -> jobs ending there
-        self.stepping = False  # a decode step runs now
-        self.waking = False  # a step start is due at this instant
+        self.stepping = False  # busy: a decode step, or handling what reached it, runs now
+        self.step_running = False  # a decode step runs now
+        self.waking = False  # the loop runs again at this instant
+        self.debt = 0.0  # handling work done at this boundary, not yet paid in time
         self.inbox: list = []  # (callback, args) that reached the decoder during a step
         self.last_req = ""  # the req a decode stage names (its req need not be live)
 
@@ -101,6 +106,8 @@ class Decoder:
         self.sim.emit(ev.Reuse(now, job.req, (0, job.request.prompt)))
         self.sim.emit(ev.Admit(now, job.req))
         job.owner.free_source(job)
+        if self.admit_byte_s:  # its context KV copied into its decode cache
+            self.charge(self.admit_byte_s * self.admit_bytes * job.request.prompt)
         steps = max(self.sim.output_tokens(job.request) - 1, 0)  # the first came at produced
         self.record.tokens[job.req] = (self.first_token.get(job.req, now), self.next_step,
                                        steps)
@@ -114,43 +121,65 @@ class Decoder:
         self.last_req = job.req
         self._wake()
 
+    def charge(self, seconds: float) -> None:
+        """Handling work of the decoder (writing a landed span, copying an admitted context):
+        it is busy that much longer before its next step."""
+        self.debt += seconds
+        self._wake()
+
     def _wake(self) -> None:
-        """An idle decoder starts a step at this instant, after the instant's other events
+        """An idle decoder runs its loop at this instant, after the instant's other events
         (pdgpu's idle loop handles every message waiting before it decodes)."""
         if not self.stepping and not self.waking:
             self.waking = True
-            self.env.at(self.env.now, self._start_step)
+            self.env.at(self.env.now, self._run)
 
     # -- one decode step --------------------------------------------------------------------------
 
-    def _start_step(self) -> None:
-        """Run steps while requests are running; a step that ends before any other pending
-        event ends at once, here (nothing can happen meanwhile: no heap round trip)."""
+    def _run(self) -> None:
+        """The loop: pay the handling work, then run steps while requests are running. Work
+        that ends before any other pending event ends at once, here (nothing can happen
+        meanwhile: no heap round trip)."""
         env, record = self.env, self.record
         fixed, row_s, kv_s = self.step_fixed, self.row_s, self.kv_s
-        while self.running:
+        while True:
             self.waking = False
+            if self.debt > 0:  # busy handling; what arrives meanwhile waits
+                until, self.debt = env.now + self.debt, 0.0
+                self.stepping = True
+                if not env.take(until):
+                    env.at(until, self._handled)
+                    return
+                self._between()
+                continue
+            if not self.running:
+                self.stepping = False
+                return
             now, batch, kv = env.now, self.running, self.kv_tokens
             end = now + fixed + batch * row_s + kv * kv_s
             record.step_start.append(now)
             record.batch.append(batch)
             record.kv_tokens.append(kv)
             record.label.append(self.last_req)
-            self.stepping = True
+            self.stepping = self.step_running = True
             self.next_step += 1
             if not env.take(end):
                 env.at(end, self._end_step, batch)
                 return
-            self._boundary(batch)
-        self.waking = False
+            self._step_done(batch)
+
+    def _handled(self) -> None:
+        self._between()
+        self._run()
 
     def _end_step(self, batch: int) -> None:
-        self._boundary(batch)
-        self._start_step()
+        self._step_done(batch)
+        self._run()
 
-    def _boundary(self, batch: int) -> None:
+    def _step_done(self, batch: int) -> None:
         """A step ended: every request of it has one more token, the finished ones are
-        released; then what arrived meanwhile is handled and slabs are reserved."""
+        released; the loop's own time between steps is owed; then what arrived meanwhile."""
+        self.step_running = False
         self.record.step_end.append(self.env.now)
         self.kv_tokens += batch
         done = self.finishing.pop(self.next_step - 1, None)
@@ -160,7 +189,12 @@ class Decoder:
                 self.running -= 1
                 self.kv_tokens -= job.request.prompt + self.next_step - first[job.req][1]
                 self._release(job)
-        self.stepping, self.waking = False, True  # the caller starts the next step itself
+        self.debt += self.gap_s
+        self._between()
+
+    def _between(self) -> None:
+        """Between steps: handle what reached the decoder meanwhile, reserve slabs."""
+        self.stepping, self.waking = False, True  # the caller runs the loop on itself
         if self.inbox:
             inbox, self.inbox = self.inbox, []
             for callback, args in inbox:
@@ -175,7 +209,7 @@ class Decoder:
             return
         self.finishing[last].remove(job)
         first = self.record.tokens[job.req][1]
-        in_step = self.stepping and first < self.next_step  # the running step decodes it
+        in_step = self.step_running and first < self.next_step  # the running step has it
         done = self.next_step - first - (1 if in_step else 0)  # its steps that ended
         # the running step still adds one token per request of its batch at its end
         self.kv_tokens -= job.request.prompt + done + (1 if in_step else 0)

@@ -67,6 +67,7 @@ class Producer:
         self.copier = Copier(self.cfg.costs)
         self.gathers: deque[tuple[float, float]] = deque()
         self.lands: deque[float] = deque()  # land times of spans in flight, in FIFO order
+        self.span_bytes: dict[int, int] = {}  # with land_byte_s: bytes of spans in flight
 
     @property
     def available(self) -> bool:
@@ -214,6 +215,8 @@ class Producer:
         nbytes = region.bytes(cfg.geometry)
         job.spans_issued += 1
         self.sim.emit(ev.Issue(now, job.req, span, region.layers, region.tokens, nbytes))
+        if cfg.costs.land_byte_s:
+            self.span_bytes[span] = nbytes
         moved = copied_bytes(cfg, nbytes, job.spans_issued == job.spans_total)
         self._schedule_copy(job, span, self.copier.schedule(now, moved))
 
@@ -247,6 +250,8 @@ class Producer:
 
     def _land(self, job: Job, span: int) -> None:
         self.sim.emit(ev.Land(self.env.now, job.req, span))
+        if self.span_bytes:  # the decoder writes the span's bytes into its slab
+            self.sim.decoder.charge(self.cfg.costs.land_byte_s * self.span_bytes.pop(span, 0))
         self.lands.popleft()
         job.spans_landed += 1
         self.sim.try_admit(job)

@@ -74,6 +74,12 @@ class ComputeOverride:
     decode_s: float | None = None
     decode_row_s: float | None = None
     decode_kv_token_s: float | None = None
+    # The decoder's loop between steps (pdgpu serve: the gap between two decode stages): its
+    # own time per step, per byte of a span it lands, per KV byte of a context it admits.
+    # Absent: 0 (not modeled).
+    decode_gap_s: float | None = None
+    land_byte_s: float | None = None
+    admit_byte_s: float | None = None
 
 
 @attrs.frozen
