@@ -15,6 +15,7 @@ from pdsim.core.profiles import link_of, load_hw
 from pdsim.fit.calibrate import calibrate
 from pdsim.fit.fitting import fit_decode
 from pdsim.fit.samples import samples
+from pdsim.fit.serve_samples import gap_samples
 
 HEADER = {"kind": "header", "version": 2, "source": "test", "mode": "chunk",
           "geometry": {"layers": 4, "kv_heads": 2, "head_dim": 8, "dtype_bytes": 2,
@@ -174,3 +175,30 @@ def test_serving_trace_gives_chunk_gaps_and_idle_message_round_trips():
     got = samples(items[0], items[1:])
     assert [round(s.duration, 3) for s in got.computes] == [0.08, 0.1, 0.09]
     assert got.latencies == [pytest.approx(0.33 - 0.1 - (0.31 - 0.12))]
+
+
+def test_decoder_gaps_count_landed_and_admitted_bytes_and_skip_idle():
+    """Between two decode steps the gap carries the bytes landed and the context admitted
+    there; a gap after which nothing ran (all released: the loop waited) gives no sample."""
+    events = [
+        {"kind": "reserve", "t": 0.0, "req": "a", "prompt": 32, "prefix": 0, "pages": [0, 1]},
+        {"kind": "reserve", "t": 0.0, "req": "b", "prompt": 16, "prefix": 0, "pages": [2]},
+        {"kind": "admit", "t": 0.01, "req": "a"},
+        {"kind": "stage", "t": 0.02, "req": "a", "name": "decode", "end": 0.03, "batch": 1,
+         "kv_tokens": 32},
+        {"kind": "issue", "t": 0.031, "req": "b", "span": 0, "layers": [0, 4],
+         "tokens": [0, 16], "bytes": 2048},
+        {"kind": "land", "t": 0.032, "req": "b", "span": 0},
+        {"kind": "admit", "t": 0.034, "req": "b"},
+        {"kind": "stage", "t": 0.035, "req": "a", "name": "decode", "end": 0.04, "batch": 2,
+         "kv_tokens": 50},
+        {"kind": "release", "t": 0.041, "req": "a"},
+        {"kind": "release", "t": 0.041, "req": "b"},
+        {"kind": "stage", "t": 0.09, "req": "a", "name": "decode", "end": 0.1, "batch": 1,
+         "kv_tokens": 10},
+    ]
+    items = [item for _, item in parse_lines(json.dumps(x).encode() for x in [HEADER, *events])]
+    gaps = gap_samples(items[0], items[1:])
+    per_token = items[0].geometry.bytes_per_token
+    assert [(round(g.duration, 3), g.land_bytes, g.admit_bytes) for g in gaps] == [
+        (0.005, 2048, 16 * per_token)]

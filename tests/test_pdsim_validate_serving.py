@@ -23,6 +23,9 @@ head_s = 2e-3
 decode_s = 4e-3
 decode_row_s = 5e-4
 decode_kv_token_s = 2e-6
+decode_gap_s = 1e-3
+land_byte_s = 2e-9
+admit_byte_s = 1e-9
 """
 
 

@@ -11,7 +11,9 @@ traces whose link was paced (header `link_gbps`) are left out of the copy fits w
 ones exist; export-only traces' `fill` stages give the payload write per byte. Serving
 traces (`pdgpu serve`) add their `decode` stages: a decode step's fixed, per-row and per-KV-
 token seconds (decode_s, decode_row_s, decode_kv_token_s), by the same
-non-negative least squares; the profile's [compute] table carries them.
+non-negative least squares; the profile's [compute] table carries them, and the decoder
+loop's own time between two steps (decode_gap_s, plus land_byte_s per span byte it landed
+and admit_byte_s per context byte it admitted there: pdsim/fit/serve_samples.py).
 The profile written is an hw profile (with its link inline) that `pdsim run --hw
 PROFILE.toml` accepts with the traces' model; each figure is printed with its residual.
 """
@@ -30,6 +32,7 @@ from pdsim.fit.fitting import (
     copier_of,
     fit_attention,
     fit_decode,
+    fit_decode_gap,
     fit_fixed,
     fit_fixed_pipelined,
     fit_stage,
@@ -38,6 +41,7 @@ from pdsim.fit.fitting import (
     median,
 )
 from pdsim.fit.samples import TraceSamples, samples
+from pdsim.fit.serve_samples import gap_samples
 from pdsim.options import UsageError
 from pdsim.views.report import write_atomic
 
@@ -62,6 +66,7 @@ class Calibration:
     traces: tuple[str, ...]
     decode: Fit  # serving traces: one decode step (no samples: none in the traces)
     serve_latency_s: float  # serving traces: a request's message round trip (else 0)
+    decode_gap: Fit  # serving traces: the decoder loop between steps (no samples: none)
 
 
 @attrs.frozen
@@ -70,10 +75,11 @@ class ReadSamples:
 
     samples: TraceSamples
     model: str | None
+    gaps: list  # GapSample: the decoder loop between decode steps (serving traces)
 
 
 def read_samples(paths: list[str], skip_warmup: bool = True) -> ReadSamples:
-    merged, models = TraceSamples([], [], [], [], [], []), set()
+    merged, models, gaps = TraceSamples([], [], [], [], [], []), set(), []
     for index, path in enumerate(paths):
         items = [item for _, item in read_trace(path)]
         header, events = items[0], items[1:]
@@ -85,9 +91,10 @@ def read_samples(paths: list[str], skip_warmup: bool = True) -> ReadSamples:
         merged.fills.extend(got.fills)
         merged.decodes.extend(got.decodes)
         merged.latencies.extend(got.latencies)
+        gaps += gap_samples(header, events)
     if len(models) > 1:
         raise UsageError(f"TRACE: traces name different models: {sorted(map(str, models))}")
-    return ReadSamples(merged, models.pop())
+    return ReadSamples(merged, models.pop(), gaps)
 
 
 def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = None
@@ -113,7 +120,7 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     return Calibration(read.model, compute, gather, links, streamed, kind, basis,
                        fixed.latency_s, fixed.span_s, fixed.rms, median(got.heads) + latency,
                        dense, fill_per_byte(got.fills), tuple(paths), fit_decode(got.decodes),
-                       latency)
+                       latency, fit_decode_gap(read.gaps))
 
 
 def fill_per_byte(fills: list[tuple[float, int]]) -> float:
@@ -166,7 +173,7 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         f"head_s = {cal.head_s!r}  # median of the traces' `head` stages"
         + (f" + serving message round trip {cal.serve_latency_s:.4g} s (before the first "
            "token reaches the decoder)" if cal.serve_latency_s else ""),
-        *_decode_lines(cal.decode),
+        *_decode_lines(cal.decode, cal.decode_gap),
     ]
     return "\n".join(lines + (_link_lines(cal, name) if cal.links else _base_link(base))) + "\n"
 
@@ -195,7 +202,7 @@ def _base_link(base) -> list[str]:
     return lines
 
 
-def _decode_lines(decode: Fit) -> list[str]:
+def _decode_lines(decode: Fit, gap: Fit) -> list[str]:
     """The [compute] decode-step fields, when the traces had decode stages (serving traces);
     without them the simulator derives the terms from the model and device."""
     if not decode.samples:
@@ -203,7 +210,11 @@ def _decode_lines(decode: Fit) -> list[str]:
     return [f"# decode step = decode_s + decode_row_s * batch + decode_kv_token_s * kv_tokens:"
             f" {decode.samples} steps, rank {decode.rank}/3, rms residual {decode.rms:.3e} s "
             f"({100 * decode.rel_rms:.2f}%)",
-            *(f"{n} = {decode.get(n)!r}" for n in decode.names)]
+            *(f"{n} = {decode.get(n)!r}" for n in decode.names),
+            f"# decoder loop between steps = decode_gap_s + land_byte_s * bytes landed + "
+            f"admit_byte_s * context bytes admitted: {gap.samples} gaps, rms residual "
+            f"{gap.rms:.3e} s",
+            *(f"{n} = {gap.get(n)!r}" for n in gap.names)]
 
 
 def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
@@ -222,6 +233,9 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
     if cal.decode.samples:
         units = {"decode_s": "s/step", "decode_row_s": "s/row", "decode_kv_token_s": "s/token"}
         out += [(n, cal.decode.get(n), units[n], cal.decode.rms) for n in cal.decode.names]
+        units = {"decode_gap_s": "s/gap", "land_byte_s": "s/B", "admit_byte_s": "s/B"}
+        out += [(n, cal.decode_gap.get(n), units[n], cal.decode_gap.rms)
+                for n in cal.decode_gap.names]
     return out
 
 

@@ -8,6 +8,7 @@ import attrs
 import numpy as np
 
 from pdsim.fit.samples import ComputeSample, CopySample, DecodeSample
+from pdsim.fit.serve_samples import GapSample
 
 
 @attrs.frozen
@@ -93,6 +94,15 @@ def fit_decode(samples: list[DecodeSample]) -> Fit:
     x = np.array([[1.0, s.batch, s.kv_tokens] for s in samples], dtype=float).reshape(-1, 3)
     y = np.array([s.duration for s in samples], dtype=float)
     return fit(("decode_s", "decode_row_s", "decode_kv_token_s"), x, y)
+
+
+def fit_decode_gap(samples: list[GapSample]) -> Fit:
+    """The decoder loop between two steps: gap = decode_gap_s + land_byte_s * bytes landed
+    + admit_byte_s * context bytes admitted there."""
+    x = np.array([[1.0, s.land_bytes, s.admit_bytes] for s in samples],
+                 dtype=float).reshape(-1, 3)
+    y = np.array([s.duration for s in samples], dtype=float)
+    return fit(("decode_gap_s", "land_byte_s", "admit_byte_s"), x, y)
 
 
 def fit_stage(copies: list[CopySample], name: str) -> Fit:
