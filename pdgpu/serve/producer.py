@@ -8,8 +8,11 @@ region out of the source pages, holds it for the paced link, sends it with the d
 at compute time. A request's source pages are freed only on the decoder's `reuse`, which it
 grants after every span reading them was acknowledged (COPY-3 across processes).
 A `cancel` stops a life: no more compute, no span of it starts, a stalled one is released;
-`stopped` follows every span of it on the sender's queue, so the decoder knows nothing more
-of that life can arrive. Injected faults (faults.py) are asked once per span, in `_send_span`.
+the sender says `stopped` between two spans (never between a span's issue and its bytes,
+and before any later span of the life, which it then drops unissued), so the decoder knows
+nothing more of that life can arrive. Every issued span keeps its slot until the decoder
+acknowledges it: its bytes arrived, or (a span dropped after its issue) the life stopped.
+Injected faults (faults.py) are asked once per span, in `_send_span`.
 A heartbeat thread sends `beat` every `beat_s` seconds.
 """
 
@@ -72,6 +75,7 @@ class Producer:
         self.deferred: list = []  # debug early-reuse: spans whose copy starts late
         self.slots = threading.Semaphore(config.max_pending)
         self.outbox: queue.Queue = queue.Queue()
+        self.stopping: deque[str] = deque()  # cancelled lives the sender must say `stopped`
         self.sids = itertools.count()
         self.clock0 = time.perf_counter()
         self.sender = threading.Thread(target=self._send_loop, daemon=True, name="pdgpu-sender")
@@ -124,7 +128,8 @@ class Producer:
         if msg.op == "prefill":
             self.waiting.append(body)
         elif msg.op == "ack":
-            self.slots.release()
+            for _ in range(body.get("slots", 1)):
+                self.slots.release()
         elif msg.op == "reuse":
             self._free(body["handle"])
         elif msg.op == "cancel":
@@ -148,10 +153,10 @@ class Producer:
         job = self.active
         if job.steps:
             self._compute(job)
+            self._flush_deferred()  # debug early-reuse: a copy starts after the next compute
         else:
             self._produce(job)
             self.active = None
-        self._flush_deferred()
 
     # -- one job ------------------------------------------------------------------------------
 
@@ -230,7 +235,7 @@ class Producer:
                 self.active = None
         self.waiting = deque(b for b in self.waiting if b["handle"] != handle)
         self._flush_deferred()
-        self.outbox.put(("stopped", handle))
+        self.stopping.append(handle)
 
     def _free(self, handle: str) -> None:
         job = self.jobs.pop(handle, None)  # None: cancelled before it was opened
@@ -245,16 +250,26 @@ class Producer:
 
     def _send_loop(self) -> None:
         try:
-            while (item := self.outbox.get()) is not None:
-                if item[0] == "stopped":
-                    self._send("stopped", handle=item[1])
+            while True:
+                self._send_stops()
+                try:
+                    item = self.outbox.get(timeout=0.02)
+                except queue.Empty:
                     continue
+                if item is None:
+                    return
                 self._send_span(*item)
         except Exception as e:  # noqa: BLE001 - reported by the main thread
             self.sender_error = e
 
+    def _send_stops(self) -> None:
+        """`stopped` for each cancelled life (called between spans only)."""
+        while self.stopping:
+            self._send("stopped", handle=self.stopping.popleft())
+
     def _send_span(self, job: Job, region: Region) -> None:
-        self.slots.acquire()
+        while not self.slots.acquire(timeout=0.02):  # a slot may wait for a `stopped`
+            self._send_stops()
         if job.cancelled:
             self.slots.release()
             return
@@ -265,8 +280,7 @@ class Producer:
                    tokens=region.tokens, bytes=nbytes)
         if fate is Fate.STALL:  # the writer hangs until the decoder cancels the life
             job.stop.wait()
-            self.slots.release()  # nothing sent: no ack will come
-            return
+            return  # nothing sent: its slot comes back when the life's `stopped` is acked
         if fate is Fate.FAIL:
             self._send("span", handle=job.handle, sid=sid, error="copy failed (injected)")
             return

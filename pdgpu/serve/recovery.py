@@ -135,8 +135,11 @@ class Recovery:
             self.waiting.appendleft(t)  # keeps its place: the oldest request
 
     def _on_stopped(self, life: Life, msg) -> None:
-        """The producer passed every span of the life: what never came is fenced now."""
+        """The producer passed every span of the life: what never came is fenced now, and
+        the slots of those writers go back."""
         life.stopped = True
+        if life.spans:
+            self.members.send(msg.src, "ack", {"handle": life.handle, "slots": len(life.spans)})
         self._fence_all(life, f"cancelled: {life.failed or 'life ended'}")
 
     def _fence_all(self, life: Life, error: str) -> None:
