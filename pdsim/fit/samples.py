@@ -74,6 +74,7 @@ class _Reader:
         self.compute_span: dict[str, tuple[float, float]] = {}  # req -> first start, last end
         self.head_end: dict[str, float] = {}
         self.skip: str | None = None  # the warm-up request: no sample of its own
+        self.decode_spans: list[tuple[float, float]] = []  # decode steps' (t, end)
         self.producer: dict[str, str] = {}
         self.open_compute: dict[str, deque] = defaultdict(deque)
         self.open_fill: dict[str, deque] = defaultdict(deque)
@@ -130,6 +131,7 @@ class _Reader:
         if e.name == "compute":
             self._compute_stage(e)
         elif e.name == "decode":
+            self.decode_spans.append((e.t, e.end))
             if e.batch is not None and e.kv_tokens is not None:
                 self.decodes.append(DecodeSample(e.end - e.t, e.batch, e.kv_tokens))
         elif e.name == "fill":
@@ -161,9 +163,10 @@ class _Reader:
 
     def latencies(self) -> list[float]:
         """Serving traces: per one-life request whose producer was idle when it was reserved
-        (every earlier request on that producer had produced), reserve-to-produced (decoder's
-        clock) less first compute to head end (producer's clock): the messages' round trip,
-        with no wait behind another prefill in it."""
+        (every earlier request on that producer had produced) and whose decoder ran no step
+        before it produced, reserve-to-produced (decoder's clock) less first compute to head
+        end (producer's clock): the messages' round trip, with no wait behind another prefill
+        or a decode step in it (the simulator plays those waits itself)."""
         if not self.serving:
             return []
         out, busy_until = [], defaultdict(float)  # producer -> last produced so far
@@ -173,6 +176,8 @@ class _Reader:
             producer = self.producer.get(req, "p0")
             idle = busy_until[producer] <= reserved
             busy_until[producer] = max(busy_until[producer], self.produced[req])
+            idle = idle and not any(a < self.produced[req] and b > reserved
+                                    for a, b in self.decode_spans)
             if idle and req != self.skip and req in self.head_end and req in self.compute_span:
                 prefill = self.head_end[req] - self.compute_span[req][0]
                 out.append(self.produced[req] - reserved - prefill)
