@@ -140,33 +140,43 @@ class Decoder:
         """The loop: pay the handling work, then run steps while requests are running. Work
         that ends before any other pending event ends at once, here (nothing can happen
         meanwhile: no heap round trip)."""
-        env, record = self.env, self.record
-        fixed, row_s, kv_s = self.step_fixed, self.row_s, self.kv_s
+        env = self.env
         while True:
             self.waking = False
-            if self.debt > 0:  # busy handling; what arrives meanwhile waits
-                until, self.debt = env.now + self.debt, 0.0
-                self.stepping = True
-                if not env.take(until):
-                    env.at(until, self._handled)
+            if self.debt > 0:
+                if not self._pay_debt():
                     return
-                self._between()
                 continue
             if not self.running:
                 self.stepping = False
                 return
-            now, batch, kv = env.now, self.running, self.kv_tokens
-            end = now + fixed + batch * row_s + kv * kv_s
-            record.step_start.append(now)
-            record.batch.append(batch)
-            record.kv_tokens.append(kv)
-            record.label.append(self.last_req)
-            self.stepping = self.step_running = True
-            self.next_step += 1
+            batch, end = self._begin_step()
             if not env.take(end):
                 env.at(end, self._end_step, batch)
                 return
             self._step_done(batch)
+
+    def _pay_debt(self) -> bool:
+        """Busy with the handling work owed (what arrives meanwhile waits); True when it
+        ended here, False when its end is on the heap."""
+        until, self.debt = self.env.now + self.debt, 0.0
+        self.stepping = True
+        if not self.env.take(until):
+            self.env.at(until, self._handled)
+            return False
+        self._between()
+        return True
+
+    def _begin_step(self) -> tuple[int, float]:
+        """Start a step of every running request; (its batch, its end)."""
+        record, now, batch, kv = self.record, self.env.now, self.running, self.kv_tokens
+        record.step_start.append(now)
+        record.batch.append(batch)
+        record.kv_tokens.append(kv)
+        record.label.append(self.last_req)
+        self.stepping = self.step_running = True
+        self.next_step += 1
+        return batch, now + self.step_fixed + batch * self.row_s + kv * self.kv_s
 
     def _handled(self) -> None:
         self._between()
