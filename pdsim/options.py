@@ -86,7 +86,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "(sets the prompt length)")
     p.add_argument("--pool-pages", type=int, default=None,
                    help="decoder pool pages (default: every request at once; 16 of the "
-                        "largest for more than 16 requests)")
+                        "largest for more than 16 requests; with --concurrency C, the C "
+                        "largest, as pdgpu serve)")
     p.add_argument("--producers", type=int, default=1, help="prefill devices")
     p.add_argument("--requests", type=int, default=None,
                    help="requests (default: one per CSV row or --arrivals time, else 1)")
@@ -180,7 +181,7 @@ def run_setup(args) -> tuple[SimConfig, list[RequestSpec]]:
     if args.concurrency is not None and any(r.arrival for r in requests):
         raise UsageError("--concurrency (closed loop) sets the arrival times; the "
                          "--prompts-csv arrival column gives them too")
-    pool = args.pool_pages or _default_pool(cfg, requests)
+    pool = args.pool_pages or _default_pool(cfg, requests, args.concurrency)
     cfg = attrs.evolve(cfg, max_pending=args.max_pending, pool_pages=pool,
                        producers=args.producers, no_compute=args.no_compute,
                        output_tokens=args.output_tokens, concurrency=args.concurrency,
@@ -208,7 +209,12 @@ def engine_source_pages(cfg: SimConfig, requests: list[RequestSpec]) -> int:
     return 2 * max(cfg.geometry.pages_for(r.prompt - r.prefix) for r in requests)
 
 
-def _default_pool(cfg: SimConfig, requests: list[RequestSpec]) -> int:
-    """Room for every request at once (single runs) or 16 of the largest (workloads)."""
-    need = [cfg.geometry.pages_for(r.prompt - r.prefix) for r in requests]
-    return max(1, sum(need) if len(need) <= 16 else 16 * max(need))
+def _default_pool(cfg: SimConfig, requests: list[RequestSpec],
+                  concurrency: int | None = None) -> int:
+    """Room for every request at once (single runs), 16 of the largest (workloads), or the
+    C largest in a closed loop (pdgpu serve's: never fewer slabs than requests in it)."""
+    need = sorted((cfg.geometry.pages_for(r.prompt - r.prefix) for r in requests),
+                  reverse=True)
+    if concurrency is not None:
+        return max(1, sum(need[:concurrency]))
+    return max(1, sum(need) if len(need) <= 16 else 16 * need[0])

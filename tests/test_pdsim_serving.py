@@ -386,3 +386,16 @@ def test_landing_bytes_keeps_the_decoder_busy():
     assert all(b - a >= 1e-5 * span * groups[a] - 1e-12 for a, b in zip(at, at[1:],
                                                                           strict=False))
     assert times(slow, "admit")["r0"] > times(plain, "admit")["r0"] + 1e-5 * span
+
+
+def test_closed_loop_default_pool_holds_c_of_the_largest_slabs(capsys):
+    """--concurrency C without --pool-pages: the pool holds the C largest slabs (pdgpu
+    serve's default), so C requests are never held back by the pool."""
+    argv = ["run", "--requests", "64", "--prompt", "512", "--concurrency", "32",
+            "--output-tokens", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pool_pages"] == 32 * 32  # 32 slabs of 512 tokens in 16-token pages
+    assert out["queue_wait_p99_s"] == 0.0
+    assert main(argv + ["--pool-pages", str(16 * 32)]) == 0  # 16 slabs: some wait
+    assert json.loads(capsys.readouterr().out)["queue_wait_p99_s"] > 0
