@@ -51,6 +51,11 @@ class Job:
     def req(self) -> str:
         return self.request.req
 
+    @property
+    def failed(self) -> bool:
+        """A span of this life failed (faults: fault_producer.FaultJob)."""
+        return False
+
 
 class Producer:
     """One producer device: its queue, a compute stream and its copier."""
@@ -199,7 +204,7 @@ class Producer:
         """Queued sender: issue the outbox's spans in order while pending slots are free."""
         while self.outbox and self.sim.monitor.can_issue(self.name):
             job, region = self.outbox.popleft()
-            if not (job.ended or getattr(job, "failed", False)):  # a stopped life sends none
+            if not (job.ended or job.failed):  # a stopped life sends no more spans
                 self._issue(job, region)
 
     def _block(self, job: Job) -> None:
