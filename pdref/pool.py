@@ -41,6 +41,20 @@ def _one_run(pages: tuple[int, ...], num_pages: int) -> list[tuple[int, int]] | 
     return [(first, end)]
 
 
+# A slab's pages are checked and coalesced into runs when it is reserved and again when it
+# goes back. The allocator's tuple is the one the reserve event and the life carry, so the
+# runs it was made of are remembered by that tuple's identity (each entry holds the tuple, so
+# its id names no other object while the entry lives); an entry goes when its pages go back.
+_RUNS: dict[int, tuple[tuple[int, ...], list[tuple[int, int]]]] = {}
+_RUNS_MAX = 4096
+
+
+def _runs_of(pages: tuple[int, ...]) -> list[tuple[int, int]] | None:
+    """The runs `pages` was allocated as (ascending, disjoint), or None if not remembered."""
+    hit = _RUNS.get(id(pages))
+    return None if hit is None else hit[1]
+
+
 class QuarantineError(PoolError):
     """A reservation that takes a quarantined page (an unfenced writer may still write it)."""
 
@@ -73,13 +87,26 @@ class Pool:
         if count > self.free_pages:
             raise PoolError(f"{count} pages asked, {self.free_pages} free")
         free, pages = self.free.take_lowest(count)
+        runs, need = [], count
+        for a, b in self.free:  # the lowest free ranges, as take_lowest took them
+            if need <= 0:
+                break
+            runs.append((a, a + min(b - a, need)))
+            need -= b - a
+        if len(_RUNS) >= _RUNS_MAX:
+            _RUNS.clear()
+        _RUNS[id(pages)] = (pages, runs)
         return self._with(free, self.free_pages - count), pages
 
     def take(self, pages: tuple[int, ...]) -> Pool:
         """Take exactly these page ids; raises PoolError (QuarantineError for a quarantined
         page) naming the first bad one. Checks: ids in range, no id twice, none quarantined,
         none held by a live slab (so never more than are free)."""
-        runs = _one_run(pages, self.num_pages)  # the allocator's answer: no other check needed
+        runs = _runs_of(pages)  # allocated (in range, distinct): only its range is checked
+        if runs is not None and runs and (runs[0][0] < 0 or runs[-1][1] > self.num_pages):
+            runs = None  # allocated from a larger pool: the generic check names the page
+        if runs is None:
+            runs = _one_run(pages, self.num_pages)  # one ascending run: no other check needed
         if runs is None:
             if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
                 bad = next(p for p in pages if not 0 <= p < self.num_pages)
@@ -104,7 +131,8 @@ class Pool:
 
     def give_back(self, pages: tuple[int, ...]) -> Pool:
         free = self.free
-        for run in page_runs(pages):
+        known = _RUNS.pop(id(pages), None)
+        for run in page_runs(pages) if known is None else known[1]:
             free = free.union(run)
         return self._with(free, self.free_pages + len(pages))
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
-from pdref.pool import Pool, PoolError, page_runs
+from pdref.pool import Pool, PoolError, _runs_of, page_runs
 
 POOL = 24
 
@@ -103,3 +103,29 @@ def test_take_names_the_bad_page():
         pool.take((5, 5))
     with pytest.raises(PoolError):
         Pool(2).allocate(3)
+
+
+def _outcome(pool: Pool, pages: tuple[int, ...]):
+    try:
+        return pool.take(pages)
+    except PoolError as e:
+        return type(e), str(e)
+
+
+@given(st.integers(1, 40), st.sets(st.integers(0, 39)), st.integers(1, 40), st.integers(1, 40),
+       st.sets(st.integers(0, 39)))
+def test_allocated_pages_take_as_their_copy(size, held, count, other_size, other_held):
+    """Pages from allocate (whose runs the pool remembers) are taken, refused (same message)
+    and given back exactly as an equal tuple it never made, on any pool."""
+    pool = Pool(size).take(tuple(sorted(p for p in held if p < size)))
+    if count > pool.free_pages:
+        return
+    _, pages = pool.allocate(count)
+    assert _runs_of(pages) == page_runs(pages)
+    other = Pool(other_size).take(tuple(sorted(p for p in other_held if p < other_size)))
+    copy = tuple(list(pages))
+    assert copy is not pages and _runs_of(copy) is None
+    outcome = _outcome(other, pages)
+    assert outcome == _outcome(other, copy)
+    if isinstance(outcome, Pool):
+        assert outcome.give_back(pages) == outcome.give_back(copy) == other
