@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,7 +183,7 @@ def _wrong_tokens(results_path: Path, lines: list[dict], refs) -> tuple[int, dic
     reasons: dict[str, int] = {}
     for r in results:
         if r["status"] == "failed":
-            key = r["reason"].split(":")[0].split("(")[0].strip()
+            key = re.sub(r"\d+", "N", r["reason"].split("(")[0]).strip()
             reasons[key] = reasons.get(key, 0) + 1
     return wrong, reasons
 
