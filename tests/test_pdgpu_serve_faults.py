@@ -237,6 +237,10 @@ def test_the_cancel_call_ends_a_request_in_any_phase(tmp_path, capsys, checkpoin
         "future": "cancelled", "copying": "cancelled", "decoding": "cancelled"}
     assert by_req["q11"]["attempts"] == 0
     assert summary["cancelled"] == 3 and summary["ok"] == 9
+    copying = chosen["copying"]  # aborted with spans in flight: fenced after its abort
+    abort_t = [a["t"] for a in events_of(trace, "abort") if a["req"] == copying]
+    fences = [f["t"] for f in events_of(trace, "fence") if f["req"] == copying]
+    assert len(abort_t) == 1 and fences and min(fences) >= abort_t[0]
 
 
 def test_fault_draws_are_pure_functions_of_the_seed():
