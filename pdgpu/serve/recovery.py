@@ -57,7 +57,7 @@ class Recovery:
         for rank, reason in self.members.due_deaths().items():
             self._producer_lost(rank, reason)
         for span, (deadline, life) in list(self.deadlines.items()):
-            if deadline <= now:
+            if deadline <= now and span in self.deadlines:
                 self._timed_out(life, span)
         if self.waiting and not self.members.can_serve():
             while self.waiting:
