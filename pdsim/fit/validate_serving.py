@@ -157,6 +157,7 @@ def serving_summary(rows: list[ServeRow], role: str = "test") -> dict:
 def validate_serving(model: str, grid_name: str, out: Path, device: str | None = None,
                      progress: bool = True, predictor=predict_serving
                      ) -> tuple[list[ServeRow], dict]:
+    """Serve the grid, calibrate on its training runs, predict every run; rows and JSON."""
     out.mkdir(parents=True, exist_ok=True)
     runs = run_serve_grid(SERVE_GRIDS[grid_name], model, out, device, progress)
     profile = fit_serving_profile(runs, out, model)
