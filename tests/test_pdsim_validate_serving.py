@@ -154,3 +154,12 @@ def test_quick_serving_grid_on_the_engine(tmp_path, capsys):
     assert len(out["configs"]) == 1 and out["train"]["n"] == 1
     assert all(c["measured_tokens_per_s"] > 0 and c["predicted_tokens_per_s"] > 0
                for c in out["configs"] + out["train_configs"])
+
+
+def test_unknown_model_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
+    """--serving with a model no shell knows: exit 2, one line naming it, no folder made."""
+    assert main(["validate", "--serving", "--model", "no-such-model", "--out",
+                 str(tmp_path / "v"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no-such-model" in err
+    assert not (tmp_path / "v").exists()
