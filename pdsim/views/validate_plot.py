@@ -77,21 +77,25 @@ def serving_png(rows) -> bytes:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
     for ax, key, label, scale in ((axes[0], "tokens_per_s", "tokens/s", 1.0),
                                   (axes[1], "ttft_p50_s", "TTFT p50 (ms)", 1e3)):
-        values = []
-        for mode, color in MODE_COLORS.items():
-            for role, face in (("train", "none"), ("test", color)):
-                pts = [(r.run.summary[key] * scale, r.predicted[key] * scale) for r in rows
-                       if r.run.point.mode == mode and r.role == role]
-                if pts:
-                    ax.scatter(*zip(*pts, strict=True), edgecolors=color, facecolors=face,
-                               label=f"{mode} ({role})", s=28)
-                    values += [v for p in pts for v in p]
-        if values:
-            lo, hi = min(values) / 1.2, max(values) * 1.2
-            ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
-            ax.legend(fontsize=7, loc="lower right")
+        _serving_panel(ax, rows, key, scale)
         ax.set_xlabel(f"measured {label}")
         ax.set_ylabel(f"predicted {label}")
     axes[0].set_title("pdgpu serve vs serving simulator", fontsize=9)
     fig.tight_layout()
     return _png(fig)
+
+
+def _serving_panel(ax, rows, key: str, scale: float) -> None:
+    values = []
+    for mode, color in MODE_COLORS.items():
+        for role, face in (("train", "none"), ("test", color)):
+            pts = [(r.run.summary[key] * scale, r.predicted[key] * scale) for r in rows
+                   if r.run.point.mode == mode and r.role == role]
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), edgecolors=color, facecolors=face,
+                           label=f"{mode} ({role})", s=28)
+                values += [v for p in pts for v in p]
+    if values:
+        lo, hi = min(values) / 1.2, max(values) * 1.2
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+        ax.legend(fontsize=7, loc="lower right")
