@@ -121,7 +121,8 @@ def producer_process(rank: int, generation: int, host: str, port: int,
     try:
         code = run_producer(Endpoint(host, port), rank, generation, opts)
     except BaseException as e:  # noqa: BLE001 - one line on stderr, never a traceback
-        print(f"pdgpu serve: producer p{rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        first = (str(e).strip().splitlines() or [""])[0][:300]  # torch errors carry frames
+        print(f"pdgpu serve: producer p{rank}: {type(e).__name__}: {first}", file=sys.stderr)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -228,6 +229,8 @@ def _wait(transport, op: str, timeout_s: float, check_peers):
             continue
         if msg.op == "error":
             raise ServeError(f"producer p{msg.src}: {msg.body['message']}")
+        if msg.op == "beat":  # a producer's heartbeat may start before its hello is read
+            continue
         if msg.op != op:
             raise ServeError(f"producer p{msg.src} sent {msg.op!r} during the handshake")
         return msg
