@@ -159,6 +159,19 @@ def test_killed_producers_restart_and_rejoin(tmp_path, capsys, checkpoint):
     assert any(t > 0.3 for t in p1)  # it served again after it was killed
 
 
+@pytest.mark.parametrize("mode", ["whole", "layer"])
+def test_every_fault_at_once_in_whole_and_layer_mode(tmp_path, capsys, checkpoint, mode):
+    """Fail, stall, corrupt, cancel and a killed-and-restarted producer together, with one
+    span per request (whole) or one per layer: the same guarantees as in chunk mode."""
+    _, results, trace, summary = _run(
+        tmp_path, capsys, checkpoint, 40, 3, "--mode", mode, "--producers", "2",
+        "--concurrency", "4", "--fail-rate", "0.1", "--stall-rate", "0.05", "--span-timeout",
+        "0.3", "--corrupt-rate", "0.1", "--cancel-rate", "0.1", "--kill-producer", "0@0.3",
+        "--restart-producers", "--link-gbps", "0.0005")
+    assert events_of(trace, "fail") and summary["cancelled"] and summary["ok"] >= 20
+    assert summary["producer_restarts"] >= summary["producer_deaths"] == summary["producer_kills"]
+
+
 @pytest.fixture
 def started(monkeypatch):
     """The next in-process run's Decoder, once its serving loop starts."""
