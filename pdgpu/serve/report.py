@@ -27,7 +27,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def result_line(t: Tracked) -> dict:
     ok = t.status == "ok"
     ttft = t.token_t[0] - t.arrival if (t.token_t and t.arrival is not None) else None
-    e2e = t.done_t - t.arrival if (ok and t.arrival is not None) else None
+    e2e = t.done_t - t.arrival if (t.done_t is not None and t.arrival is not None) else None
     line = {"req": t.req, "status": str(t.status), "output": list(t.output) if ok else [],
             "ttft_s": ttft, "e2e_s": e2e, "attempts": t.attempts}
     if not ok:
