@@ -1,33 +1,11 @@
-"""The options of `pdgpu serve` and `pdgpu generate` (DESIGN.md 'Serving runs' names)."""
+"""The options of `pdgpu serve` and `pdgpu generate` (specs/contract.md 'Serving runs' names)."""
 
 from __future__ import annotations
 
-import argparse
-
+from pdgpu.cli_types import int_at_least as _int
+from pdgpu.cli_types import positive_float as _positive
 from pdgpu.serve.config import DEBUG_BUGS
 from pdref.events import Mode
-
-
-def _int(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def add_parsers(sub) -> None:
