@@ -81,7 +81,7 @@ def test_presets_serve_like_generate(tmp_path, preset):
 
 def test_small_pool_backpressure_keeps_arrival_order(tmp_path, checkpoint, capsys):
     """A pool that holds one request: reserves wait for pages, in arrival order, none lost;
-    the summary and result lines carry DESIGN.md's names."""
+    the summary and result lines carry specs/contract.md's names."""
     prompts = drawn_prompts(tmp_path / "p.jsonl", 4, [80, 30, 64, 20], 256, 0, 3, seed=2)
     code, results, trace = serve(
         tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
