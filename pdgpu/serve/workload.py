@@ -3,13 +3,12 @@ or read from `--prompts FILE.jsonl`; each checked before any process starts."""
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import attrs
 
 from pdgpu.workload import WorkloadError
+from pdref import prompts
 
 
 @attrs.frozen
@@ -62,61 +61,23 @@ def draw_requests(count: int, prompt_range: tuple[int, int], prefix: int, output
     return out, shared
 
 
-def _field(obj: dict, where: str, name: str, default=None):
-    value = obj.get(name, default)
-    if value is None:
-        raise WorkloadError(f"{where}: field {name!r} is missing")
-    return value
-
-
-def _prompt_line(obj, where: str, output_tokens: int) -> ServeRequest:
-    if not isinstance(obj, dict):
-        raise WorkloadError(f"{where}: must be a JSON object")
-    req, tokens = _field(obj, where, "req"), _field(obj, where, "tokens")
-    out = _field(obj, where, "output_tokens", output_tokens)
-    if not isinstance(req, str) or not req:
-        raise WorkloadError(f"{where}: req must be a non-empty string")
-    if not isinstance(tokens, list) or not tokens or \
-            not all(type(t) is int for t in tokens):
-        raise WorkloadError(f"{where}: tokens must be a non-empty list of integers")
-    if type(out) is not int or out < 1:
-        raise WorkloadError(f"{where}: output_tokens must be an integer >= 1, got {out!r}")
-    return ServeRequest(req, tokens, out)
-
-
 def read_prompts(path: str, output_tokens: int) -> list[ServeRequest]:
-    """Lines `{"req", "tokens", "output_tokens"}`; the first bad line is refused."""
+    """The prompts file (read by pdref, as pdsim reads it); a line without output_tokens
+    gets the run's."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise WorkloadError(f"prompts: cannot read {path} ({e})") from None
-    out, seen = [], set()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"prompts: {path} line {n}"
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            raise WorkloadError(f"{where}: not valid JSON") from None
-        request = _prompt_line(obj, where, output_tokens)
-        if request.req in seen:
-            raise WorkloadError(f"{where}: req {request.req!r} appears twice")
-        seen.add(request.req)
-        out.append(request)
-    if not out:
-        raise WorkloadError(f"prompts: {path} holds no request")
-    return out
+        lines = prompts.read_prompts(path)
+    except prompts.PromptsError as e:
+        raise WorkloadError(str(e)) from None
+    return [ServeRequest(line.req, line.tokens, line.output_tokens or output_tokens)
+            for line in lines]
 
 
 def shared_prefix(requests: list[ServeRequest], prefix: int) -> tuple[int, ...]:
     """The first `prefix` tokens, which every prompt must share."""
-    first = requests[0].tokens[:prefix]
-    for r in requests:
-        if r.prompt < prefix or r.tokens[:prefix] != first:
-            raise WorkloadError(f"prefix: every prompt must start with the same {prefix} "
-                                f"tokens; request {r.req!r} does not")
-    return first
+    try:
+        return prompts.shared_prefix(requests, prefix)
+    except prompts.PromptsError as e:
+        raise WorkloadError(str(e)) from None
 
 
 def check_vocab(requests: list[ServeRequest], vocab: int) -> None:

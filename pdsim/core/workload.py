@@ -12,8 +12,8 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from pdref.prompts import read_prompts, shared_prefix
 from pdsim.core.config import RequestSpec
-from pdsim.core.prompts import check_shared_prefix, read_prompts
 
 
 class WorkloadError(ValueError):
@@ -61,10 +61,11 @@ def _rows(spec: WorkloadSpec) -> list[dict] | None:
     if spec.prompts_csv and spec.prompts_jsonl:
         raise WorkloadError("prompts: give one of --prompts-csv and --prompts, got both")
     if spec.prompts_jsonl:
-        rows = read_prompts(spec.prompts_jsonl)
+        lines = read_prompts(spec.prompts_jsonl)
         if spec.prefix:
-            check_shared_prefix(rows, spec.prefix)
-        return rows
+            shared_prefix(lines, spec.prefix)
+        return [{"req": line.req, "prompt": line.prompt, "tokens": list(line.tokens),
+                 "output_tokens": line.output_tokens} for line in lines]
     return _read_csv(spec.prompts_csv) if spec.prompts_csv else None
 
 
