@@ -10,7 +10,6 @@ for the requests it is asked about. pdsim never imports pdgpu: both run as subpr
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import attrs
 
 from pdref.models import load_model
+from pdsim.fit.serve_runs import ServePoint, draw_prompts, serve_argv
 from pdsim.views.report import write_atomic
 
 MODES = ("whole", "chunk")
@@ -43,24 +43,22 @@ class ServeDemoError(RuntimeError):
     """A served run or its reference failed to run (not a parity failure: that is reported)."""
 
 
+def point(demo: ServeDemo, mode: str) -> ServePoint:
+    return ServePoint(demo.concurrency, demo.prompt_range, demo.output_tokens, demo.producers,
+                      mode, None, demo.requests, demo.chunk, demo.seed)
+
+
 def write_prompts(demo: ServeDemo, path: Path) -> list[dict]:
-    """Drawn prompts in the engine's prompts-file format; its lines."""
-    rng = random.Random(demo.seed)
-    vocab = load_model(demo.model).vocab
-    lines = [{"req": f"q{i}", "tokens": [rng.randrange(vocab) for _ in
-                                         range(rng.randint(*demo.prompt_range))],
-              "output_tokens": demo.output_tokens} for i in range(demo.requests)]
+    """Drawn prompts in the engine's prompts-file format (as `pdsim validate --serving`
+    draws them); its lines."""
+    lines = draw_prompts(point(demo, MODES[0]), load_model(demo.model).vocab)
     write_atomic(path, "".join(json.dumps(line) + "\n" for line in lines))
     return lines
 
 
-def serve_argv(demo: ServeDemo, mode: str, prompts: Path, out: Path) -> list[str]:
-    argv = [sys.executable, "-m", "pdgpu", "serve", "--model", demo.model, "--mode", mode,
-            "--prompts", str(prompts), "--producers", str(demo.producers),
-            "--concurrency", str(demo.concurrency), "--chunk", str(demo.chunk),
-            "--seed", str(demo.seed), "--verify", "--json", "--no-progress",
-            "--trace", str(out / f"{mode}.jsonl"), "--results", str(out / f"{mode}-results.jsonl")]
-    return argv + (["--device", demo.device] if demo.device else [])
+def serve_mode_argv(demo: ServeDemo, mode: str, prompts: Path, out: Path) -> list[str]:
+    argv = serve_argv(point(demo, mode), demo.model, prompts, out / f"{mode}.jsonl", demo.device)
+    return argv + ["--verify", "--results", str(out / f"{mode}-results.jsonl")]
 
 
 def _run(argv: list[str], what: str) -> str:
@@ -73,7 +71,8 @@ def _run(argv: list[str], what: str) -> str:
 
 def serve_mode(demo: ServeDemo, mode: str, prompts: Path, out: Path) -> dict:
     """One served run: its summary, and each request's result line by id."""
-    summary = json.loads(_run(serve_argv(demo, mode, prompts, out), f"pdgpu serve --mode {mode}"))
+    argv = serve_mode_argv(demo, mode, prompts, out)
+    summary = json.loads(_run(argv, f"pdgpu serve --mode {mode}"))
     results = [json.loads(x) for x in (out / f"{mode}-results.jsonl").read_text().splitlines()]
     return {"mode": mode, "summary": summary, "results": {r["req"]: r for r in results}}
 
