@@ -14,7 +14,9 @@ between decode steps the decoder's loop works decode_gap_s, plus land_byte_s per
   span it lands and admit_byte_s per KV byte of a context it admits (profile [compute]
   values; absent: 0, not modeled)
 While a gather overlaps a compute chunk, the chunk runs slower by `contention` times the
-overlapped time. `pdsim calibrate` fits these same terms from engine traces.
+overlapped time. With `[compute] host_cores` (one host's CPU cores shared by the producers'
+prefill and the decoder's steps), those run processor-shared (pdsim/core/cores.py).
+`pdsim calibrate` fits these same terms from engine traces.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class Costs:
     dense_attention: bool = False  # pairs of a chunk [a, b): n * b, not the causal triangle
     state_bytes: int = 0
     fill_byte_s: float = attrs.field(default=0.0, validator=non_negative)
+    # Cores shared by every producer's compute and the decoder's steps (None: dedicated
+    # devices, nothing shared; pdsim/core/cores.py)
+    host_cores: float | None = None
 
     @property
     def link_byte_s(self) -> float:
@@ -159,6 +164,7 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
         state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),
         head_s=over.head_s or 0.0,  # shipped GPU profiles: absorbed in their efficiency
         dense_attention=bool(over.dense_attention),
+        host_cores=over.host_cores,
     )
 
 

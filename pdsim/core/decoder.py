@@ -151,6 +151,9 @@ class Decoder:
                 self.stepping = False
                 return
             batch, end = self._begin_step()
+            if self.sim.cores is not None:  # shared host cores: its end depends on others
+                self.sim.cores.start(end - env.now, self._end_step, batch)
+                return
             if not env.take(end):
                 env.at(end, self._end_step, batch)
                 return

@@ -129,10 +129,20 @@ class Producer:
             return
         step = job.steps[job.index]
         duration = self._stretched(step.base_s)
+        name = "fill" if self.cfg.no_compute else "compute"  # export: the payload
+        if self.sim.cores is not None:  # shared host cores: the stage is known at its end
+            self.sim.cores.start(duration, self._shared_end, self._end_step, job.req, name,
+                                 self.env.now, job, step)
+            return
         if self.cfg.stages and (duration or not self.cfg.no_compute):
-            name = "fill" if self.cfg.no_compute else "compute"  # export: the payload
             self.sim.stage(self.env.now, job.req, name, duration, None, f"{self.name}.compute")
         self.env.after(duration, self._end_step, job, step)
+
+    def _shared_end(self, then, req: str, name: str, start: float, *args) -> None:
+        """Compute on shared host cores ended: its stage (start to now), then `then`."""
+        if self.cfg.stages and (self.env.now > start or not self.cfg.no_compute):
+            self.sim.ended_stage(start, req, name, f"{self.name}.compute")
+        then(*args)
 
     def _stretched(self, base: float) -> float:
         """Compute time when known gathers (or other contended copy stages) overlap
@@ -162,6 +172,10 @@ class Producer:
     def _run_head(self, job: Job, then) -> None:
         """The first token's LM head (after the last step, before `produced`), then `then`."""
         head = self._head_s()
+        if self.sim.cores is not None:
+            self.sim.cores.start(head, self._shared_end, self._head_done, job.req, "head",
+                                 self.env.now, job, then)
+            return
         if self.cfg.stages:
             self.sim.stage(self.env.now, job.req, "head", head, None, f"{self.name}.compute")
         self.env.after(head, self._head_done, job, then)

@@ -20,6 +20,12 @@ def _positive(_inst, attribute, value) -> None:
         raise ValueError(f"field {attribute.name!r} must be a number > 0, got {value!r}")
 
 
+def _at_least_one_core(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or not 1 <= value < float("inf")):
+        raise ValueError(f"field 'host_cores' must be a number >= 1 (cores), got {value!r}")
+
+
 def non_negative(_inst, attribute, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ValueError(f"field {attribute.name!r} must be a number >= 0, got {value!r}")
@@ -80,6 +86,11 @@ class ComputeOverride:
     decode_gap_s: float | None = None
     land_byte_s: float | None = None
     admit_byte_s: float | None = None
+    # Cores the producers' prefill and the decoder's steps share (one host, CPU devices):
+    # more of them running at once than this, each runs at host_cores / running speed
+    # (pdsim/core/cores.py). A finite number >= 1 (calibrate fits an effective, maybe
+    # fractional, count). Absent: every device has its own compute (GPUs), nothing is shared.
+    host_cores: float | None = None
 
 
 @attrs.frozen
@@ -137,7 +148,9 @@ def hw_from_dict(data: dict, default_name: str, where: str) -> HwProfile:
     try:
         compute = ComputeOverride(**data.get("compute", {}))
         for key, value in attrs.asdict(compute).items():
-            if key == "dense_attention":
+            if key == "host_cores":
+                _at_least_one_core(value)
+            elif key == "dense_attention":
                 if value is not None and not isinstance(value, bool):
                     raise ValueError(f"field 'dense_attention' must be true or false, got "
                                      f"{value!r}")

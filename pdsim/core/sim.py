@@ -21,6 +21,7 @@ import attrs
 from pdref import events as ev
 from pdref.monitor import Monitor
 from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.cores import HostCores
 from pdsim.core.decoder import Decoder, DecodeRecord
 from pdsim.core.env import Env
 from pdsim.core.producer import Producer
@@ -76,7 +77,12 @@ class Sim:
         self.env = Env()
         self.header = make_header(cfg)
         self.events: list = []
-        self.monitor = Monitor(self.header, sink=self.events.append)
+        self.late_stages: list = []  # stages reported when they ended (shared host cores)
+        self.monitor = Monitor(self.header, sink=self.events.append,
+                               stage_sink=self.late_stages.append)
+        # one host's cores shared by every producer's compute and the decoder's steps
+        host_cores = cfg.costs.host_cores
+        self.cores = HostCores(self.env, host_cores) if host_cores is not None else None
         self.emit = self.monitor.emit  # the hot path: producers' events straight to the spec
         self.producers = [self._make_producer(cfg.producer_name(i))
                           for i in range(cfg.producers)]
@@ -161,6 +167,11 @@ class Sim:
     def stage(self, t, req, name, duration, span, resource) -> None:
         self.monitor.emit(ev.Stage(t, req, name, t + duration, span, resource))
 
+    def ended_stage(self, t, req, name, resource) -> None:
+        """A stage that started at `t` and ends now (its length known only now: shared
+        cores); checked by the Monitor and merged into the events by time at the end."""
+        self.monitor.stage(ev.Stage(t, req, name, self.env.now, None, resource))
+
     def next_span(self) -> int:
         self._spans += 1
         return self._spans - 1
@@ -184,11 +195,15 @@ class Sim:
     def run(self) -> SimResult:
         self.env.run()
         self.monitor.close()
+        events = self.events
+        if self.late_stages:  # in time order among the others (equal times: theirs first)
+            self.late_stages.sort(key=lambda e: e.t)
+            events = list(heapq.merge(events, self.late_stages, key=lambda e: e.t))
         requests = self.requests
         if self.entered:
             requests = tuple(attrs.evolve(r, arrival=self.entered.get(r.req, r.arrival))
                              for r in requests)
-        return SimResult(self.cfg, self.header, tuple(self.events), requests, self.env.steps,
+        return SimResult(self.cfg, self.header, tuple(events), requests, self.env.steps,
                          leaked_pages=self.cfg.pool_pages - len(self.monitor.free_page_ids()),
                          decode=self.decoder.record)
 

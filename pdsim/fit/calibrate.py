@@ -35,6 +35,7 @@ from pdsim.fit.fitting import (
     fit_decode_gap,
     fit_fixed,
     fit_fixed_pipelined,
+    fit_host_cores,
     fit_stage,
     is_streamed,
     link_stage_names,
@@ -67,6 +68,7 @@ class Calibration:
     decode: Fit  # serving traces: one decode step (no samples: none in the traces)
     serve_latency_s: float  # serving traces: a request's message round trip (else 0)
     decode_gap: Fit  # serving traces: the decoder loop between steps (no samples: none)
+    host_cores: float | None = None  # effective shared cores (None: dedicated devices)
 
 
 @attrs.frozen
@@ -115,12 +117,13 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     gather = fit_stage(copies, "gather")
     fit_copier = fit_fixed if kind == "serial" else fit_fixed_pipelined
     fixed = fit_copier(copies, gather, links, streamed)
-    compute, dense = fit_attention(computes)
+    cores = fit_host_cores(computes, got.decodes)  # before the terms it divides out
+    compute, dense = fit_attention(computes, cores)
     latency = max(0.0, median(got.latencies))
     return Calibration(read.model, compute, gather, links, streamed, kind, basis,
                        fixed.latency_s, fixed.span_s, fixed.rms, median(got.heads) + latency,
-                       dense, fill_per_byte(got.fills), tuple(paths), fit_decode(got.decodes),
-                       latency, fit_decode_gap(read.gaps))
+                       dense, fill_per_byte(got.fills), tuple(paths),
+                       fit_decode(got.decodes, cores), latency, fit_decode_gap(read.gaps), cores)
 
 
 def fill_per_byte(fills: list[tuple[float, int]]) -> float:
@@ -174,6 +177,9 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         + (f" + serving message round trip {cal.serve_latency_s:.4g} s (before the first "
            "token reaches the decoder)" if cal.serve_latency_s else ""),
         *_decode_lines(cal.decode, cal.decode_gap),
+        *([] if cal.host_cores is None else [
+            f"host_cores = {cal.host_cores!r}  # effective cores the producers' compute and "
+            "the decoder's steps shared (processor sharing; the terms above: each alone)"]),
     ]
     return "\n".join(lines + (_link_lines(cal, name) if cal.links else _base_link(base))) + "\n"
 
@@ -230,6 +236,8 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
                                                                cal.copy_rms),
             ("head_s", cal.head_s, "s", 0.0), ("fill_byte_s", cal.fill_byte_s, "s/B", 0.0),
             ("serve_latency_s", cal.serve_latency_s, "s", 0.0)]
+    if cal.host_cores is not None:
+        out.append(("host_cores", cal.host_cores, "cores", 0.0))
     if cal.decode.samples:
         units = {"decode_s": "s/step", "decode_row_s": "s/row", "decode_kv_token_s": "s/token"}
         out += [(n, cal.decode.get(n), units[n], cal.decode.rms) for n in cal.decode.names]

@@ -9,6 +9,7 @@ import numpy as np
 
 from pdsim.fit.samples import ComputeSample, CopySample, DecodeSample
 from pdsim.fit.serve_samples import GapSample
+from pdsim.fit.sharing import CANDIDATES, slowdown
 
 
 @attrs.frozen
@@ -67,33 +68,88 @@ def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, rounds: int = 3) -
                float(np.mean(y[keep])) if keep.any() else 0.0)
 
 
-def fit_compute(samples: list[ComputeSample], dense: bool = False) -> Fit:
+def fit_compute(samples: list[ComputeSample], dense: bool = False,
+                cores: float | None = None) -> Fit:
     """duration = f * (chunk_s * chunks + token_s * n + pair_s * pairs) + contention * overlap;
-    pairs: the causal triangle, or with `dense` the masked rectangle (triangle + masked)."""
+    pairs: the causal triangle, or with `dense` the masked rectangle (triangle + masked).
+    With `cores` (shared host cores), each duration is first divided by its slowdown."""
+    x = compute_rows(samples, dense)
+    return fit(("chunk_s", "token_s", "pair_s", "contention"), x, alone(samples, cores))
+
+
+def compute_rows(samples: list[ComputeSample], dense: bool) -> np.ndarray:
     rows = []
     for s in samples:
         a, b = s.tokens
         pairs = (b * (b + 1) - a * (a + 1)) / 2 + (s.masked if dense else 0.0)
         rows.append([s.fraction * s.chunks, s.fraction * (b - a), s.fraction * pairs, s.overlap])
-    x = np.array(rows, dtype=float).reshape(-1, 4)
+    return np.array(rows, dtype=float).reshape(-1, 4)
+
+
+def alone(samples, cores: float | None) -> np.ndarray:
+    """The samples' durations as if each had run alone on its core (processor sharing)."""
     y = np.array([s.duration for s in samples], dtype=float)
-    return fit(("chunk_s", "token_s", "pair_s", "contention"), x, y)
+    return y / slowdown(np.array([s.load for s in samples], dtype=float), cores)
 
 
-def fit_attention(samples: list[ComputeSample]) -> tuple[Fit, bool]:
+def fit_attention(samples: list[ComputeSample], cores: float | None = None
+                  ) -> tuple[Fit, bool]:
     """The better of the causal and the dense attention model (smaller rms residual)."""
-    causal, dense = fit_compute(samples), fit_compute(samples, dense=True)
+    causal, dense = fit_compute(samples, cores=cores), fit_compute(samples, True, cores)
     if dense.rms < causal.rms * (1 - 1e-6) and dense.samples >= causal.samples:
         return dense, True
     return causal, False
 
 
-def fit_decode(samples: list[DecodeSample]) -> Fit:
+def decode_rows(samples: list[DecodeSample]) -> np.ndarray:
+    return np.array([[1.0, s.batch, s.kv_tokens] for s in samples], dtype=float).reshape(-1, 3)
+
+
+def fit_decode(samples: list[DecodeSample], cores: float | None = None) -> Fit:
     """One batched decode step: duration = decode_s + decode_row_s * batch
-    + decode_kv_token_s * kv_tokens (the KV tokens its attention read)."""
-    x = np.array([[1.0, s.batch, s.kv_tokens] for s in samples], dtype=float).reshape(-1, 3)
-    y = np.array([s.duration for s in samples], dtype=float)
-    return fit(("decode_s", "decode_row_s", "decode_kv_token_s"), x, y)
+    + decode_kv_token_s * kv_tokens (the KV tokens its attention read); with `cores`, the
+    durations as if alone (processor sharing)."""
+    return fit(("decode_s", "decode_row_s", "decode_kv_token_s"), decode_rows(samples),
+               alone(samples, cores))
+
+
+def fit_host_cores(computes: list[ComputeSample], decodes: list[DecodeSample]
+                   ) -> float | None:
+    """The effective host core count under which compute and decode durations, divided by
+    processor sharing's slowdown and fitted, explain the measured ones best (mean squared
+    log error, every sample); None (dedicated devices) unless some ran together and a count
+    does better by over 1%."""
+    loads = [s.load for s in (*computes, *decodes)]
+    if not loads or max(loads) <= 1.0 + 1e-9:
+        return None
+    scores = {cores: sharing_error(computes, decodes, cores)
+              for cores in (None, *(c for c in CANDIDATES if c < max(loads)))}
+    best = min(scores, key=lambda c: (scores[c], c is not None))
+    return best if scores[best] < 0.99 * scores[None] else None
+
+
+def sharing_error(computes, decodes, cores: float | None) -> float:
+    """Mean squared log error of the durations predicted with `cores` (fitted alone, then
+    slowed) against the measured ones."""
+    errors = []
+    if computes:
+        compute, dense = fit_attention(computes, cores)
+        x = compute_rows(computes, dense)
+        errors.append(log_errors(computes, x @ np.array(compute.values), cores))
+    if decodes:
+        decode = fit_decode(decodes, cores)
+        errors.append(log_errors(decodes, decode_rows(decodes) @ np.array(decode.values),
+                                 cores))
+    both = np.concatenate(errors)
+    return float(np.mean(both**2)) if len(both) else 0.0
+
+
+def log_errors(samples, predicted_alone: np.ndarray, cores: float | None) -> np.ndarray:
+    measured = np.array([s.duration for s in samples], dtype=float)
+    loads = np.array([s.load for s in samples], dtype=float)
+    predicted = predicted_alone * slowdown(loads, cores)
+    ok = (predicted > 0) & (measured > 0)
+    return np.log(predicted[ok] / measured[ok])
 
 
 def fit_decode_gap(samples: list[GapSample]) -> Fit:

@@ -24,6 +24,7 @@ from collections import defaultdict, deque
 import attrs
 
 from pdref.intervals import length
+from pdsim.fit.sharing import Running, running_of
 
 SERVE_SOURCE = "pdgpu serve"  # the header `source` of a serving trace
 # Fed even for the warm-up request: its life keeps its producer busy for the others
@@ -38,6 +39,7 @@ class ComputeSample:
     chunks: int  # prefill chunks the region spans (a layer-major step runs every chunk)
     overlap: float  # seconds of gathers (same producer) inside the stage
     masked: float = 0.0  # masked-out pairs of its chunks (dense attention): sum n (n - 1) / 2
+    load: float = 1.0  # compute activities running meanwhile, itself included (sharing.py)
 
 
 @attrs.frozen
@@ -47,6 +49,7 @@ class DecodeSample:
     duration: float
     batch: int
     kv_tokens: int
+    load: float = 1.0  # compute activities running meanwhile, itself included (sharing.py)
 
 
 @attrs.frozen
@@ -67,8 +70,9 @@ class CopySample:
 
 class _Reader:
     def __init__(self, geometry, chunk: int | None, paced: bool = False,
-                 serving: bool = False) -> None:
+                 serving: bool = False, running: Running | None = None) -> None:
         self.geometry, self.layers = geometry, geometry.layers
+        self.running = running or Running([])
         self.chunk, self.paced, self.serving = chunk, paced, serving
         self.reserves: dict[str, list[float]] = defaultdict(list)
         self.compute_span: dict[str, tuple[float, float]] = {}  # req -> first start, last end
@@ -133,7 +137,8 @@ class _Reader:
         elif e.name == "decode":
             self.decode_spans.append((e.t, e.end))
             if e.batch is not None and e.kv_tokens is not None:
-                self.decodes.append(DecodeSample(e.end - e.t, e.batch, e.kv_tokens))
+                self.decodes.append(DecodeSample(e.end - e.t, e.batch, e.kv_tokens,
+                                                 self.running.load(e.t, e.end)))
         elif e.name == "fill":
             self.open_fill[e.req].append(e)
         elif e.name == "head":
@@ -158,7 +163,8 @@ class _Reader:
             chunks = -(-n // self.chunk) if self.chunk else 1
             out.append(ComputeSample(stage.end - stage.t + lead,
                                      length(done.layers) / self.layers,
-                                     done.tokens, chunks, overlap, self._masked(n)))
+                                     done.tokens, chunks, overlap, self._masked(n),
+                                     self.running.load(stage.t, stage.end)))
         return out
 
     def latencies(self) -> list[float]:
@@ -218,9 +224,10 @@ def samples(header, events, skip_warmup: bool = True) -> TraceSamples:
     engine's warm-up (cold buffers, first-touch page faults) and is left out; decode steps
     are the batch's, not that request's, and all kept."""
     chunk = header.get("chunk")
-    reader = _Reader(header.geometry, chunk if isinstance(chunk, int) else None,
-                     paced=bool(header.get("link_gbps")), serving=header.source == SERVE_SOURCE)
     events = list(events)
+    reader = _Reader(header.geometry, chunk if isinstance(chunk, int) else None,
+                     paced=bool(header.get("link_gbps")), serving=header.source == SERVE_SOURCE,
+                     running=running_of(events))
     reqs = list(dict.fromkeys(e.req for e in events if e.kind == "reserve"))
     skip = reqs[0] if skip_warmup and len(reqs) > 1 else None
     reader.skip = skip
