@@ -206,3 +206,40 @@ def test_decoder_gaps_count_landed_and_admitted_bytes_and_skip_idle():
     per_token = items[0].geometry.bytes_per_token
     assert [(round(g.duration, 3), g.land_bytes, g.admit_bytes) for g in gaps] == [
         (0.005, 2048, 16 * per_token)]
+
+
+def _simulated_serving_trace(path, host_cores, producers: int = 1) -> None:
+    """A serving run of the simulator (chunked prefill beside a decode batch) with its
+    compute and decode stages, on `host_cores` shared cores (None: dedicated devices)."""
+    import attrs
+
+    from pdsim.core.config import RequestSpec, SimConfig
+    from pdsim.core.costs import Costs
+    from pdsim.core.serving import serving_config
+    from pdsim.core.sim import simulate
+    from pdsim.views.report import write_trace
+
+    spec = load_model("tiny")
+    costs = Costs(token_s=2e-5, pair_s=1e-8, chunk_s=2e-3, span_s=1e-5, gather_byte_s=1e-12,
+                  link_stages=(("h2d", 1e-12),), link_latency_s=0.0, host_cores=host_cores,
+                  **TRUTH)
+    rng = random.Random(1)
+    requests = [RequestSpec(f"r{i}", 0.0, rng.randint(64, 320), 0, rng.randint(4, 24))
+                for i in range(40)]
+    cfg = SimConfig(spec.geometry(16), costs, "chunk", 32, producers=producers, stages=True,
+                    labels=(("model", "tiny"),))
+    write_trace(str(path), simulate(serving_config(attrs.evolve(cfg), requests,
+                                                   concurrency=4), requests))
+
+
+@pytest.mark.parametrize(("host_cores", "producers"), [(1.0, 1), (2.0, 3), (None, 2)])
+def test_calibrate_recovers_host_cores_from_simulated_serving(tmp_path, host_cores,
+                                                              producers):
+    """From a simulated serving trace, calibrate finds the shared core count it ran on (none
+    for dedicated devices) and the decode terms as if each step ran alone."""
+    path = tmp_path / "t.jsonl"
+    _simulated_serving_trace(path, host_cores, producers)
+    cal = calibrate([str(path)])
+    assert cal.host_cores == host_cores
+    for name, value in TRUTH.items():
+        assert cal.decode.get(name) == pytest.approx(value, rel=0.02, abs=1e-9), name

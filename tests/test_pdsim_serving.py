@@ -399,3 +399,94 @@ def test_closed_loop_default_pool_holds_c_of_the_largest_slabs(capsys):
     assert out["queue_wait_p99_s"] == 0.0
     assert main(argv + ["--pool-pages", str(16 * 32)]) == 0  # 16 slabs: some wait
     assert json.loads(capsys.readouterr().out)["queue_wait_p99_s"] > 0
+
+
+# -- shared host cores (profile [compute] host_cores: processor sharing) ------------------------
+
+
+def _ends(cores: float, starts: list[tuple[float, float]]) -> list[float]:
+    """End times of activities (start time, work alone in seconds) on `cores` shared cores."""
+    from pdsim.core.cores import HostCores
+    from pdsim.core.env import Env
+
+    env = Env()
+    host, ends = HostCores(env, cores), {}
+    for i, (t, work) in enumerate(starts):
+        env.at(t, host.start, work, lambda i: ends.__setitem__(i, env.now), i)
+    env.run()
+    return [ends[i] for i in range(len(starts))]
+
+
+def test_processor_sharing_by_hand():
+    """One core: a lone activity takes its own time; two together take twice as long; one
+    joining halfway re-times the other (exact sharing, not a rate frozen at start); two
+    cores run two at full speed."""
+    assert _ends(1, [(0.0, 1.0)]) == [pytest.approx(1.0)]
+    assert _ends(1, [(0.0, 1.0), (0.0, 1.0)]) == [pytest.approx(2.0)] * 2
+    # a: 0.5 alone, then shares with b; b: 0.25 of work at half speed ends at 1.0; a then
+    # has 0.25 left alone: ends at 1.25
+    assert _ends(1, [(0.0, 1.0), (0.5, 0.25)]) == [pytest.approx(1.25), pytest.approx(1.0)]
+    assert _ends(2, [(0.0, 1.0), (0.0, 1.0)]) == [pytest.approx(1.0)] * 2
+    assert _ends(2, [(0.0, 1.0)] * 3) == [pytest.approx(1.5)] * 3
+
+
+def _shared(cores):
+    return cfg(costs=attrs.evolve(COSTS, host_cores=cores), output_tokens=8, stages=True)
+
+
+def test_a_lone_request_on_shared_cores_runs_as_on_dedicated_devices():
+    """One request never overlaps its own prefill and decode: the same events either way."""
+    alone = list(simulate(cfg(output_tokens=8, stages=True), reqs(200)).trace_events())
+    shared = list(simulate(_shared(1), reqs(200)).trace_events())
+    assert [(e.kind, getattr(e, "name", None)) for e in shared] == \
+        [(e.kind, getattr(e, "name", None)) for e in alone]
+    assert [e.t for e in shared] == pytest.approx([e.t for e in alone], abs=1e-12)
+
+
+def test_prefill_beside_decode_on_one_core_runs_slower_and_is_checked(tmp_path):
+    """With one shared core a prefill chunk overlapping decode steps lasts longer than its
+    cost alone, and the run's trace (stages merged by time) is legal."""
+    requests = reqs(200, 200, 200, arrivals=[0.0, 0.0, 0.0])
+    run_cfg = serving_config(_shared(1), requests, concurrency=3)
+    result = simulate(run_cfg, requests)
+    stages = [e for e in result.trace_events() if e.kind == "stage"]
+    decodes = [s for s in stages if s.name == "decode"]
+    slowed = [s for s in stages if s.name == "compute"
+              and any(d.t < s.end and d.end > s.t for d in decodes)]
+    assert slowed and all(s.end - s.t > COSTS.compute_s((0, 32)) for s in slowed)
+    write_trace(str(tmp_path / "t.jsonl"), result)
+    check_file(str(tmp_path / "t.jsonl"))
+    dedicated = simulate(attrs.evolve(run_cfg, costs=COSTS), requests)
+    assert workload_metrics(result)["wall_s"] > workload_metrics(dedicated)["wall_s"]
+
+
+@pytest.mark.parametrize("value", [0, 0.5, -1, "two", True, float("inf")])
+def test_bad_host_cores_names_the_field(value):
+    """host_cores must be a finite number >= 1: else one line naming the field."""
+    data = {**load_hw_dict(), "compute": {"host_cores": value}}
+    with pytest.raises(ProfileError, match="host_cores") as e:
+        hw_from_dict(data, "mine", "mine.toml")
+    assert len(str(e.value).splitlines()) == 1
+
+
+def load_hw_dict() -> dict:
+    import tomllib
+
+    from pdsim.core.profiles import HW_DIR
+
+    return tomllib.loads((HW_DIR / "a100-pcie.toml").read_text())
+
+
+def test_a_profile_with_bad_host_cores_is_one_line_exit_2(tmp_path, capsys):
+    """`pdsim run --hw FILE` with host_cores = 0: exit 2, one line naming the field."""
+    import tomllib
+
+    from pdsim.core.profiles import HW_DIR
+
+    text = (HW_DIR / "a100-pcie.toml").read_text()
+    assert "[compute]" not in text and "host_cores" not in tomllib.loads(text)
+    path = tmp_path / "mine.toml"
+    path.write_text(text + "\n[compute]\nhost_cores = 0\n")
+    assert main(["run", "--requests", "2", "--prompt", "256", "--hw", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "host_cores" in err and "Traceback" not in err
