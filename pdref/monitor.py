@@ -6,7 +6,9 @@ the state as it was), and hands every accepted event to a sink (e.g. a TraceWrit
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import compress, count, islice
+from operator import gt
 
 from pdref import events as ev
 from pdref.apply import TRANSITIONS, apply, check_end, initial_state
@@ -52,6 +54,24 @@ class Monitor:
         self.events += 1
         if self.stage_sink is not None:
             self.stage_sink(event)
+
+    def recorded_stages(self, name: str, starts: Sequence[float], ends: Sequence[float]) -> None:
+        """Stages a shell recorded as times instead of emitting them one by one (pdsim's
+        decode steps: one per token at batch 1), which its trace writer merges by time:
+        checked for form as `stage` checks one (each ends at or after it starts) and for
+        order among themselves (starts never decrease), both TRACE-2; in C, not one call
+        per stage. Counted as checked events; not handed to a sink (the shell writes them)."""
+        if len(starts) != len(ends):
+            raise ValueError(f"{len(starts)} stage starts but {len(ends)} ends")
+        bad = next(compress(count(), map(gt, starts, ends)), None)
+        if bad is not None:
+            raise Violation("TRACE-2", f"stage {name} ends at {ends[bad]}, before it starts "
+                            f"at {starts[bad]}")
+        back = next(compress(count(1), map(gt, starts, islice(starts, 1, None))), None)
+        if back is not None:
+            raise Violation("TRACE-2", f"stage {name} starts at {starts[back]}, before the "
+                            f"one recorded before it at {starts[back - 1]}")
+        self.events += len(starts)
 
     def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0"):
         """Allocate the lowest free pages for [prefix, prompt) and emit the reserve; page ids."""

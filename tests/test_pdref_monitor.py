@@ -90,3 +90,20 @@ def test_stage_reported_after_it_ended_goes_to_the_stage_sink():
     with pytest.raises(Violation) as info:
         m.stage(ev.Stage(0.5, "r", "gather", 0.4))
     assert info.value.code == "TRACE-2" and len(stages) == 1
+
+
+def test_recorded_stages_checked_for_form_and_order():
+    """recorded_stages counts good stages; an end before its start, or a start before the
+    previous one, is TRACE-2 naming the stage's times."""
+    geo = Geometry(layers=1, kv_heads=1, head_dim=2, dtype_bytes=1, page_tokens=4)
+    m = Monitor(ev.Header("t", "chunk", geo, 8, 1))
+    m.recorded_stages("decode", [0.0, 1.0, 1.0, 2.5], [1.0, 1.0, 2.5, 3.0])
+    assert m.events == 4
+    with pytest.raises(Violation, match="ends at 1.5, before it starts at 2.0") as info:
+        m.recorded_stages("decode", [0.0, 2.0, 3.0], [1.0, 1.5, 3.5])
+    assert info.value.code == "TRACE-2"
+    with pytest.raises(Violation, match="starts at 0.5, before the one recorded before it at 1.0"):
+        m.recorded_stages("decode", [0.0, 1.0, 0.5], [0.5, 1.2, 0.7])
+    with pytest.raises(ValueError):
+        m.recorded_stages("decode", [0.0], [])
+    assert m.events == 4

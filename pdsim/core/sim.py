@@ -194,6 +194,8 @@ class Sim:
 
     def run(self) -> SimResult:
         self.env.run()
+        record = self.decoder.record  # its steps become the trace's `decode` stages: checked
+        self.monitor.recorded_stages("decode", record.step_start, record.step_end)
         self.monitor.close()
         events = self.events
         if self.late_stages:  # in time order among the others (equal times: theirs first)
