@@ -8,7 +8,8 @@ the whole `pdsim run` process on that workload (start-up and imports included).
                                                 # alternating rounds (DIR: its repository root)
 
 Every simulated event goes through pdref's Monitor (the spec), as in any pdsim run; decode
-steps are recorded by the decoder and written as `decode` stages by the trace writer.
+steps are recorded by the decoder, checked in one batch (`Monitor.recorded_stages`) and
+written as `decode` stages by the trace writer.
 The whole-process figure reports wall and CPU seconds (medians): on a shared machine the CPU
 time moves less with other work.
 """
