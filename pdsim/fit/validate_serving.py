@@ -3,14 +3,16 @@ this machine, calibrate the simulator on the training part, predict the held-out
 
 Each point serves prompts drawn here (pdsim/fit/serve_runs.py) in a closed loop. The
 training points' traces feed `pdsim calibrate` (prefill compute per chunk from compute
-stages, gather and link from copy stages, the decode step from decode stages); the serving
+stages, gather and link from copy stages, the decode step from decode stages, and the
+effective host cores prefill and decode shared, each as if alone); the serving
 simulator (pdsim.core.serving) then plays every point's very prompts with that profile,
 each link direction paced as the engine paced it. The errors of tokens/s and of the median
 TTFT on the held-out points are the result; the training points' errors are calibration,
 reported apart, and so are `in_sample` errors: each held-out run predicted from a profile
 calibrated on its own trace. Those say what the model misses when the machine runs as it
 did in that very run; the held-out errors add what the machine's own drift between runs
-does (on a shared machine, the larger part).
+does (on a shared machine, the larger part: the same point and prompts served four times
+in a row on a quiet machine gave 26..45 tokens/s, README).
 """
 
 from __future__ import annotations
