@@ -169,12 +169,15 @@ def test_queued_sender_lets_compute_run_ahead_of_a_slow_link():
     assert out["queued"] < out["blocking"] * 0.5
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_faults_under_serving_stay_legal_and_leak_nothing(tmp_path, seed):
-    """Failures, cancels and a killed producer with a queued sender and a closed loop:
-    legal trace, no page leaked, one outcome per request, retries spent."""
+@pytest.mark.parametrize(("seed", "host_cores"), [(0, None), (1, None), (2, None), (3, None),
+                                                  (0, 1.0), (1, 1.5)])
+def test_faults_under_serving_stay_legal_and_leak_nothing(tmp_path, seed, host_cores):
+    """Failures, cancels and a killed producer with a queued sender and a closed loop (on
+    dedicated devices, and on shared host cores): legal trace, no page leaked, one outcome
+    per request, retries spent."""
     spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
-    costs = costs_for(spec, hw, load_link(hw.link)).scaled(bandwidth=0.05)
+    costs = attrs.evolve(costs_for(spec, hw, load_link(hw.link)).scaled(bandwidth=0.05),
+                         host_cores=host_cores)
     config = SimConfig(sim_geometry(spec), costs, "chunk", 128, pool_pages=4 * 64, producers=2,
                        output_tokens=6, concurrency=4, sender="queued", source_pages=128)
     requests = [RequestSpec(f"r{i}", 0.0, 256 + 64 * (i % 5)) for i in range(16)]
