@@ -115,7 +115,7 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
     return state.with_life(
         life.with_flight(life.in_flight + (span,)),
         pending=pending.set(producer, count + 1),
-        spans_used=state.spans_used.add(span_id, event.req),
+        spans_used=state.spans_used.set(span_id, event.req),
     )
 
 

@@ -17,7 +17,7 @@ import immutables
 
 from pdref.events import Header, Mode, SpanId
 from pdref.geometry import Geometry
-from pdref.intervals import IntervalSet, Range, overlaps
+from pdref.intervals import Range, overlaps
 from pdref.pool import Pool
 from pdref.progress import Coverage, LayerProgress
 
@@ -111,26 +111,6 @@ class Quarantine:
     unfenced: int  # how many of its spans are still unfenced (>= 1)
 
 
-@attrs.frozen
-class UsedSpans:
-    """Span ids issued so far, never forgotten (REQ-1: an id is used once). Integer ids are
-    kept as ranges: a simulator numbers its spans 0, 1, 2, ..., one range however many (a map
-    of every id grew by a node path per span); any other id in a map, id -> its request."""
-
-    ints: IntervalSet = IntervalSet()
-    others: immutables.Map = immutables.Map()
-
-    def __contains__(self, span: SpanId) -> bool:
-        if isinstance(span, int):
-            return self.ints.covers((int(span), int(span) + 1))
-        return span in self.others
-
-    def add(self, span: SpanId, req: str) -> UsedSpans:
-        if isinstance(span, int):
-            return UsedSpans(self.ints.union((int(span), int(span) + 1)), self.others)
-        return UsedSpans(self.ints, self.others.set(span, req))
-
-
 class SystemState(NamedTuple):
     """The decoder pool, every live request, the producers' in-flight counts, used span ids,
     and (v2) the unfenced spans and the quarantined slabs of ended lives."""
@@ -141,7 +121,7 @@ class SystemState(NamedTuple):
     pool: Pool
     requests: immutables.Map = immutables.Map()  # req -> RequestLife
     pending: immutables.Map = immutables.Map()  # producer -> spans in flight or unfenced
-    spans_used: UsedSpans = UsedSpans()  # never forgotten
+    spans_used: immutables.Map = immutables.Map()  # span id -> req, never forgotten
     version: int = 2
     lives: int = 0  # lives started so far: the next life's serial
     unfenced: immutables.Map = immutables.Map()  # span id -> Unfenced

@@ -6,7 +6,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdref.intervals import IntervalSet, contains, intersect, is_empty, length, overlaps
-from pdref.state import UsedSpans
 
 N = 24
 points = st.integers(0, N)
@@ -169,14 +168,3 @@ def test_range_helpers(x, y):
     if py:
         assert contains(x, y) == (py <= px)
     assert pts(intersect(x, y)) == px & py
-
-
-@given(st.lists(st.one_of(st.integers(-5, 40), st.sampled_from(["a", "b", "7", "r1-0"])),
-                max_size=30), st.one_of(st.integers(-6, 41), st.sampled_from(["a", "c", "7"])))
-def test_used_spans_match_a_set(ids, probe):
-    """UsedSpans (integer ids as ranges, others in a map) holds exactly the ids added."""
-    used = UsedSpans()
-    for i, span in enumerate(ids):
-        used = used.add(span, f"r{i}")
-    assert (probe in used) == (probe in set(ids))
-    assert all(span in used for span in ids)
