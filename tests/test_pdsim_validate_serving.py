@@ -9,6 +9,7 @@ import pytest
 from pdref.models import SPECS_DIR, load_model
 from pdsim.cli import main
 from pdsim.core.metrics import workload_metrics
+from pdsim.core.profiles import load_hw
 from pdsim.core.sim import simulate
 from pdsim.fit import validate_serving as vs
 from pdsim.fit.serve_runs import ServePoint, ServeRun, draw_prompts, serve_argv
@@ -119,13 +120,17 @@ def _simulated_engine(truth: str):
     return run
 
 
-def test_validation_against_a_simulated_engine_is_exact(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("host_cores", [None, 1.0])
+def test_validation_against_a_simulated_engine_is_exact(tmp_path, monkeypatch, capsys,
+                                                        host_cores):
     """With the simulator itself as the engine, calibrating on the training runs' serving
     traces and predicting the held-out runs gives tokens/s and TTFT within 2%: the fit reads
-    every term serving needs from serve-shaped traces. The command prints one JSON object
-    with the issue's keys and writes the profile and the PNG."""
+    every term serving needs from serve-shaped traces, the shared host cores too (found, and
+    none when the engine had dedicated devices). The command prints one JSON object with the
+    issue's keys and writes the profile and the PNG."""
     truth = tmp_path / "truth.toml"  # a device unlike the base profile calibrate starts from
-    truth.write_text((SPECS_DIR / "hw" / "a100-pcie.toml").read_text() + TRUTH_COMPUTE)
+    shared = f"host_cores = {host_cores}\n" if host_cores else ""
+    truth.write_text((SPECS_DIR / "hw" / "a100-pcie.toml").read_text() + TRUTH_COMPUTE + shared)
     monkeypatch.setattr(vs, "run_serve", _simulated_engine(str(truth)))
     assert main(["validate", "--serving", "--model", "small", "--out", str(tmp_path / "v"),
                  "--json", "--quiet"]) == 0
@@ -134,12 +139,16 @@ def test_validation_against_a_simulated_engine_is_exact(tmp_path, monkeypatch, c
     for key in ("median_tps_err_pct", "worst_tps_err_pct", "median_ttft_p50_err_pct",
                 "worst_ttft_p50_err_pct"):
         assert 0 <= out[key] < 2.0, (key, out[key])
-        # one run's trace alone need not separate every term (one prompt range, one mode)
-        assert 0 <= out["in_sample"][key] < 10.0, (key, out["in_sample"][key])
+        # one run's trace alone need not separate every term (one prompt range, one mode;
+        # sharing cores, one run's spans may never queue, so its copier is only assumed)
+        if host_cores is None or "tps" in key:
+            assert 0 <= out["in_sample"][key] < 10.0, (key, out["in_sample"][key])
     assert out["in_sample"]["n"] == len(out["configs"])
     assert statistics.median(c["tps_err_pct"] for c in out["configs"]) == pytest.approx(
         out["median_tps_err_pct"])
     assert (tmp_path / "v" / "serving-validation.png").read_bytes()[:4] == b"\x89PNG"
+    assert load_hw(str(tmp_path / "v" / "serving-profile.toml")).compute.host_cores == host_cores
+    assert len(out["load_average"]) == 2
     assert main(["run", "--hw", str(tmp_path / "v" / "serving-profile.toml"), "--model", "small",
                  "--requests", "4", "--concurrency", "2", "--output-tokens", "4",
                  "--json"]) == 0

@@ -29,6 +29,7 @@ from pdref.trace import read_trace
 from pdsim.core.profiles import COPIERS, link_of, load_hw
 from pdsim.fit.fitting import (
     Fit,
+    alone,
     copier_of,
     fit_attention,
     fit_decode,
@@ -121,7 +122,8 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     compute, dense = fit_attention(computes, cores)
     latency = max(0.0, median(got.latencies))
     return Calibration(read.model, compute, gather, links, streamed, kind, basis,
-                       fixed.latency_s, fixed.span_s, fixed.rms, median(got.heads) + latency,
+                       fixed.latency_s, fixed.span_s, fixed.rms,
+                       median(alone(got.heads, cores)) + latency,
                        dense, fill_per_byte(got.fills), tuple(paths),
                        fit_decode(got.decodes, cores), latency, fit_decode_gap(read.gaps), cores)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from pdsim.fit.samples import ComputeSample, CopySample, DecodeSample
 from pdsim.fit.serve_samples import GapSample
-from pdsim.fit.sharing import CANDIDATES, slowdown
+from pdsim.fit.sharing import CANDIDATES, work_alone
 
 
 @attrs.frozen
@@ -88,8 +88,7 @@ def compute_rows(samples: list[ComputeSample], dense: bool) -> np.ndarray:
 
 def alone(samples, cores: float | None) -> np.ndarray:
     """The samples' durations as if each had run alone on its core (processor sharing)."""
-    y = np.array([s.duration for s in samples], dtype=float)
-    return y / slowdown(np.array([s.load for s in samples], dtype=float), cores)
+    return np.array([work_alone(s.duration, s.running, cores) for s in samples], dtype=float)
 
 
 def fit_attention(samples: list[ComputeSample], cores: float | None = None
@@ -115,39 +114,36 @@ def fit_decode(samples: list[DecodeSample], cores: float | None = None) -> Fit:
 
 def fit_host_cores(computes: list[ComputeSample], decodes: list[DecodeSample]
                    ) -> float | None:
-    """The effective host core count under which compute and decode durations, divided by
-    processor sharing's slowdown and fitted, explain the measured ones best (mean squared
+    """The effective host core count under which compute and decode times alone (processor
+    sharing taken out, sharing.py) are best explained by their linear terms (mean squared
     log error, every sample); None (dedicated devices) unless some ran together and a count
-    does better by over 1%."""
-    loads = [s.load for s in (*computes, *decodes)]
-    if not loads or max(loads) <= 1.0 + 1e-9:
+    does better than none by over 1%."""
+    peak = max((n for s in (*computes, *decodes) for _, n in s.running), default=1)
+    if peak <= 1:
         return None
     scores = {cores: sharing_error(computes, decodes, cores)
-              for cores in (None, *(c for c in CANDIDATES if c < max(loads)))}
+              for cores in (None, *(c for c in CANDIDATES if c < peak))}
     best = min(scores, key=lambda c: (scores[c], c is not None))
     return best if scores[best] < 0.99 * scores[None] else None
 
 
 def sharing_error(computes, decodes, cores: float | None) -> float:
-    """Mean squared log error of the durations predicted with `cores` (fitted alone, then
-    slowed) against the measured ones."""
+    """Mean squared log error of the linear terms fitted on the times alone under `cores`
+    against those times."""
     errors = []
     if computes:
         compute, dense = fit_attention(computes, cores)
-        x = compute_rows(computes, dense)
-        errors.append(log_errors(computes, x @ np.array(compute.values), cores))
+        predicted = compute_rows(computes, dense) @ np.array(compute.values)
+        errors.append(log_errors(predicted, alone(computes, cores)))
     if decodes:
         decode = fit_decode(decodes, cores)
-        errors.append(log_errors(decodes, decode_rows(decodes) @ np.array(decode.values),
-                                 cores))
+        predicted = decode_rows(decodes) @ np.array(decode.values)
+        errors.append(log_errors(predicted, alone(decodes, cores)))
     both = np.concatenate(errors)
     return float(np.mean(both**2)) if len(both) else 0.0
 
 
-def log_errors(samples, predicted_alone: np.ndarray, cores: float | None) -> np.ndarray:
-    measured = np.array([s.duration for s in samples], dtype=float)
-    loads = np.array([s.load for s in samples], dtype=float)
-    predicted = predicted_alone * slowdown(loads, cores)
+def log_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
     ok = (predicted > 0) & (measured > 0)
     return np.log(predicted[ok] / measured[ok])
 

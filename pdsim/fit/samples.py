@@ -39,7 +39,8 @@ class ComputeSample:
     chunks: int  # prefill chunks the region spans (a layer-major step runs every chunk)
     overlap: float  # seconds of gathers (same producer) inside the stage
     masked: float = 0.0  # masked-out pairs of its chunks (dense attention): sum n (n - 1) / 2
-    load: float = 1.0  # compute activities running meanwhile, itself included (sharing.py)
+    # its stage's span as (seconds, compute activities running, itself included): sharing.py
+    running: tuple = ()
 
 
 @attrs.frozen
@@ -49,7 +50,16 @@ class DecodeSample:
     duration: float
     batch: int
     kv_tokens: int
-    load: float = 1.0  # compute activities running meanwhile, itself included (sharing.py)
+    # its stage's span as (seconds, compute activities running, itself included): sharing.py
+    running: tuple = ()
+
+
+@attrs.frozen
+class HeadSample:
+    """One `head` stage: the first token's LM head, and what ran meanwhile (sharing.py)."""
+
+    duration: float
+    running: tuple = ()  # (seconds, compute activities running), as ComputeSample's
 
 
 @attrs.frozen
@@ -90,7 +100,7 @@ class _Reader:
         self.span_stages: dict = defaultdict(list)
         self.copies: list[tuple[str, CopySample]] = []
         self.gathers: dict[str, list] = defaultdict(list)
-        self.heads: list[float] = []  # durations of `head` stages (the first token's LM head)
+        self.heads: list[HeadSample] = []  # `head` stages (the first token's LM head)
         self.produced: dict[str, float] = {}
         self.decodes: list[DecodeSample] = []
 
@@ -138,11 +148,11 @@ class _Reader:
             self.decode_spans.append((e.t, e.end))
             if e.batch is not None and e.kv_tokens is not None:
                 self.decodes.append(DecodeSample(e.end - e.t, e.batch, e.kv_tokens,
-                                                 self.running.load(e.t, e.end)))
+                                                 self.running.segments(e.t, e.end)))
         elif e.name == "fill":
             self.open_fill[e.req].append(e)
         elif e.name == "head":
-            self.heads.append(e.end - e.t)
+            self.heads.append(HeadSample(e.end - e.t, self.running.segments(e.t, e.end)))
             self.head_end[e.req] = e.end
         elif e.span is not None:
             self.span_stages[e.span].append((e.name, e.t, e.end))
@@ -164,7 +174,7 @@ class _Reader:
             out.append(ComputeSample(stage.end - stage.t + lead,
                                      length(done.layers) / self.layers,
                                      done.tokens, chunks, overlap, self._masked(n),
-                                     self.running.load(stage.t, stage.end)))
+                                     self.running.segments(stage.t, stage.end)))
         return out
 
     def latencies(self) -> list[float]:
@@ -213,7 +223,7 @@ class _Reader:
 class TraceSamples:
     computes: list[ComputeSample]
     copies: list[CopySample]
-    heads: list[float]
+    heads: list[HeadSample]
     fills: list[tuple[float, int]]
     decodes: list[DecodeSample] = attrs.Factory(list)
     latencies: list[float] = attrs.Factory(list)  # serving traces: seconds, one per request

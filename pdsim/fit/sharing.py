@@ -1,19 +1,18 @@
 """How many compute activities ran at once, read from a trace: for fitting `host_cores`.
 
 The activities are what pdsim/core/cores.py shares the host's cores among: producers'
-`compute` and `head` stages and the decoder's `decode` steps. A stage's `load` is the mean
-number of them running over its span, itself included (1.0: it ran alone). Under processor
-sharing on c cores a stage that ran beside load - 1 others took max(1, load / c) times its
-time alone; `fit_host_cores` picks the c under which the compute and decode terms, fitted
-on durations divided by that factor, explain the measured durations best.
+`compute` and `head` stages and the decoder's `decode` steps. A stage's `running` is its
+span cut where that number changes: (seconds, activities running, itself included). Under
+processor sharing on c cores a stage does min(1, c / n) seconds of its own work per second
+while n run, so its time alone is the sum of those (`work_alone`), exactly as the simulator
+plays it; `fitting.fit_host_cores` picks the c under which the compute and decode terms,
+fitted on those times alone, explain them best.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from itertools import accumulate
-
-import numpy as np
 
 ACTIVITIES = ("compute", "head", "decode")  # the stages that run on the host's cores
 # Candidate core counts: effective (other work on a shared machine takes a share too), so
@@ -22,29 +21,27 @@ CANDIDATES = tuple(1.0 + 0.125 * i for i in range(41))
 
 
 class Running:
-    """The number of activities running as a step function of time, and its integral."""
+    """The number of activities running, as a step function of time."""
 
     def __init__(self, spans: list[tuple[float, float]]) -> None:
         edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
         self.times = [t for t, _ in edges]
         self.counts = list(accumulate(d for _, d in edges))  # running on [times[i], next)
-        steps = [c * (t1 - t0) for c, t0, t1 in zip(self.counts, self.times, self.times[1:],
-                                                    strict=False)]  # the last count is 0
-        self.area = [0.0, *accumulate(steps)]  # integral from times[0] to times[i]
 
-    def integral(self, t: float) -> float:
-        """Activity-seconds from the first activity's start to `t`."""
-        i = bisect_right(self.times, t) - 1
-        if i < 0:
-            return 0.0
-        return self.area[i] + (self.counts[i] * (t - self.times[i]) if i < len(self.counts)
-                               else 0.0)
-
-    def load(self, a: float, b: float) -> float:
-        """Mean activities running over [a, b] (1.0 for a span of no length)."""
-        if b <= a:
-            return 1.0
-        return max(1.0, (self.integral(b) - self.integral(a)) / (b - a))
+    def segments(self, a: float, b: float) -> tuple[tuple[float, int], ...]:
+        """[a, b] cut where the running count changes: (seconds, running, at least 1)."""
+        out: list[list] = []
+        i = max(bisect_right(self.times, a) - 1, 0)
+        while i < len(self.counts) and self.times[i] < b:
+            end = self.times[i + 1] if i + 1 < len(self.times) else b
+            seconds, count = min(b, end) - max(a, self.times[i]), max(self.counts[i], 1)
+            if seconds > 0:
+                if out and out[-1][1] == count:
+                    out[-1][0] += seconds
+                else:
+                    out.append([seconds, count])
+            i += 1
+        return tuple((seconds, count) for seconds, count in out)
 
 
 def running_of(events) -> Running:
@@ -53,8 +50,11 @@ def running_of(events) -> Running:
                     if e.kind == "stage" and e.name in ACTIVITIES and e.end > e.t])
 
 
-def slowdown(load: np.ndarray, cores: float | None) -> np.ndarray:
-    """Processor sharing's factor on c cores (None: dedicated devices, 1)."""
-    if cores is None:
-        return np.ones_like(load)
-    return np.maximum(1.0, load / cores)
+def work_alone(duration: float, running, cores: float | None) -> float:
+    """A sample's time alone on c cores (None: dedicated devices, its duration): the part
+    of its duration outside its stage (a producer's idle lead) as is, each segment of the
+    stage at min(1, c / n) of its length."""
+    if cores is None or not running:
+        return duration
+    shared = sum(seconds * min(1.0, cores / count) for seconds, count in running)
+    return duration - sum(seconds for seconds, _ in running) + shared

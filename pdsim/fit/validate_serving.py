@@ -17,6 +17,7 @@ in a row on a quiet machine gave 26..45 tokens/s, README).
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -161,12 +162,15 @@ def validate_serving(model: str, grid_name: str, out: Path, device: str | None =
                      ) -> tuple[list[ServeRow], dict]:
     """Serve the grid, calibrate on its training runs, predict every run; rows and JSON."""
     out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]  # other work on the host: the held-out errors' floor
     runs = run_serve_grid(SERVE_GRIDS[grid_name], model, out, device, progress)
+    load_after = os.getloadavg()[0]
     profile = fit_serving_profile(runs, out, model)
     spec = load_model(model)
     rows = [ServeRow(run, role, predictor(spec, profile, run)) for run, role in runs]
     held_out = serving_summary(rows, "test")
     result = {"model": model, "grid": grid_name, "profile": str(profile), **held_out,
+              "load_average": [load_before, load_after],  # 1-minute, before and after
               "train": serving_summary(rows, "train"),
               "in_sample": serving_summary(in_sample_rows(runs, model, predictor)),
               "configs": [r.to_json() for r in rows if r.role == "test"],
