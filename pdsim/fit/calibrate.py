@@ -13,7 +13,10 @@ traces (`pdgpu serve`) add their `decode` stages: a decode step's fixed, per-row
 token seconds (decode_s, decode_row_s, decode_kv_token_s), by the same
 non-negative least squares; the profile's [compute] table carries them, and the decoder
 loop's own time between two steps (decode_gap_s, plus land_byte_s per span byte it landed
-and admit_byte_s per context byte it admitted there: pdsim/fit/serve_samples.py).
+and admit_byte_s per context byte it admitted there: pdsim/fit/serve_samples.py), and the
+effective host cores prefill and decode shared (`host_cores`, when some ran together and a
+count explains their times better than dedicated devices: pdsim/fit/sharing.py); the compute,
+head and decode terms are then each one's time alone.
 The profile written is an hw profile (with its link inline) that `pdsim run --hw
 PROFILE.toml` accepts with the traces' model; each figure is printed with its residual.
 """
