@@ -243,3 +243,23 @@ def test_calibrate_recovers_host_cores_from_simulated_serving(tmp_path, host_cor
     assert cal.host_cores == host_cores
     for name, value in TRUTH.items():
         assert cal.decode.get(name) == pytest.approx(value, rel=0.02, abs=1e-9), name
+
+
+@pytest.mark.parametrize(("host_cores", "producers", "host", "fitted"),
+                         [(1.0, 1, 2, 1.0), (None, 3, 2, 2.0), (None, 1, 4, 4.0)])
+def test_a_known_host_bounds_the_fitted_cores(tmp_path, host_cores, producers, host, fitted):
+    """Told the engine ran on one host of N cores, calibrate fits a count of at most N and
+    never dedicated devices: the true one when below N, else N."""
+    path = tmp_path / "t.jsonl"
+    _simulated_serving_trace(path, host_cores, producers)
+    assert calibrate([str(path)], host_cores=host).host_cores == fitted
+
+
+def test_calibrate_refuses_host_cores_under_one(tmp_path, capsys):
+    """`pdsim calibrate --host-cores 0`: one line naming the option, exit 2, nothing written."""
+    decode_trace(tmp_path / "d.jsonl")
+    out = tmp_path / "p.toml"
+    assert main(["calibrate", str(tmp_path / "d.jsonl"), "-o", str(out),
+                 "--host-cores", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--host-cores" in err and not out.exists()

@@ -132,6 +132,7 @@ def test_validation_against_a_simulated_engine_is_exact(tmp_path, monkeypatch, c
     shared = f"host_cores = {host_cores}\n" if host_cores else ""
     truth.write_text((SPECS_DIR / "hw" / "a100-pcie.toml").read_text() + TRUTH_COMPUTE + shared)
     monkeypatch.setattr(vs, "run_serve", _simulated_engine(str(truth)))
+    monkeypatch.setattr(vs, "engine_host_cores", lambda device: None)  # not this host's
     assert main(["validate", "--serving", "--model", "small", "--out", str(tmp_path / "v"),
                  "--json", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)

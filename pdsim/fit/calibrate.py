@@ -103,10 +103,12 @@ def read_samples(paths: list[str], skip_warmup: bool = True) -> ReadSamples:
     return ReadSamples(merged, models.pop(), gaps)
 
 
-def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = None
-              ) -> Calibration:
+def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = None,
+              host_cores: int | None = None) -> Calibration:
     """Fit every term; with `skip_warmup`, a trace's first request (of several) is left out.
-    `copier` ("serial" or "pipelined") overrides what the traces show."""
+    `copier` ("serial" or "pipelined") overrides what the traces show. `host_cores`: the
+    traces' engine ran on one host of that many cores (CPU devices): the fitted effective
+    count is at most that, never dedicated devices."""
     read = read_samples(paths, skip_warmup)
     computes, copies, got = read.samples.computes, read.samples.copies, read.samples
     if not computes and not copies and not got.decodes:
@@ -121,7 +123,7 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     gather = fit_stage(copies, "gather")
     fit_copier = fit_fixed if kind == "serial" else fit_fixed_pipelined
     fixed = fit_copier(copies, gather, links, streamed)
-    cores = fit_host_cores(computes, got.decodes)  # before the terms it divides out
+    cores = fit_host_cores(computes, got.decodes, host_cores)  # before the terms it divides
     compute, dense = fit_attention(computes, cores)
     latency = max(0.0, median(got.latencies))
     return Calibration(read.model, compute, gather, links, streamed, kind, basis,
@@ -265,15 +267,22 @@ def add_args(p) -> None:
                    help="the engine's copier, instead of what the traces show (needed when "
                         "no span was issued while another was in flight, e.g. whole-copy "
                         "traces only; then pipelined is assumed)")
+    p.add_argument("--host-cores", type=int, default=None, metavar="N",
+                   help="the traces' engine ran on one host of N cores (CPU devices): fit an "
+                        "effective shared core count of at most N (default: fit one only "
+                        "when it explains the stages better than dedicated devices)")
     p.add_argument("--json", action="store_true", help="print the fitted figures as JSON")
 
 
 def command(args) -> int:
     from pdref.violations import Violation
 
+    if args.host_cores is not None and args.host_cores < 1:
+        raise UsageError(f"--host-cores must be >= 1, got {args.host_cores}")
     base = load_hw(args.hw)
     try:
-        cal = calibrate(args.traces, skip_warmup=not args.keep_warmup, copier=args.copier)
+        cal = calibrate(args.traces, skip_warmup=not args.keep_warmup, copier=args.copier,
+                        host_cores=args.host_cores)
     except Violation as v:
         raise UsageError(f"TRACE: not a legal trace: {v.code} {v.message}") from None
     name = args.name or Path(args.output).stem

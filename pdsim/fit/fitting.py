@@ -112,13 +112,17 @@ def fit_decode(samples: list[DecodeSample], cores: float | None = None) -> Fit:
                alone(samples, cores))
 
 
-def fit_host_cores(computes: list[ComputeSample], decodes: list[DecodeSample]
-                   ) -> float | None:
+def fit_host_cores(computes: list[ComputeSample], decodes: list[DecodeSample],
+                   host: int | None = None) -> float | None:
     """The effective host core count under which compute and decode times alone (processor
     sharing taken out, sharing.py) are best explained by their linear terms (mean squared
     log error, every sample); None (dedicated devices) unless some ran together and a count
-    does better than none by over 1%."""
+    does better than none by over 1%. `host`: the engine ran on one host of that many cores
+    (CPU devices), so the count is one of at most `host`, never dedicated devices."""
     peak = max((n for s in (*computes, *decodes) for _, n in s.running), default=1)
+    if host is not None:
+        counts = sorted({*(c for c in CANDIDATES if c < min(peak, host)), float(host)})
+        return min(counts, key=lambda c: (sharing_error(computes, decodes, c), -c))
     if peak <= 1:
         return None
     scores = {cores: sharing_error(computes, decodes, cores)

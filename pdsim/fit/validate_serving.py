@@ -99,23 +99,27 @@ def run_serve_grid(grid, model: str, out: Path, device: str | None = None,
 
 
 def fit_serving_profile(runs: list[tuple[ServeRun, str]], out: Path, model: str,
-                        name: str = "serving-profile.toml") -> Path:
-    """Calibrate from the training runs' traces; the profile is out/NAME."""
+                        name: str = "serving-profile.toml", host_cores: int | None = None
+                        ) -> Path:
+    """Calibrate from the training runs' traces; the profile is out/NAME. `host_cores`: the
+    engine's processes shared this host's that many cores (CPU devices)."""
     traces = [run.trace for run, role in runs if role == "train"]
     if not traces:
         raise UsageError("serving grid: no training point to calibrate from")
     path = out / name
-    write_atomic(path, profile_toml(calibrate(traces), load_hw("a100-pcie"), f"{model}-serve"))
+    cal = calibrate(traces, host_cores=host_cores)
+    write_atomic(path, profile_toml(cal, load_hw("a100-pcie"), f"{model}-serve"))
     return path
 
 
-def in_sample_rows(runs: list[tuple[ServeRun, str]], model: str, predictor) -> list[ServeRow]:
+def in_sample_rows(runs: list[tuple[ServeRun, str]], model: str, predictor,
+                   host_cores: int | None = None) -> list[ServeRow]:
     """Each held-out run predicted from a profile calibrated on its own trace alone."""
     spec, rows = load_model(model), []
     for run, role in runs:
         if role == "test":
             own = fit_serving_profile([(run, "train")], Path(run.trace).parent, model,
-                                      "own-profile.toml")
+                                      "own-profile.toml", host_cores)
             rows.append(ServeRow(run, role, predictor(spec, own, run)))
     return rows
 
@@ -157,6 +161,12 @@ def serving_summary(rows: list[ServeRow], role: str = "test") -> dict:
             "worst_ttft_p50_err_pct": max(ttft)}
 
 
+def engine_host_cores(device: str | None) -> int | None:
+    """The cores `pdgpu serve`'s processes share on this host: all of them on CPU devices
+    (its default), none to share on GPUs (each process its own device)."""
+    return os.cpu_count() if (device or "cpu") == "cpu" else None
+
+
 def validate_serving(model: str, grid_name: str, out: Path, device: str | None = None,
                      progress: bool = True, predictor=predict_serving
                      ) -> tuple[list[ServeRow], dict]:
@@ -165,14 +175,15 @@ def validate_serving(model: str, grid_name: str, out: Path, device: str | None =
     load_before = os.getloadavg()[0]  # other work on the host: the held-out errors' floor
     runs = run_serve_grid(SERVE_GRIDS[grid_name], model, out, device, progress)
     load_after = os.getloadavg()[0]
-    profile = fit_serving_profile(runs, out, model)
+    host = engine_host_cores(device)
+    profile = fit_serving_profile(runs, out, model, host_cores=host)
     spec = load_model(model)
     rows = [ServeRow(run, role, predictor(spec, profile, run)) for run, role in runs]
     held_out = serving_summary(rows, "test")
     result = {"model": model, "grid": grid_name, "profile": str(profile), **held_out,
               "load_average": [load_before, load_after],  # 1-minute, before and after
               "train": serving_summary(rows, "train"),
-              "in_sample": serving_summary(in_sample_rows(runs, model, predictor)),
+              "in_sample": serving_summary(in_sample_rows(runs, model, predictor, host)),
               "configs": [r.to_json() for r in rows if r.role == "test"],
               "train_configs": [r.to_json() for r in rows if r.role == "train"]}
     return rows, result
