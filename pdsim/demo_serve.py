@@ -17,6 +17,7 @@ from pathlib import Path
 import attrs
 
 from pdref.models import load_model
+from pdsim.fit.engine_runs import engine_failed
 from pdsim.fit.serve_runs import ServePoint, draw_prompts, serve_argv
 from pdsim.views.report import write_atomic
 
@@ -39,10 +40,6 @@ class ServeDemo:
     device: str | None = None
 
 
-class ServeDemoError(RuntimeError):
-    """A served run or its reference failed to run (not a parity failure: that is reported)."""
-
-
 def point(demo: ServeDemo, mode: str) -> ServePoint:
     return ServePoint(demo.concurrency, demo.prompt_range, demo.output_tokens, demo.producers,
                       mode, None, demo.requests, demo.chunk, demo.seed)
@@ -63,9 +60,8 @@ def serve_mode_argv(demo: ServeDemo, mode: str, prompts: Path, out: Path) -> lis
 
 def _run(argv: list[str], what: str) -> str:
     proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ServeDemoError(f"{what} exited {proc.returncode}: {last}")
+    if proc.returncode != 0:  # the demo reports it in one line, as an engine run's
+        raise engine_failed(proc, what)
     return proc.stdout
 
 

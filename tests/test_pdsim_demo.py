@@ -57,3 +57,14 @@ def test_engine_failure_is_one_line_exit_1(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "engine error" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "d" / "report.md").exists()
+
+
+def test_a_served_run_that_fails_is_an_engine_error(tmp_path):
+    """pdgpu serve refusing its device raises the demo's engine error (one line, exit 1 in
+    the command), not an unhandled exception."""
+    from pdsim.demo_serve import ServeDemo, run_served
+    from pdsim.fit.engine_runs import EngineRunError
+
+    with pytest.raises(EngineRunError, match="pdgpu serve --mode whole: exit 2: ") as caught:
+        run_served(ServeDemo(model="tiny", device="no-such-device"), tmp_path / "serve")
+    assert len(str(caught.value).splitlines()) == 1

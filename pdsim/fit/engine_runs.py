@@ -86,17 +86,25 @@ class Measured:
     parity: bool
 
 
+def pacing_and_device(link_gbps: float | None, device: str | None) -> list[str]:
+    """The engine options every run passes only when set: link pacing and device."""
+    return ((["--link-gbps", repr(link_gbps)] if link_gbps else [])
+            + (["--device", device] if device else []))
+
+
+def engine_failed(proc: subprocess.CompletedProcess, what: str) -> EngineRunError:
+    """An engine subprocess that failed, in one line: its exit code and last stderr line."""
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return EngineRunError(f"{what}: exit {proc.returncode}: {last}")
+
+
 def engine_argv(point: EnginePoint, model: str, trace_dir: Path, requests: int,
                 device: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", "pdgpu", "compare", "--model", model,
             "--prompt", str(point.prompt), "--chunk", str(point.chunk),
             "--max-pending", str(point.max_pending), "--prefix", str(point.prefix),
             "--requests", str(requests), "--trace-dir", str(trace_dir), "--json"]
-    if point.link_gbps:
-        argv += ["--link-gbps", repr(point.link_gbps)]
-    if device:
-        argv += ["--device", device]
-    return argv
+    return argv + pacing_and_device(point.link_gbps, device)
 
 
 def run_point(point: EnginePoint, model: str, trace_dir: Path, requests: int = 2,
@@ -106,8 +114,7 @@ def run_point(point: EnginePoint, model: str, trace_dir: Path, requests: int = 2
     proc = subprocess.run(engine_argv(point, model, trace_dir, requests, device),
                           capture_output=True, text=True)
     if proc.returncode not in (0, 1) or not proc.stdout.strip():
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise EngineRunError(f"engine on {point.name}: exit {proc.returncode}: {last}")
+        raise engine_failed(proc, f"engine on {point.name}")
     summary = json.loads(proc.stdout)
     return [measure(trace_dir / f"{mode}.jsonl", mode, entry)
             for mode, entry in summary.items()]
@@ -119,11 +126,7 @@ def export_argv(point: ExportPoint, model: str, trace: Path, requests: int,
             "--payload", str(point.payload), "--mode", point.mode, "--chunk", str(point.chunk),
             "--max-pending", str(point.max_pending), "--requests", str(requests),
             "--trace", str(trace), "--json"]
-    if point.link_gbps:
-        argv += ["--link-gbps", repr(point.link_gbps)]
-    if device:
-        argv += ["--device", device]
-    return argv
+    return argv + pacing_and_device(point.link_gbps, device)
 
 
 def run_export(point: ExportPoint, model: str, trace_dir: Path, requests: int = 2,
@@ -134,8 +137,7 @@ def run_export(point: ExportPoint, model: str, trace_dir: Path, requests: int = 
     proc = subprocess.run(export_argv(point, model, trace, requests, device),
                           capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise EngineRunError(f"engine on {point.name}: exit {proc.returncode}: {last}")
+        raise engine_failed(proc, f"engine on {point.name}")
     entry = {"metrics": json.loads(proc.stdout), "parity": {"kv_equal": True,
                                                             "token_equal": True}}
     return measure(trace, point.mode, entry)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import attrs
 
-from pdsim.fit.engine_runs import EngineRunError
+from pdsim.fit.engine_runs import EngineRunError, engine_failed, pacing_and_device
 
 
 @attrs.frozen
@@ -67,11 +67,7 @@ def serve_argv(point: ServePoint, model: str, prompts: Path, trace: Path,
             "--concurrency", str(point.concurrency), "--producers", str(point.producers),
             "--mode", point.mode, "--chunk", str(point.chunk), "--seed", str(point.seed),
             "--trace", str(trace), "--json", "--no-progress"]
-    if point.link_gbps:
-        argv += ["--link-gbps", repr(point.link_gbps)]
-    if device:
-        argv += ["--device", device]
-    return argv
+    return argv + pacing_and_device(point.link_gbps, device)
 
 
 def run_serve(point: ServePoint, model: str, vocab: int, folder: Path,
@@ -85,8 +81,7 @@ def run_serve(point: ServePoint, model: str, vocab: int, folder: Path,
                           capture_output=True, text=True)
     summary = _summary(proc.stdout)
     if proc.returncode != 0 or summary is None:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise EngineRunError(f"pdgpu serve on {point.name}: exit {proc.returncode}: {last}")
+        raise engine_failed(proc, f"pdgpu serve on {point.name}")
     if summary.get("ok") != point.requests:
         raise EngineRunError(f"pdgpu serve on {point.name}: {summary.get('ok')} of "
                              f"{point.requests} requests ended ok")
