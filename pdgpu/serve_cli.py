@@ -20,6 +20,7 @@ from pdgpu.checkpoint import CheckpointError
 from pdgpu.serve.args import add_parsers  # noqa: F401 - pdgpu.cli registers it from here
 from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.decoder import ServeError
+from pdgpu.serve.devices import check_device, serve_devices, use_device
 from pdgpu.serve.faults import FaultPolicy, FaultSpec, parse_kill
 from pdgpu.serve.launch import (
     ProducerOptions,
@@ -34,7 +35,8 @@ from pdgpu.serve.launch import (
 )
 from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
 from pdgpu.serve.report import SUMMARY_ORDER, summary, write_results
-from pdgpu.serve.transport import Endpoint, GlooTransport, TransportError, parse_init_method
+from pdgpu.serve.transport import Endpoint, TransportError, parse_init_method
+from pdgpu.serve.transport_nccl import open_transport
 from pdgpu.serve.workload import (
     Workload,
     check_vocab,
@@ -158,9 +160,8 @@ def prepare(args) -> tuple[ServeConfig, FaultPolicy, Workload, int, Endpoint | N
         faults, policy = _faults(args, producers)
     except ValueError as e:
         raise WorkloadError(str(e)) from None
-    if args.device != "cpu":
-        raise WorkloadError(f"device: only cpu is served yet (gloo); got {args.device!r} "
-                            "(the NCCL transport is not implemented)")
+    # written fully from here on (cuda -> cuda:0); the decoder's is --device with --role
+    args.device, args.decoder_device = serve_devices(args.device, args.decoder_device, args.role)
     _check_out(args.trace, "trace")
     _check_out(args.results, "results")
     spec = model_spec(args.model, args.dtype)
@@ -188,19 +189,20 @@ def _serve(args, config, policy, workload, producers, endpoint, run: ServeRun) -
             return
         endpoint = endpoint or Endpoint(LOCALHOST, 0)
         serve_local(config, workload, producers, opts, endpoint, policy, bar, run=run,
-                    eos=args.eos_token, trace=args.trace)
+                    eos=args.eos_token, trace=args.trace, decoder_device=args.decoder_device)
     finally:
         bar.close()
 
 
 def _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar, run,
                         eos, trace) -> None:
+    use_device(opts.device)  # with --role decoder, --device is this process's
     store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)
-    transport = GlooTransport(store, 0, opts.connect_timeout_s)
+    transport = open_transport(store, 0, opts.device, opts.connect_timeout_s)
     try:
         connect_producers(transport, producers)
         run_decoder(transport, config, workload, policy, opts.connect_timeout_s, progress=bar,
-                    run=run, eos=eos, trace=trace)
+                    run=run, eos=eos, trace=trace, device=opts.device)
     except BaseException as e:
         for rank in transport.peers():
             try:
@@ -282,9 +284,11 @@ def cmd_generate(args) -> int:
     if spec.arch not in ENGINE_ARCHS:
         raise WorkloadError(f"model: arch {spec.arch!r} has no engine implementation")
     _check_eos(args.eos_token, spec.vocab)
+    device = check_device(args.device)
     from pdgpu.generate import generate
     torch.set_num_threads(args.threads)
-    model = load_served_model(args.model, args.seed, args.dtype)
+    use_device(device)
+    model = load_served_model(args.model, args.seed, args.dtype, device)
     start = time.perf_counter()
     output = generate(model, tokens, args.output_tokens, args.chunk, args.prefix,
                       args.page_tokens, args.eos_token)

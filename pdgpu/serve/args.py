@@ -30,6 +30,8 @@ def _model_args(p) -> None:
     p.add_argument("--chunk", type=_int(1), default=64, help="prefill chunk tokens")
     p.add_argument("--page-tokens", type=_int(1), default=16, help="tokens per KV page")
     p.add_argument("--threads", type=_int(1), default=1, help="torch threads per process")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (serve: the "
+                   "producers', or with --role this process's; cuda between processes: NCCL)")
 
 
 def _serve_args(p) -> None:
@@ -39,7 +41,8 @@ def _serve_args(p) -> None:
                    "the slabs of the workload's largest concurrent requests)")
     p.add_argument("--link-gbps", type=_positive, help="pace each span to this many GB/s "
                    "(default: unpaced)")
-    p.add_argument("--device", default="cpu", help="device of every process (cpu: gloo)")
+    p.add_argument("--decoder-device", help="the decoder's device in a local run (default: "
+                   "--device; NCCL needs the decoder on another GPU than the producers)")
     p.add_argument("--producers", type=_int(1), default=1, help="producer processes")
     p.add_argument("--requests", type=_int(1), default=4, help="requests to draw")
     load = p.add_mutually_exclusive_group()

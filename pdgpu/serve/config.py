@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from pdgpu.serve.devices import mixed_devices
 from pdgpu.serve.faults import FaultSpec
 from pdref.events import Mode
 
@@ -67,6 +68,7 @@ class Capabilities:
     kv_progress: bool  # publishes per-chunk / per-layer readiness, so it can stream spans
     modes: tuple[str, ...] = attrs.field(converter=tuple)
     recurrent: bool  # its model carries recurrent state besides attention KV
+    device: str = "cpu"  # where its KV lives (cpu: gloo; cuda:N: NCCL)
 
     def to_json(self) -> dict:
         return {**attrs.asdict(self), "modes": list(self.modes)}
@@ -76,19 +78,23 @@ class Capabilities:
         return cls(**obj)
 
 
-def producer_capabilities(name: str, recurrent: bool, kv_progress: bool) -> Capabilities:
+def producer_capabilities(name: str, recurrent: bool, kv_progress: bool,
+                          device: str = "cpu") -> Capabilities:
     """Streaming modes need kv_progress; layer streaming carries attention KV only."""
     modes = ["whole"]
     if kv_progress:
         modes.append("chunk")
         if not recurrent:
             modes.append("layer")
-    return Capabilities(name, kv_progress, tuple(modes), recurrent)
+    return Capabilities(name, kv_progress, tuple(modes), recurrent, device)
 
 
-def refusal(mode: Mode, caps: list[Capabilities]) -> str | None:
+def refusal(mode: Mode, caps: list[Capabilities], decoder_device: str = "cpu") -> str | None:
     """One line saying why the run cannot be served by these producers, or None."""
     for cap in caps:
+        mixed = mixed_devices(decoder_device, cap.device, f"producer {cap.name}")
+        if mixed is not None:
+            return f"device: {mixed}"
         if mode is Mode.LAYER and cap.recurrent:
             return (f"mode: layer is refused for a recurrent model (CFG-1): producer "
                     f"{cap.name} carries recurrent state, layer streaming carries attention "

@@ -7,8 +7,10 @@ joins the next generation of its link, transport.py).
 Separate machines: each role runs `pdgpu serve --role ... --rank R --world-size W
 --init-method tcp://HOST:PORT` itself. Handshake, before any slab or request: the decoder
 sends the run's ServeConfig; each producer answers with its Capabilities; a run that cannot be
-served is refused (every producer told, one line, exit 2); then models are built, the
-prefix caches warmed, clocks related, and t = 0 starts.
+served is refused (every producer told, one line, exit 2: mixed CPU and CUDA devices too);
+then models are built, the prefix caches warmed, clocks related, and t = 0 starts. Each
+process's device is its own (`decoder_device` here, `ProducerOptions.device` there); the
+transport follows it (transport_nccl.py: gloo on CPU, NCCL between CUDA devices).
 A producer's death is a fault the decoder serves through (members.py, recovery.py).
 Any other error or Ctrl-C: producers are stopped (terminated after a grace period when local),
 every live request is aborted in the trace, and the error goes up as one line.
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from contextlib import suppress
 
@@ -26,15 +27,21 @@ import attrs
 import torch
 import torch.multiprocessing as mp
 
-from pdgpu.serve.config import Capabilities, ServeConfig, producer_capabilities, refusal
+from pdgpu.serve.config import Capabilities, ServeConfig, refusal
 from pdgpu.serve.decoder import Decoder, ServeError
+from pdgpu.serve.devices import use_device
 from pdgpu.serve.faults import FaultPolicy
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.members import Members
 from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
-from pdgpu.serve.producer import Producer
+from pdgpu.serve.producer_rank import (  # noqa: F401 - run_producer: imported from here
+    ProducerOptions,
+    producer_process,
+    run_producer,
+)
 from pdgpu.serve.tracelog import TraceLog
-from pdgpu.serve.transport import Endpoint, GlooTransport, TransportError, open_store
+from pdgpu.serve.transport import Endpoint, open_store
+from pdgpu.serve.transport_nccl import open_transport
 from pdgpu.serve.workload import Workload
 from pdgpu.source_cache import SourceCache
 from pdgpu.workload import WorkloadError
@@ -48,13 +55,6 @@ class Refused(Exception):
     """The handshake found the configuration unservable (exit 2)."""
 
 
-@attrs.frozen
-class ProducerOptions:
-    kv_progress: bool = True
-    device: str = "cpu"
-    connect_timeout_s: float = 60.0
-
-
 @attrs.define
 class ServeRun:
     """What the decoder knows at the end of a run, finished or not."""
@@ -63,70 +63,6 @@ class ServeRun:
     decoder: Decoder | None = None
     wall_s: float = 0.0
     error: BaseException | None = None
-
-
-# -- producer side ----------------------------------------------------------------------------
-
-def _expect(transport, ops: tuple[str, ...], timeout_s: float):
-    msg = transport.get(timeout=timeout_s)
-    if msg is None:
-        raise ServeError(f"no {'/'.join(ops)} message within {timeout_s:.0f} s")
-    if msg.op not in ops:
-        raise ServeError(f"expected {'/'.join(ops)}, got {msg.op!r}")
-    return msg
-
-
-def run_producer(endpoint: Endpoint, rank: int, generation: int, opts: ProducerOptions) -> int:
-    """One producer rank (its link's `generation`: 0, or the restarts before it), until the
-    decoder says shutdown; its exit code."""
-    store = open_store(endpoint, rank, None, opts.connect_timeout_s)
-    transport = GlooTransport(store, rank, opts.connect_timeout_s)
-    transport.connect(0, generation)
-    producer = None
-    try:
-        setup = _expect(transport, ("setup",), opts.connect_timeout_s)
-        config = ServeConfig.from_json(setup.body["config"])
-        spec = model_spec(config.model, config.dtype)
-        caps = producer_capabilities(f"p{rank}", spec.recurrent, opts.kv_progress)
-        transport.send(0, "hello", {"caps": caps.to_json()})
-        if _expect(transport, ("go", "refuse"), opts.connect_timeout_s).op == "refuse":
-            return 2
-        torch.set_num_threads(config.threads)
-        model = load_served_model(config.model, config.seed, config.dtype, opts.device)
-        producer = Producer(transport, config, model, f"p{rank}")
-        transport.send(0, "ready", {"now": producer.now()})
-        producer.run()
-        return 0
-    except Exception as e:  # noqa: BLE001 - told to the decoder in one line, then exit 1
-        _tell_decoder(transport, f"{type(e).__name__}: {e}")
-        return 1
-    finally:
-        if producer is not None:
-            producer.close()
-        transport.close(wait_s=0.0)  # os._exit follows: its receiving thread needs no join
-
-
-def _tell_decoder(transport, message: str) -> None:
-    try:
-        transport.send(0, "error", {"message": message.splitlines()[0][:300]})
-    except TransportError:
-        pass  # the decoder is gone: it knows
-
-
-def producer_process(rank: int, generation: int, host: str, port: int,
-                     opts: ProducerOptions) -> None:
-    """The entry of a producer started by the local decoder (Ctrl-C is the decoder's job)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    code = 1
-    try:
-        code = run_producer(Endpoint(host, port), rank, generation, opts)
-    except BaseException as e:  # noqa: BLE001 - one line on stderr, never a traceback
-        first = (str(e).strip().splitlines() or [""])[0][:300]  # torch errors carry frames
-        print(f"pdgpu serve: producer p{rank}: {type(e).__name__}: {first}", file=sys.stderr)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # gloo's receiving threads may still block in recv: don't wait for them
 
 
 # -- decoder side -----------------------------------------------------------------------------
@@ -196,21 +132,24 @@ def open_decoder_store(endpoint: Endpoint, world: int, timeout_s: float):
                             f"{str(e).strip().splitlines()[0][:120]}") from None
 
 
-def _header(config: ServeConfig, spec, producers: int) -> ev.Header:
+def _header(config: ServeConfig, spec, producers: int, lanes: dict[int, str]) -> ev.Header:
     extra = {"chunk": config.chunk, "model": spec.name, "engine": "pdgpu serve",
-             "producers": producers, "verify": config.verify}
+             "producers": producers, "verify": config.verify,
+             "transport": "+".join(sorted(set(lanes.values())))}
     if config.link_gbps is not None:
         extra["link_gbps"] = config.link_gbps
     return ev.Header("pdgpu serve", config.mode, spec.geometry(config.page_tokens),
                      config.pool_pages, config.max_pending, extra=tuple(sorted(extra.items())))
 
 
-def handshake(transport, config: ServeConfig, timeout_s: float, check_peers) -> None:
+def handshake(transport, config: ServeConfig, timeout_s: float, check_peers,
+              device: str = "cpu") -> None:
     """Setup out, capabilities in; refuse an unservable run before anything is reserved."""
     for rank in transport.peers():
         transport.send(rank, "setup", {"config": config.to_json()})
     caps = [_wait(transport, "hello", timeout_s, check_peers) for _ in transport.peers()]
-    reason = refusal(config.mode, [Capabilities.from_json(m.body["caps"]) for m in caps])
+    reason = refusal(config.mode, [Capabilities.from_json(m.body["caps"]) for m in caps],
+                     device)
     spec = model_spec(config.model, config.dtype)
     if reason is None and spec.arch not in ENGINE_ARCHS:
         reason = f"model: arch {spec.arch!r} has no engine implementation (qwen3, llama)"
@@ -240,10 +179,10 @@ def _wait(transport, op: str, timeout_s: float, check_peers):
 def prefix_cache(model, config: ServeConfig) -> torch.Tensor:
     """The decoder's prefix cache K/V [L, 2, prefix, KVH, D], computed like the producers'."""
     geometry = model.spec.geometry(config.page_tokens)
-    dtype = model.model.embed_tokens.weight.dtype
-    cache = SourceCache(geometry, max(1, geometry.pages_for(config.prefix)), "cpu", dtype)
+    dtype, device = model.model.embed_tokens.weight.dtype, model.inv_freq.device
+    cache = SourceCache(geometry, max(1, geometry.pages_for(config.prefix)), device, dtype)
     kv = cache.open(max(1, config.prefix))
-    ids = torch.tensor(config.prefix_tokens, dtype=torch.int64)
+    ids = torch.tensor(config.prefix_tokens, dtype=torch.int64, device=device)  # [prefix]
     for a, b in plan_chunks(config.prefix, 0, config.chunk):
         model.prefill_chunk(ids[a:b], a, kv)
     return kv.kv.index_select(2, kv.slots[:config.prefix])
@@ -257,17 +196,18 @@ def connect_producers(transport, producers: int, alive=lambda: None) -> None:
 
 def run_decoder(transport, config: ServeConfig, workload: Workload, policy: FaultPolicy,
                 timeout_s: float, processes: LocalProducers | None = None, progress=None,
-                run: ServeRun | None = None, eos: int | None = None, trace=None):
-    """The decoder rank: handshake, models, the serving loop; fills and returns `run` (its
-    trace written to `trace`, or to a temporary file when None)."""
+                run: ServeRun | None = None, eos: int | None = None, trace=None,
+                device: str = "cpu"):
+    """The decoder rank on `device`: handshake, models, the serving loop; fills and returns
+    `run` (its trace written to `trace`, or to a temporary file when None)."""
     run = run if run is not None else ServeRun()
     check_peers = processes.check if processes is not None else (lambda: None)
-    handshake(transport, config, timeout_s, check_peers)
+    handshake(transport, config, timeout_s, check_peers, device)
     torch.set_num_threads(config.threads)
-    model = load_served_model(config.model, config.seed, config.dtype)
-    prefix_kv = prefix_cache(model, config)
-    header = _header(config, model.spec, len(transport.peers()))
-    run.ledger = Ledger(header, "cpu", model.model.embed_tokens.weight.dtype,
+    model = load_served_model(config.model, config.seed, config.dtype, device)
+    prefix_kv = prefix_cache(model, config)  # [L, 2, prefix, KVH, D] on `device`
+    header = _header(config, model.spec, len(transport.peers()), transport.lanes())
+    run.ledger = Ledger(header, device, model.model.embed_tokens.weight.dtype,
                         TraceLog(header, trace))
     offsets = {}
     for _ in transport.peers():
@@ -275,7 +215,7 @@ def run_decoder(transport, config: ServeConfig, workload: Workload, policy: Faul
         offsets[msg.src] = time.perf_counter() - msg.body["now"]
     run.ledger.restart_clock()
     members = Members(transport, config, offsets, policy.heartbeat_timeout, timeout_s,
-                      processes, policy.restart_producers)
+                      processes, policy.restart_producers, device)
     run.decoder = Decoder(run.ledger, model, workload, prefix_kv, members, policy,
                           config.faults, config.verify, progress, eos=eos)
     start = time.perf_counter()
@@ -297,20 +237,22 @@ def end_on_error(run: ServeRun, error: BaseException) -> None:
 def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: ProducerOptions,
                 endpoint: Endpoint, policy: FaultPolicy | None = None, progress=None,
                 on_start=None, run: ServeRun | None = None, eos: int | None = None,
-                trace=None) -> ServeRun:
-    """Decoder here, `producers` processes started from here; the run, or its error raised
-    after every producer is stopped and every live request aborted."""
+                trace=None, decoder_device: str = "cpu") -> ServeRun:
+    """Decoder here (on `decoder_device`), `producers` processes started from here (on
+    `opts.device`); the run, or its error raised after every producer is stopped and every
+    live request aborted."""
+    use_device(decoder_device)
     store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)  # port 0: free
     procs = LocalProducers(producers, Endpoint(endpoint.host, store.port), opts)
     if on_start is not None:
         on_start(procs.pids)
     import pdgpu.serve.preload  # noqa: F401 - torch's lazy imports, while producers start
     run = run if run is not None else ServeRun()
-    transport = GlooTransport(store, 0, opts.connect_timeout_s)
+    transport = open_transport(store, 0, decoder_device, opts.connect_timeout_s)
     try:
         connect_producers(transport, producers, alive=procs.check)
         run_decoder(transport, config, workload, policy or FaultPolicy(),
-                    opts.connect_timeout_s, procs, progress, run, eos, trace)
+                    opts.connect_timeout_s, procs, progress, run, eos, trace, decoder_device)
         procs.stop(grace_s=10.0)
     except BaseException as e:
         procs.stop(grace_s=5.0 if isinstance(e, Refused) else 0.0)  # before the close below

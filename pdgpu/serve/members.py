@@ -42,8 +42,9 @@ JOIN_OPS = ("setup", "go", "refuse")  # to it
 class Members:
     def __init__(self, transport, config: ServeConfig, offsets: dict[int, float],
                  heartbeat_timeout: float, join_timeout: float, processes=None,
-                 restart: bool = False) -> None:
+                 restart: bool = False, device: str = "cpu") -> None:
         self.transport, self.config, self.processes = transport, config, processes
+        self.device = device  # the decoder's: a rejoining producer on another kind is refused
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
         self.restart = restart and processes is not None
         self.peers = {rank: Peer(rank, offset) for rank, offset in offsets.items()}
@@ -134,7 +135,8 @@ class Members:
         if msg.op == "joined":
             self.send(peer.rank, "setup", {"config": self.config.to_json()})
         elif msg.op == "hello":
-            reason = refusal(self.config.mode, [Capabilities.from_json(msg.body["caps"])])
+            reason = refusal(self.config.mode, [Capabilities.from_json(msg.body["caps"])],
+                             self.device)
             self.send(peer.rank, "refuse" if reason else "go", {"reason": reason})
             if reason is not None:
                 self.restart = False  # it would be refused again: serve with the others

@@ -75,6 +75,7 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "failed_spans": sum(life.failed_spans for life in lives),
         "lives": len(lives),
         "stages_clamped": ledger.log.stages_clamped,
+        "transport": dict(ledger.header.extra).get("transport"),  # gloo, nccl, gloo-staged
     }
 
 

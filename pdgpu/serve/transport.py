@@ -13,31 +13,40 @@ reading, and gloo's send then waits for it). A receiving thread per link does th
 blocking `recv`s and queues whole messages: the owner polls the queue (gloo's `irecv` cannot
 be polled for completion). A broken link (the peer died: gloo sees its socket close) is
 reported once as a message `lost` from that peer. KV payloads travel as tensors through the
-same channel.
+same channel; at connect both ends agree on the link's lane (rendezvous.py), and a subclass may
+carry some of its tensors another way (transport_nccl.py: CUDA tensors over NCCL).
 """
 
 from __future__ import annotations
 
 import queue
-import re
 import threading
 import time
 from datetime import timedelta
 from typing import Protocol
-from urllib.parse import urlparse
 
 import attrs
 import orjson
 import torch
 import torch.distributed as dist
 
+from pdgpu.serve.rendezvous import (  # noqa: F401 - Endpoint, open_store...: imported from here
+    GLOO,
+    Endpoint,
+    TransportError,
+    choose_lane,
+    connect_in_thread,
+    exchange_descriptors,
+    first_line,
+    open_store,
+    parse_init_method,
+    peer_name,
+)
+
 HEADER_LEN = 2  # [json bytes, number of tensors]
 DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
                               torch.int32, torch.uint8)}
-
-
-class TransportError(RuntimeError):
-    """The link to a peer broke or could not be made; the message says which and why."""
+IDLE_WAIT = timedelta(days=7)  # a receiving thread may wait this long for the next message
 
 
 @attrs.frozen
@@ -54,6 +63,8 @@ class Transport(Protocol):
 
     def peers(self) -> list[int]: ...
 
+    def lanes(self) -> dict[int, str]: ...
+
     def connect(self, peer: int, generation: int = 0, alive=lambda: None) -> None: ...
 
     def connect_async(self, peer: int, generation: int) -> None: ...
@@ -67,62 +78,16 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-@attrs.frozen
-class Endpoint:
-    host: str
-    port: int
-
-
-def parse_init_method(text: str) -> Endpoint:
-    """`tcp://HOST:PORT` -> Endpoint; ValueError naming the rule otherwise."""
-    url = urlparse(text)
-    try:
-        port = url.port
-    except ValueError:
-        port = None
-    if url.scheme != "tcp" or not url.hostname or port is None:
-        raise ValueError(f"init-method must be tcp://HOST:PORT, got {text!r}")
-    return Endpoint(url.hostname, port)
-
-
-def open_store(endpoint: Endpoint, rank: int, world_size: int, timeout_s: float):
-    """The rendezvous store; rank 0 serves it (port 0: any free port, see `.port`)."""
-    return dist.TCPStore(endpoint.host, endpoint.port, world_size, is_master=rank == 0,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-
-
-IDLE_WAIT = timedelta(days=7)  # a receiving thread may wait this long for the next message
-
-
-def connect_gloo(store, rank: int, world_size: int, timeout_s: float, alive=lambda: None):
-    """A gloo process group of its own (no torch.distributed global state, so one process
-    may run several at once). Connects in a helper thread while `alive()` checks the peers
-    (it raises when one died); TransportError after `timeout_s`."""
-    result: dict = {}
-
-    def connect() -> None:
-        try:
-            result["pg"] = dist.ProcessGroupGloo(store, rank, world_size,
-                                                 timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001 - torch raises several types for one cause
-            result["error"] = e
-
-    thread = threading.Thread(target=connect, daemon=True, name="pdgpu-connect")
-    thread.start()
-    while thread.is_alive():
-        thread.join(timeout=0.1)
-        alive()
-    if "error" in result:
-        raise TransportError(f"rank {rank}: cannot join the process group "
-                             f"({_first_line(result['error'])})")
-    return result["pg"]
-
 
 class Link:
-    """One connected peer: a two-rank gloo group (this side's rank in it is `me`)."""
+    """One connected peer: a two-rank gloo group (this side's rank in it is `me`), the lane
+    both ends agreed on, and the group that carries its tensors when that is not gloo."""
 
-    def __init__(self, pg, me: int, peer: int, generation: int) -> None:
+    def __init__(self, pg, me: int, peer: int, generation: int, lane: str = GLOO) -> None:
         self.pg, self.me, self.peer, self.generation = pg, me, peer, generation
+        self.lane = lane
+        self.data = None  # a tensor lane's own process group (transport_nccl.py)
+        self.aborted = threading.Event()  # its data group was aborted: stop waiting on it
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # frames to send; None: stop
         self.error: str | None = None  # the link broke
         self.thread: threading.Thread | None = None  # receiving
@@ -150,23 +115,47 @@ class GlooTransport:
     def peers(self) -> list[int]:
         return sorted(self.links)
 
+    def lanes(self) -> dict[int, str]:
+        """peer -> the lane its link's tensors take (rendezvous.py)."""
+        return {peer: link.lane for peer, link in sorted(self.links.items())}
+
+    def descriptor(self) -> dict:
+        """What the other end of a link needs to pick the lane."""
+        return {"device": "cpu", "gpu": None}
+
     def connect(self, peer: int, generation: int = 0, alive=lambda: None) -> None:
         """Join the link to `peer` (both sides call this with the same generation)."""
         self.generations[peer] = generation
         low, high = sorted((self.rank, peer))
         store = dist.PrefixStore(f"link/{low}/{high}/{generation}", self.store)
         me = 0 if self.rank == low else 1
-        link = Link(connect_gloo(store, me, 2, self.timeout_s, alive), me, peer, generation)
+        link = connect_in_thread(lambda: self._open(store, me, peer, generation), self.rank,
+                                 alive)
         link.thread = threading.Thread(target=self._receive, args=(link,), daemon=True,
                                        name=f"pdgpu-recv-{peer}")
         link.sender = threading.Thread(target=self._send_loop, args=(link,), daemon=True,
                                        name=f"pdgpu-send-{peer}")
         if self.generations.get(peer) != generation:  # given up while it connected
+            self._abort_data(link)
             self.dropped.append(link)
             return
         self.links[peer] = link
         link.thread.start()
         link.sender.start()
+
+    def _open(self, store, me: int, peer: int, generation: int) -> Link:
+        """The gloo group, the lane both ends agree on, and that lane's own group if any."""
+        pg = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=self.timeout_s))
+        theirs = exchange_descriptors(store, me, self.descriptor())
+        link = Link(pg, me, peer, generation, choose_lane(self.descriptor(), theirs))
+        self._open_data(link, store)
+        return link
+
+    def _open_data(self, link: Link, store) -> None:
+        """Make the group of a lane other than gloo (none here)."""
+
+    def _abort_data(self, link: Link) -> None:
+        """Abort a link's tensor group so nothing waits on it any more (none here)."""
 
     def connect_async(self, peer: int, generation: int) -> None:
         """Connect in the background; a message `joined` (or `lost`) from `peer` says when."""
@@ -188,6 +177,7 @@ class GlooTransport:
         link = self.links.pop(peer, None)
         if link is not None:
             link.outbox.put(None)
+            self._abort_data(link)  # a receive waiting on a dead peer's tensor gives up
             self.dropped.append(link)
 
     def send(self, dst: int, op: str, body: dict | None = None, tensors=()) -> None:
@@ -198,24 +188,36 @@ class GlooTransport:
             raise TransportError(f"send to {peer_name(dst)} failed: "
                                  f"{'no link' if link is None else link.error}")
         tensors = [t.contiguous() for t in tensors]
+        vias = [self._via(link, t) for t in tensors]
         meta = {"op": op, "body": body or {},
-                "tensors": [[str(t.dtype), list(t.shape)] for t in tensors]}
+                "tensors": [[str(t.dtype), list(t.shape), via]
+                            for t, via in zip(tensors, vias, strict=True)]}
         raw = torch.frombuffer(bytearray(orjson.dumps(meta)), dtype=torch.uint8)  # [n]
         header = torch.tensor([raw.numel(), len(tensors)], dtype=torch.int64)  # [2]
-        link.outbox.put((header, raw, *tensors))
+        link.outbox.put((header, raw, tuple(zip(tensors, vias, strict=True))))
+
+    def _via(self, link: Link, tensor: torch.Tensor) -> str | None:
+        """How a tensor travels: None over the gloo group (a CUDA one through host memory)."""
+        return None
 
     def _send_loop(self, link: Link) -> None:
         try:
             while (frames := link.outbox.get()) is not None:
-                for t in frames:
+                header, raw, payload = frames
+                for t in (header, raw):
+                    link.pg.send([t], link.other, 0).wait()
+                for t, via in payload:
                     if t.numel():
-                        link.pg.send([t], link.other, 0).wait()
+                        self._send_payload(link, t, via)
         except Exception as e:  # noqa: BLE001 - the link broke: tell the owner once
-            link.error = _first_line(e)
+            link.error = first_line(e)
             if not self.closing.is_set():
                 self.inbox.put(Message(link.peer, "lost", {
                     "error": f"send to {peer_name(link.peer)} failed: {link.error}"},
                     (), link.generation))
+
+    def _send_payload(self, link: Link, tensor: torch.Tensor, via: str | None) -> None:
+        link.pg.send([tensor.cpu()], link.other, 0).wait()  # gloo sends host memory
 
     def get(self, timeout: float | None = None) -> Message | None:
         """The next message from a current link; None when none came within `timeout`."""
@@ -232,7 +234,7 @@ class GlooTransport:
     def close(self, wait_s: float = 5.0, flush_s: float = 2.0) -> bool:
         """Send what is queued (up to `flush_s`), then quiet the receiving threads and wait
         until each one's peer hung up (call once the peers are told to stop or are stopped);
-        False when one is still blocked."""
+        False when one is still blocked. Every tensor group is aborted at the end."""
         links = list(self.links.values())
         deadline = time.monotonic() + flush_s
         for link in links:
@@ -243,7 +245,10 @@ class GlooTransport:
         deadline = time.monotonic() + wait_s
         for link in links:
             link.thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        return not any(link.thread.is_alive() for link in links)
+        quiet = not any(link.thread.is_alive() for link in links)
+        for link in links + self.dropped:
+            self._abort_data(link)
+        return quiet
 
     def _receive(self, link: Link) -> None:
         try:
@@ -252,7 +257,7 @@ class GlooTransport:
         except Exception as e:  # noqa: BLE001 - the link broke: tell the owner once
             if not self.closing.is_set():
                 self.inbox.put(Message(link.peer, "lost", {
-                    "error": f"link to {peer_name(link.peer)} broke: {_first_line(e)}"},
+                    "error": f"link to {peer_name(link.peer)} broke: {first_line(e)}"},
                     (), link.generation))
 
     def _receive_one(self, link: Link) -> Message:
@@ -261,13 +266,16 @@ class GlooTransport:
         raw = torch.empty(int(header[0]), dtype=torch.uint8)  # [n]
         self._recv(link, raw)
         meta = orjson.loads(raw.numpy().tobytes())
-        tensors = []
-        for dtype, shape in meta["tensors"]:
-            t = torch.empty(shape, dtype=DTYPES[dtype])
-            if t.numel():
-                self._recv(link, t)
-            tensors.append(t)
+        tensors = [self._recv_payload(link, DTYPES[dtype], shape, via[0] if via else None)
+                   for dtype, shape, *via in meta["tensors"]]
         return Message(link.peer, meta["op"], meta["body"], tuple(tensors), link.generation)
+
+    def _recv_payload(self, link: Link, dtype: torch.dtype, shape, via: str | None):
+        """One tensor of a message; over gloo it arrives in host memory."""
+        t = torch.empty(shape, dtype=dtype)
+        if t.numel():
+            self._recv(link, t)
+        return t
 
     @staticmethod
     def _recv(link: Link, tensor: torch.Tensor, wait: timedelta | None = None) -> None:
@@ -276,15 +284,3 @@ class GlooTransport:
             work.wait()
         else:
             work.wait(wait)
-
-
-def peer_name(rank: int) -> str:
-    """Rank 0 is the decoder, rank r >= 1 is producer p<r>."""
-    return "the decoder" if rank == 0 else f"producer p{rank}"
-
-
-def _first_line(e: Exception) -> str:
-    """The cause in one line, without gloo's source-file prefix."""
-    lines = str(e).strip().splitlines()
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[0]) if lines else ""
-    return text[:160] or type(e).__name__

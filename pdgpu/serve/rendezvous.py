@@ -1,0 +1,102 @@
+"""How two serving processes find each other and agree on what a link between them carries.
+
+The rendezvous is a TCPStore (the decoder, rank 0, serves it). Each link's two processes
+publish a device descriptor under the link's store prefix and read the other's, so both pick
+the same *lane* for its tensors without asking anyone: `gloo` (both on CPU), `nccl` (both on
+CUDA, on distinct GPUs) or `gloo-staged` (a CUDA process at either end but no NCCL possible:
+the same GPU, which NCCL refuses to join twice, or a CPU peer, which the handshake then
+refuses as mixed devices; CUDA tensors cross through host memory).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import attrs
+import orjson
+import torch.distributed as dist
+
+GLOO, NCCL, STAGED = "gloo", "nccl", "gloo-staged"
+
+
+class TransportError(RuntimeError):
+    """The link to a peer broke or could not be made; the message says which and why."""
+
+
+@attrs.frozen
+class Endpoint:
+    host: str
+    port: int
+
+
+def parse_init_method(text: str) -> Endpoint:
+    """`tcp://HOST:PORT` -> Endpoint; ValueError naming the rule otherwise."""
+    url = urlparse(text)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "tcp" or not url.hostname or port is None:
+        raise ValueError(f"init-method must be tcp://HOST:PORT, got {text!r}")
+    return Endpoint(url.hostname, port)
+
+
+def open_store(endpoint: Endpoint, rank: int, world_size: int, timeout_s: float):
+    """The rendezvous store; rank 0 serves it (port 0: any free port, see `.port`)."""
+    return dist.TCPStore(endpoint.host, endpoint.port, world_size, is_master=rank == 0,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def choose_lane(mine: dict, theirs: dict) -> str:
+    """The lane of a link from both ends' descriptors {"device", "gpu"} (symmetric, so both
+    ends agree): NCCL needs two CUDA processes on two distinct GPUs."""
+    devices = (mine["device"], theirs["device"])
+    if all(d == "cpu" for d in devices):
+        return GLOO
+    if "cpu" in devices or mine["gpu"] == theirs["gpu"]:
+        return STAGED
+    return NCCL
+
+
+def exchange_descriptors(store, me: int, mine: dict) -> dict:
+    """Publish this end's descriptor under the link's prefix; the other end's (waits for it
+    up to the store's timeout)."""
+    store.set(f"pdgpu-device/{me}", orjson.dumps(mine))
+    return orjson.loads(store.get(f"pdgpu-device/{1 - me}"))
+
+
+def connect_in_thread(connect, rank: int, alive=lambda: None):
+    """`connect()` (it joins process groups: blocking) in a helper thread while `alive()`
+    checks the peers (it raises when one died); its result, or TransportError."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["link"] = connect()
+        except Exception as e:  # noqa: BLE001 - torch raises several types for one cause
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name="pdgpu-connect")
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.1)
+        alive()
+    if "error" in result:
+        raise TransportError(f"rank {rank}: cannot join the process group "
+                             f"({first_line(result['error'])})")
+    return result["link"]
+
+
+def peer_name(rank: int) -> str:
+    """Rank 0 is the decoder, rank r >= 1 is producer p<r>."""
+    return "the decoder" if rank == 0 else f"producer p{rank}"
+
+
+def first_line(e: Exception) -> str:
+    """The cause in one line, without gloo's source-file prefix."""
+    lines = str(e).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[0]) if lines else ""
+    return text[:160] or type(e).__name__
