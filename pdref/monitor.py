@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import compress, count, islice
-from operator import gt
+from operator import gt, itemgetter
 
 from pdref import events as ev
 from pdref.apply import TRANSITIONS, apply, check_end, initial_state
@@ -72,6 +72,18 @@ class Monitor:
             raise Violation("TRACE-2", f"stage {name} starts at {starts[back]}, before the "
                             f"one recorded before it at {starts[back - 1]}")
         self.events += len(starts)
+
+    def recorded_stage_rows(self, rows: Sequence[tuple]) -> None:
+        """Stages a shell recorded as rows `(t, req, name, end, span, resource)`, in any
+        order (its trace writer sorts them by time): each checked for form as `stage` checks
+        one (end >= t, TRACE-2), in C, and counted; not handed to a sink."""
+        starts, ends = map(itemgetter(0), rows), map(itemgetter(3), rows)
+        bad = next(compress(count(), map(gt, starts, ends)), None)
+        if bad is not None:
+            t, req, name, end = rows[bad][:4]
+            raise Violation("TRACE-2", f"stage {name} of {req!r} ends at {end}, before it "
+                            f"starts at {t}")
+        self.events += len(rows)
 
     def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0"):
         """Allocate the lowest free pages for [prefix, prompt) and emit the reserve; page ids."""

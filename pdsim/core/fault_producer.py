@@ -12,7 +12,6 @@ its detection `declare_dead` fails and fences what its worker held.
 from __future__ import annotations
 
 import enum
-import functools
 
 import attrs
 
@@ -138,13 +137,19 @@ class FaultyProducer(Producer):
             self.env.at(fate.fail_t, self._fail, run)
         self.env.at(fate.stop_t, self._stop, run)
 
-    def _schedule_stages(self, req: str, span: int, stages, emit=None) -> None:
-        super()._schedule_stages(req, span, stages, functools.partial(self._emit_stages, span))
+    def _schedule_stages(self, req: str, span: int, stages) -> None:
+        """Each stage is recorded at its start if its writer still runs then (a death stops
+        it); stages starting together share one heap event."""
+        groups: dict[float, list] = {}
+        for name, a, b in stages:
+            groups.setdefault(a, []).append((a, req, name, b, span, self.lane_prefix + name))
+        for t, rows in groups.items():
+            self.env.at(t, self._record_stages, span, rows)
 
-    def _emit_stages(self, span: int, stages) -> None:
-        """Stage events of a writer still running on this worker (not after a death)."""
+    def _record_stages(self, span: int, rows) -> None:
+        """Stages of a writer still running on this worker (not after a death)."""
         if not self.down and span in self.runs:
-            self.sim.emit_all(stages)
+            self.sim.stage_rows.extend(rows)
 
     def _stages_run(self, fate: SpanFate, times) -> list:
         """The stages the writer ran: none when it hung, those before its stop when a

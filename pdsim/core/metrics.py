@@ -26,7 +26,7 @@ def single_metrics(result: SimResult) -> dict:
         copy_busy_s=copy_total_s(cfg, request),
         state_bytes=cfg.costs.state_bytes if out["spans"] else 0,
         no_compute=cfg.no_compute,
-        events=len(result.events),
+        events=result.event_count,
     )
     return out
 
@@ -35,7 +35,7 @@ def workload_metrics(result: SimResult) -> dict:
     """Aggregate metrics of a many-request run: TTFT p50/p99, occupancy, throughput; with
     faults also the outcome counts and leaked pages. Latencies and rates count the lives
     that ended ok (released), with TTFT from the request's arrival (so retries cost)."""
-    lives, peak = life_metrics(result.events)
+    lives, peak = life_metrics(result.protocol)  # stages change no metric of a workload
     ok = [life for life in lives if life.outcome == "released"]
     cfg = result.cfg
     makespan = max((life.end_t for life in lives), default=0.0)
@@ -50,14 +50,14 @@ def workload_metrics(result: SimResult) -> dict:
     out.update(_rates(ok, makespan))
     out.update(pool_occupancy_mean=occupancy, pool_peak_pages=peak_pages,
                peak_staging_bytes=peak,
-               events=len(result.events) + (result.decode.steps if cfg.stages else 0))
+               events=result.event_count + (result.decode.steps if cfg.stages else 0))
     out.update(serving_metrics(result, ok, makespan, peak_pages))
     return out
 
 
 def serving_summary(result: SimResult) -> dict:
     """pdgpu serve's summary keys alone (serving_metrics.py), e.g. for a one-request run."""
-    lives, _ = life_metrics(result.events)
+    lives, _ = life_metrics(result.protocol)
     ok = [life for life in lives if life.outcome == "released"]
     makespan = max((life.end_t for life in lives), default=0.0)
     return {"requests": len(result.requests),
@@ -70,7 +70,7 @@ def outcome_counts(result: SimResult, lives) -> dict:
     return {"ok": statuses.count("ok"), "cancelled": statuses.count("cancelled"),
             "failed": statuses.count("failed"), "lives": len(lives),
             "failed_spans": sum(life.failed_spans for life in lives),
-            "fences": sum(e.kind == "fence" for e in result.events),
+            "fences": sum(e.kind == "fence" for e in result.protocol),
             "leaked_pages": result.leaked_pages}
 
 
@@ -99,10 +99,8 @@ def _occupancy(result: SimResult) -> tuple[float, int]:
     held at once."""
     pool = _PoolUse()
     area = last_t = 0.0
-    for e in result.events:
+    for e in result.protocol:
         kind = e.kind
-        if kind == "stage":  # most events, and none changes what the pool holds
-            continue
         if kind in _WRITER_KINDS:
             getattr(pool, kind)(e)
         elif kind in _POOL_KINDS:  # the pages held may change here

@@ -73,6 +73,7 @@ class Producer:
         self.gathers: deque[tuple[float, float]] = deque()
         self.lands: deque[float] = deque()  # land times of spans in flight, in FIFO order
         self.span_bytes: dict[int, int] = {}  # with land_byte_s: bytes of spans in flight
+        self.lane_prefix = f"{name}."  # a copy stage's resource: producer.lane
 
     @property
     def available(self) -> bool:
@@ -252,16 +253,11 @@ class Producer:
         contended = self.cfg.costs.contended
         self.gathers.extend((a, b) for name, a, b in stages if name in contended)
 
-    def _schedule_stages(self, req: str, span: int, stages, emit=None) -> None:
-        """Stage events (absolute (name, start, end)) at their start times; stages starting
-        together share one heap event (handed to `emit`, by default straight to the trace)."""
-        emit = emit or self.sim.emit_all
-        groups: dict[float, list] = {}
-        for name, a, b in stages:
-            groups.setdefault(a, []).append(
-                ev.Stage(a, req, name, b, span, f"{self.name}.{name}"))
-        for t, stages in groups.items():
-            self.env.at(t, emit, stages)
+    def _schedule_stages(self, req: str, span: int, stages) -> None:
+        """The span's stages (absolute (name, start, end)), recorded now: they are planned."""
+        prefix = self.lane_prefix
+        self.sim.stage_rows.extend([(a, req, name, b, span, prefix + name)
+                                    for name, a, b in stages])
 
     def _arrived(self, job: Job, span: int) -> None:
         """The span's bytes reached the decoder: it lands when the decoder handles it."""

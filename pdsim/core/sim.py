@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from functools import cached_property
+from operator import attrgetter, itemgetter
 
 import attrs
 
@@ -29,23 +31,48 @@ from pdsim.core.producer import Producer
 
 @attrs.frozen
 class SimResult:
-    """What a run leaves: its header, every event in order, and what it was given."""
+    """What a run leaves: its header, its checked events, and what it was given.
+
+    Stage events (informational: they change no state) are kept as rows, not as events in
+    time order: a run makes four or more per span, and ordering them on the event heap and
+    building each as an event object cost a quarter of a run that never looks at them.
+    `events` builds them and merges them by time when something reads them."""
 
     cfg: SimConfig
     header: ev.Header
-    events: tuple
+    protocol: tuple  # every protocol event (no stage), in the order checked
     requests: tuple[RequestSpec, ...]  # closed loop: each with the time it entered
     steps: int  # heap events handled
     outcomes: tuple = ()  # with faults: one fault_sim.Outcome per request, in workload order
     leaked_pages: int = 0  # pages not back in the pool at the end
     decode: DecodeRecord = attrs.Factory(DecodeRecord)  # the decode batch's steps
+    stage_rows: tuple = ()  # (t, req, name, end, span, resource) of each stage, any order
+
+    @cached_property
+    def events(self) -> tuple:
+        """Every checked event in time order: protocol events and the stages (decode steps
+        aside: `trace_events`); among equal times the protocol events come first, then the
+        stages in the order the run made them."""
+        if not self.stage_rows:
+            return self.protocol
+        rows = sorted(self.stage_rows, key=itemgetter(0))
+        stages = [ev.Stage(*row) for row in rows]
+        return tuple(heapq.merge(self.protocol, stages, key=_time))
+
+    @property
+    def event_count(self) -> int:
+        """Checked events, decode steps aside."""
+        return len(self.protocol) + len(self.stage_rows)
 
     def trace_events(self):
         """Every event of the trace in time order: the checked events, and (with stage
         events on) the decode steps as `decode` stages (the first among equal times)."""
         if not self.cfg.stages or not self.decode.steps:
             return iter(self.events)
-        return heapq.merge(self.events, self.decode.stages(), key=lambda e: e.t)
+        return heapq.merge(self.events, self.decode.stages(), key=_time)
+
+
+_time = attrgetter("t")
 
 
 def make_header(cfg: SimConfig) -> ev.Header:
@@ -77,9 +104,8 @@ class Sim:
         self.env = Env()
         self.header = make_header(cfg)
         self.events: list = []
-        self.late_stages: list = []  # stages reported when they ended (shared host cores)
-        self.monitor = Monitor(self.header, sink=self.events.append,
-                               stage_sink=self.late_stages.append)
+        self.stage_rows: list = []  # (t, req, name, end, span, resource): checked at the end
+        self.monitor = Monitor(self.header, sink=self.events.append)
         # one host's cores shared by every producer's compute and the decoder's steps
         host_cores = cfg.costs.host_cores
         self.cores = HostCores(self.env, host_cores) if host_cores is not None else None
@@ -159,18 +185,14 @@ class Sim:
     def _make_producer(self, name: str) -> Producer:
         return Producer(self.env, self, name)
 
-    def emit_all(self, events) -> None:
-        emit = self.monitor.emit
-        for event in events:
-            emit(event)
-
     def stage(self, t, req, name, duration, span, resource) -> None:
-        self.monitor.emit(ev.Stage(t, req, name, t + duration, span, resource))
+        """A stage from `t` for `duration`: recorded, checked at the end of the run."""
+        self.stage_rows.append((t, req, name, t + duration, span, resource))
 
     def ended_stage(self, t, req, name, resource) -> None:
         """A stage that started at `t` and ends now (its length known only now: shared
-        cores); checked by the Monitor and merged into the events by time at the end."""
-        self.monitor.stage(ev.Stage(t, req, name, self.env.now, None, resource))
+        cores)."""
+        self.stage_rows.append((t, req, name, self.env.now, None, resource))
 
     def next_span(self) -> int:
         self._spans += 1
@@ -196,18 +218,15 @@ class Sim:
         self.env.run()
         record = self.decoder.record  # its steps become the trace's `decode` stages: checked
         self.monitor.recorded_stages("decode", record.step_start, record.step_end)
+        self.monitor.recorded_stage_rows(self.stage_rows)
         self.monitor.close()
-        events = self.events
-        if self.late_stages:  # in time order among the others (equal times: theirs first)
-            self.late_stages.sort(key=lambda e: e.t)
-            events = list(heapq.merge(events, self.late_stages, key=lambda e: e.t))
         requests = self.requests
         if self.entered:
             requests = tuple(attrs.evolve(r, arrival=self.entered.get(r.req, r.arrival))
                              for r in requests)
-        return SimResult(self.cfg, self.header, tuple(events), requests, self.env.steps,
+        return SimResult(self.cfg, self.header, tuple(self.events), requests, self.env.steps,
                          leaked_pages=self.cfg.pool_pages - len(self.monitor.free_page_ids()),
-                         decode=self.decoder.record)
+                         decode=self.decoder.record, stage_rows=tuple(self.stage_rows))
 
 
 def simulate(cfg: SimConfig, requests, faults=None) -> SimResult:
