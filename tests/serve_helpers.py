@@ -102,12 +102,12 @@ def write_sensitive_checkpoint(folder: Path) -> Path:
 
 
 def reference(model_arg: str, tokens, output_tokens: int, chunk: int, prefix: int,
-              seed: int = 0, eos: int | None = None) -> list[int]:
+              seed: int = 0, eos: int | None = None, device: str = "cpu") -> list[int]:
     """`pdgpu generate`'s tokens (the same function), one thread like the serving ranks."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = load_served_model(model_arg, seed, None)
+        model = load_served_model(model_arg, seed, None, device)
         return generate(model, list(tokens), output_tokens, chunk, prefix, eos=eos)
     finally:
         torch.set_num_threads(threads)

@@ -71,9 +71,11 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     out = tmp_path / "out"
     steps = [line.split()[0] for line in (out / "timings.txt").read_text().splitlines()]
-    assert steps == ["pytest_gpu", "compare", "engine_overlap", "export_curve"]
+    assert steps == ["pytest_gpu", "serve_gpu", "compare", "engine_overlap", "export_curve"]
     collected = (out / "pytest_gpu.txt").read_text().split("test_pdgpu_gpu.py: ")[1]
     assert int(collected.split()[0]) >= 10  # the CUDA tests, collected
+    served = (out / "serve_gpu.txt").read_text().split("test_pdgpu_serve_gpu.py: ")[1]
+    assert int(served.split()[0]) == 7  # 3 modes x 1, 2 producers, and the killed producer
     assert {p.name for p in out.glob("*.jsonl")} == {"whole.jsonl", "chunk.jsonl", "layer.jsonl"}
     assert "targets" in json.loads((out / "engine_overlap.json").read_text())
     curve = json.loads((out / "export_curve.json").read_text())["export_curve"]
