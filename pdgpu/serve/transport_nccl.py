@@ -81,9 +81,24 @@ class NcclTransport(GlooTransport):
                                  "(torch.distributed.is_nccl_available() is false)")
         super().__init__(store, rank, timeout_s)
         self.device = torch.device(device)
-        torch.cuda.set_device(self.device)
+        self._on_device()
         self.identity = {"device": str(self.device), "gpu": gpu_identity(self.device)}
         self.abort_lock = threading.Lock()
+
+    # -- what ties it to CUDA and NCCL (tests on CPU replace these three) ---------------------
+
+    def _on_device(self) -> None:
+        """Make this transport's device current in the calling thread (CUDA's is per thread)."""
+        torch.cuda.set_device(self.device)
+
+    def _data_group(self, store, me: int, name: str):
+        return nccl_group(store, me, self.timeout_s, name)
+
+    @staticmethod
+    def _in_device_memory(tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda
+
+    # -- the lanes ------------------------------------------------------------------------------
 
     def descriptor(self) -> dict:
         return self.identity
@@ -91,10 +106,9 @@ class NcclTransport(GlooTransport):
     def _open_data(self, link: Link, store) -> None:
         if link.lane != NCCL:
             return
-        torch.cuda.set_device(self.device)  # this is the connecting thread
+        self._on_device()  # this is the connecting thread
         low, high = sorted((self.rank, link.peer))
-        link.data = nccl_group(store, link.me, self.timeout_s,
-                               f"pdgpu-link-{low}-{high}-{link.generation}")
+        link.data = self._data_group(store, link.me, f"pdgpu-link-{low}-{high}-{link.generation}")
         probe = torch.full((1,), float(link.me), device=self.device)  # [1]
         if link.me == 1:
             self._wait(link, link.data.send([probe], 0, 0), "NCCL's first send")
@@ -106,19 +120,20 @@ class NcclTransport(GlooTransport):
 
     def _via(self, link: Link, tensor: torch.Tensor) -> str | None:
         """NCCL for a CUDA tensor the higher rank sends on an NCCL link; else gloo."""
-        return NCCL if link.lane == NCCL and link.me == 1 and tensor.is_cuda else None
+        return NCCL if link.lane == NCCL and link.me == 1 and self._in_device_memory(tensor) \
+            else None
 
     def _send_payload(self, link: Link, tensor: torch.Tensor, via: str | None) -> None:
         if via != NCCL:
             return super()._send_payload(link, tensor, via)
-        torch.cuda.set_device(self.device)
+        self._on_device()
         self._wait(link, link.data.send([tensor], link.other, 0),
                    f"NCCL send to {peer_name(link.peer)}")
 
     def _recv_payload(self, link: Link, dtype: torch.dtype, shape, via: str | None):
         if via != NCCL:
             return super()._recv_payload(link, dtype, shape, via)
-        torch.cuda.set_device(self.device)
+        self._on_device()
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
         if tensor.numel():
             self._wait(link, link.data.recv([tensor], link.other, 0),

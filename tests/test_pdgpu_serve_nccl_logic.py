@@ -1,0 +1,151 @@
+"""NcclTransport's own logic on CPU, a gloo group standing in for the NCCL one (the three
+methods that touch CUDA replaced): the tensor lane is made and tried at connect, the higher
+rank's tensors take it while control and the other direction stay on gloo, and a receive
+waiting on a peer that never sends is abandoned when the link is dropped or times out."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdgpu.serve.rendezvous import NCCL
+from pdgpu.serve.transport import GlooTransport
+from pdgpu.serve.transport_nccl import NcclTransport
+
+
+class Polled:
+    """A gloo operation that can be polled like an NCCL one (gloo's own cannot)."""
+
+    def __init__(self, work) -> None:
+        self.error: Exception | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._wait, args=(work,), daemon=True).start()
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - raised again by wait()
+            self.error = e
+        self.done.set()
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class PolledGroup:
+    def __init__(self, pg) -> None:
+        self.pg = pg
+
+    def send(self, tensors, dst: int, tag: int) -> Polled:
+        return Polled(self.pg.send(tensors, dst, tag))
+
+    def recv(self, tensors, src: int, tag: int) -> Polled:
+        return Polled(self.pg.recv(tensors, src, tag))
+
+    def abort(self) -> None:
+        self.pg.abort()
+
+
+class GlooStandIn(NcclTransport):
+    """NcclTransport with a gloo group for its tensor lane and the CPU as its 'device'."""
+
+    def __init__(self, store, rank: int, gpu: str, timeout_s: float = 20.0) -> None:
+        GlooTransport.__init__(self, store, rank, timeout_s)
+        self.device = torch.device("cpu")
+        self.identity = {"device": "cuda:0", "gpu": gpu}
+        self.abort_lock = threading.Lock()
+        self.data_sends: list[tuple[int, ...]] = []  # shapes sent over the tensor lane
+        self.hold = threading.Event()  # set: the next tensor-lane send never happens
+
+    def _on_device(self) -> None:
+        pass
+
+    def _data_group(self, store, me: int, name: str):
+        return PolledGroup(dist.ProcessGroupGloo(dist.PrefixStore("nccl", store), me, 2,
+                                                 timedelta(seconds=self.timeout_s)))
+
+    @staticmethod
+    def _in_device_memory(tensor: torch.Tensor) -> bool:
+        return True
+
+    def _send_payload(self, link, tensor, via) -> None:
+        if via == NCCL:
+            if self.hold.is_set():
+                threading.Event().wait()  # a producer that died between header and bytes
+            self.data_sends.append(tuple(tensor.shape))
+        super()._send_payload(link, tensor, via)
+
+
+def _pair(timeout_s: float = 20.0):
+    """A decoder (rank 0) and a producer (rank 1) on 'two GPUs', linked in this process."""
+    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=20),
+                           wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", master.port, 2, is_master=False,
+                           timeout=timedelta(seconds=20), wait_for_workers=False)
+    decoder, producer = GlooStandIn(master, 0, "A", timeout_s), GlooStandIn(client, 1, "B")
+    joiner = threading.Thread(target=producer.connect, args=(0, 0))
+    joiner.start()
+    decoder.connect(1, 0)
+    joiner.join(timeout=20)
+    return decoder, producer
+
+
+def _close(*ends) -> None:
+    for end in ends:
+        end.close(wait_s=0.0, flush_s=1.0)
+
+
+def test_kv_takes_the_tensor_lane_one_way_only():
+    """The producer's tensors go over the tensor group (tried once at connect), arrive
+    equal on the decoder; the decoder's tensors to the producer stay on gloo."""
+    decoder, producer = _pair()
+    try:
+        assert decoder.lanes() == {1: NCCL} and producer.lanes() == {0: NCCL}
+        assert decoder.links[1].data is not None and producer.links[0].data is not None
+        kv, digests = torch.randn(2, 2, 5, 3, 4), torch.arange(20).view(2, 2, 5)
+        producer.send(0, "span", {"sid": 1}, (kv, digests, torch.empty(0, 3)))
+        msg = decoder.get(timeout=20)
+        assert torch.equal(msg.tensors[0], kv) and torch.equal(msg.tensors[1], digests)
+        assert producer.data_sends == [(2, 2, 5, 3, 4), (2, 2, 5)]  # the empty one: not sent
+        decoder.send(1, "probe", {}, (torch.ones(3),))
+        back = producer.get(timeout=20)
+        assert back.op == "probe" and torch.equal(back.tensors[0], torch.ones(3))
+        assert decoder.data_sends == []  # the decoder -> producer direction stays on gloo
+    finally:
+        _close(decoder, producer)
+
+
+def test_a_receive_from_a_dead_peer_ends_when_the_link_is_dropped():
+    """The producer announces a span and never sends its bytes: the decoder's receiving
+    thread waits on the tensor lane until the decoder drops the link, then ends (nothing
+    from the dropped link reaches the decoder)."""
+    decoder, producer = _pair()
+    link = decoder.links[1]
+    producer.hold.set()
+    producer.send(0, "span", {"sid": 1}, (torch.randn(2, 3),))
+    time.sleep(1.0)
+    assert link.thread.is_alive() and decoder.get(timeout=0) is None  # waiting for bytes
+    decoder.drop(1)
+    link.thread.join(timeout=5)
+    assert not link.thread.is_alive() and link.aborted.is_set()
+    assert decoder.get(timeout=0.2) is None
+
+
+def test_a_receive_never_outlasts_the_timeout():
+    """Without a drop, a tensor that does not come within the connect timeout breaks the
+    link: the decoder hears `lost` naming the timeout, and the group is aborted."""
+    timeout_s = 1.5
+    decoder, producer = _pair(timeout_s)
+    producer.hold.set()
+    producer.send(0, "span", {"sid": 1}, (torch.randn(2, 3),))
+    msg = decoder.get(timeout=timeout_s + 10)
+    assert msg.op == "lost" and f"not done within {timeout_s:g} s" in msg.body["error"]
+    assert decoder.links[1].aborted.is_set()
