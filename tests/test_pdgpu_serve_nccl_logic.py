@@ -9,11 +9,11 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from pdgpu.serve.rendezvous import NCCL
-from pdgpu.serve.transport import GlooTransport
+from pdgpu.serve.rendezvous import NCCL, TransportError
 from pdgpu.serve.transport_nccl import NcclTransport
 
 
@@ -58,15 +58,19 @@ class GlooStandIn(NcclTransport):
     """NcclTransport with a gloo group for its tensor lane and the CPU as its 'device'."""
 
     def __init__(self, store, rank: int, gpu: str, timeout_s: float = 20.0) -> None:
-        GlooTransport.__init__(self, store, rank, timeout_s)
-        self.device = torch.device("cpu")
-        self.identity = {"device": "cuda:0", "gpu": gpu}
-        self.abort_lock = threading.Lock()
+        self.gpu = gpu
+        super().__init__(store, rank, "cpu", timeout_s)
         self.data_sends: list[tuple[int, ...]] = []  # shapes sent over the tensor lane
         self.hold = threading.Event()  # set: the next tensor-lane send never happens
 
+    def _check_backend(self) -> None:
+        pass
+
     def _on_device(self) -> None:
         pass
+
+    def _identity(self) -> dict:
+        return {"device": "cuda:0", "gpu": self.gpu}
 
     def _data_group(self, store, me: int, name: str):
         return PolledGroup(dist.ProcessGroupGloo(dist.PrefixStore("nccl", store), me, 2,
@@ -149,3 +153,12 @@ def test_a_receive_never_outlasts_the_timeout():
     msg = decoder.get(timeout=timeout_s + 10)
     assert msg.op == "lost" and f"not done within {timeout_s:g} s" in msg.body["error"]
     assert decoder.links[1].aborted.is_set()
+
+
+@pytest.mark.skipif(dist.is_nccl_available(), reason="checks a torch built without NCCL")
+def test_a_torch_without_nccl_is_named():
+    """A CUDA transport on a torch without NCCL fails at once, saying so in one line."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5),
+                          wait_for_workers=False)
+    with pytest.raises(TransportError, match="is_nccl_available"):
+        NcclTransport(store, 0, "cuda:0")

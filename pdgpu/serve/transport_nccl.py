@@ -76,20 +76,27 @@ def nccl_group(store, me: int, timeout_s: float, name: str):
 
 class NcclTransport(GlooTransport):
     def __init__(self, store, rank: int, device: str, timeout_s: float = 60.0) -> None:
-        if not dist.is_nccl_available():
-            raise TransportError(f"device {device}: this torch {torch.__version__} has no NCCL "
-                                 "(torch.distributed.is_nccl_available() is false)")
         super().__init__(store, rank, timeout_s)
         self.device = torch.device(device)
+        self._check_backend()
         self._on_device()
-        self.identity = {"device": str(self.device), "gpu": gpu_identity(self.device)}
+        self.identity = self._identity()
         self.abort_lock = threading.Lock()
+        self.aborters: list[threading.Thread] = []
 
-    # -- what ties it to CUDA and NCCL (tests on CPU replace these three) ---------------------
+    # -- what ties it to CUDA and NCCL (tests on CPU replace these) ---------------------------
+
+    def _check_backend(self) -> None:
+        if not dist.is_nccl_available():
+            raise TransportError(f"device {self.device}: this torch {torch.__version__} has "
+                                 "no NCCL (torch.distributed.is_nccl_available() is false)")
 
     def _on_device(self) -> None:
         """Make this transport's device current in the calling thread (CUDA's is per thread)."""
         torch.cuda.set_device(self.device)
+
+    def _identity(self) -> dict:
+        return {"device": str(self.device), "gpu": gpu_identity(self.device)}
 
     def _data_group(self, store, me: int, name: str):
         return nccl_group(store, me, self.timeout_s, name)
@@ -155,11 +162,29 @@ class NcclTransport(GlooTransport):
         work.wait()  # done: orders the tensor's later use after the NCCL stream
 
     def _abort_data(self, link: Link) -> None:
+        """Stop every wait on the link's NCCL group at once (`aborted`), and abort the group
+        in a thread of its own: whoever drops a link (the decoder's loop) never blocks on
+        NCCL tearing a communicator down."""
         with self.abort_lock:
             if link.data is None or link.aborted.is_set():
                 return
             link.aborted.set()
-        try:
-            link.data.abort()
-        except Exception:  # noqa: BLE001 - aborting a broken group may raise: it is gone
-            pass
+        aborter = threading.Thread(target=_abort_quietly, args=(link.data,), daemon=True,
+                                   name=f"pdgpu-abort-{link.peer}")
+        aborter.start()
+        self.aborters.append(aborter)
+
+    def close(self, wait_s: float = 5.0, flush_s: float = 2.0) -> bool:
+        """GlooTransport's close, then up to `wait_s` for the NCCL groups to be aborted."""
+        quiet = super().close(wait_s, flush_s)
+        deadline = time.monotonic() + wait_s
+        for aborter in self.aborters:
+            aborter.join(timeout=max(0.0, deadline - time.monotonic()))
+        return quiet
+
+
+def _abort_quietly(group) -> None:
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001 - aborting a broken group may raise: it is gone either way
+        pass
