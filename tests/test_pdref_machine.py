@@ -1,6 +1,8 @@
 """A rule-based state machine: random legal and illegal events go through `apply` and through
 a deliberately simple second model (plain sets of (layer, token) points), which must agree on
-every verdict and code, and on the whole state after every step."""
+every verdict and code, and on the whole state after every step. The simulator's
+`FastMonitor` (a mutable mirror) goes along: the same verdict, code and message as `apply`,
+and the same state after every step."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from hypothesis.stateful import (
 
 from pdref import events as ev
 from pdref.apply import apply, initial_state
+from pdref.fast_monitor import FastMonitor
 from pdref.geometry import Geometry
 from pdref.violations import Violation
 
@@ -273,20 +276,24 @@ class ApplyVsSimple(RuleBasedStateMachine):
                            page_tokens=PAGE_TOKENS)
         self.L = layers
         self.version = version
-        self.state = initial_state(ev.Header("m", mode, geo, pool_pages, max_pending,
-                                             version=version))
+        header = ev.Header("m", mode, geo, pool_pages, max_pending, version=version)
+        self.state = initial_state(header)
+        self.fast = FastMonitor(header)
         self.model = Simple(layers, pool_pages, max_pending, geo.bytes_per_token_layer, version)
         self.next_span = 0
 
     def do(self, event) -> bool:
         """Apply `event` to both models; they must agree. True when it was accepted."""
         want = self.model.step(event)
+        fast = verdict_of(self.fast.emit, event)
         try:
             new = apply(self.state, event)
         except Violation as v:
             assert v.code == want, f"{event}: pdref says {v.code}, simple model says {want}"
+            assert fast == (v.code, v.message), f"{event}: FastMonitor says {fast}"
             return False
         assert want is None, f"{event}: pdref accepts, simple model says {want}"
+        assert fast is None, f"{event}: pdref accepts, FastMonitor says {fast}"
         self.state = new
         return True
 
@@ -516,6 +523,32 @@ class ApplyVsSimple(RuleBasedStateMachine):
     def models_agree(self):
         """After every step both models hold the same state."""
         check_invariants(self.state, self.model, self.L)
+
+    @invariant()
+    def fast_monitor_agrees(self):
+        """After every step the FastMonitor's mirror is the specification's state, its
+        queries answer as the state's, and it never deferred a legal event."""
+        fast, s = self.fast, self.state
+        assert fast.mirror.snapshot() == s and fast.deferred_legal == 0
+        for req in NAMES:
+            assert fast.can_admit(req) == s.can_admit(req)
+            assert set(fast.unfenced(req)) == set(s.unfenced_of(req))
+        for producer in PRODUCERS:
+            assert fast.can_issue(producer) == s.can_issue(producer)
+            assert fast.pending(producer) == s.pending_of(producer)
+        for prompt in (1, 9, MAX_PROMPT):
+            assert fast.can_reserve(prompt, 0) == s.can_reserve(prompt, 0)
+        assert fast.free_pages == s.free_pages
+        assert fast.quarantined_pages == s.pool.quarantined_pages
+
+
+def verdict_of(emit, event) -> tuple[str, str] | None:
+    """(code, message) of the Violation `emit(event)` raises, None when it accepts."""
+    try:
+        emit(event)
+    except Violation as v:
+        return v.code, v.message
+    return None
 
 
 TestApplyVsSimple = ApplyVsSimple.TestCase

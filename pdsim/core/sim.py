@@ -1,7 +1,8 @@
 """One simulation: wires the Env, the Monitor (pdref), producers and the decoder together.
 
-Every event goes through `pdref.monitor.Monitor.emit`, so a schedule the specification
-forbids raises a Violation instead of producing a trace.
+Every event goes through `pdref.fast_monitor.FastMonitor.emit` (pdref's Monitor, same
+verdicts, on a mutable mirror of the state), so a schedule the specification forbids raises
+a Violation instead of producing a trace.
 
 Scheduling follows `pdgpu serve`'s decoder: arrived requests, in arrival order, get a slab
 as soon as the pool has its pages (the head waits rather than being overtaken) and go to the
@@ -21,7 +22,7 @@ from operator import attrgetter, itemgetter
 import attrs
 
 from pdref import events as ev
-from pdref.monitor import Monitor
+from pdref.fast_monitor import FastMonitor
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.cores import HostCores
 from pdsim.core.decoder import Decoder, DecodeRecord
@@ -105,7 +106,8 @@ class Sim:
         self.header = make_header(cfg)
         self.events: list = []
         self.stage_rows: list = []  # (t, req, name, end, span, resource): checked at the end
-        self.monitor = Monitor(self.header, sink=self.events.append)
+        # the specification's verdicts on a mutable mirror of its state (fast_monitor.py)
+        self.monitor = FastMonitor(self.header, sink=self.events.append)
         # one host's cores shared by every producer's compute and the decoder's steps
         host_cores = cfg.costs.host_cores
         self.cores = HostCores(self.env, host_cores) if host_cores is not None else None
