@@ -141,6 +141,7 @@ class Decoder:
         that ends before any other pending event ends at once, here (nothing can happen
         meanwhile: no heap round trip)."""
         env = self.env
+        settled = False  # a step ended here and what reached the decoder since was handled
         while True:
             self.waking = False
             if self.debt > 0:
@@ -150,6 +151,8 @@ class Decoder:
             if not self.running:
                 self.stepping = False
                 return
+            if settled and self.sim.cores is None:
+                self._quiet_steps()
             batch, end = self._begin_step()
             if self.sim.cores is not None:  # shared host cores: its end depends on others
                 self.sim.cores.start(end - env.now, self._end_step, batch)
@@ -158,6 +161,40 @@ class Decoder:
                 env.at(end, self._end_step, batch)
                 return
             self._step_done(batch)
+            settled = True
+
+    def _quiet_steps(self) -> None:
+        """Run, in one tight loop, the steps that change nothing but the batch's KV: each
+        ends (its gap too) before every pending event and no request finishes in it. The
+        loop above would run each the same way (same times, same records) and find nothing
+        to handle between them: nothing reached the decoder, and the queue's head could not
+        be reserved after the last step (the pool has not changed since)."""
+        env, record, finishing = self.env, self.record, self.finishing
+        heap = env._heap
+        next_t = heap[0][0] if heap else float("inf")
+        fixed, row_s, kv_s, gap = self.step_fixed, self.row_s, self.kv_s, self.gap_s
+        batch, kv, step, now, label = (self.running, self.kv_tokens, self.next_step, env.now,
+                                       self.last_req)
+        starts, ends, batches, kvs, labels = (record.step_start, record.step_end, record.batch,
+                                              record.kv_tokens, record.label)
+        first = step
+        while step not in finishing:
+            end = now + fixed + batch * row_s + kv * kv_s
+            until = end + gap if gap > 0 else end  # the loop's gap is paid after the step
+            if until >= next_t:
+                break
+            starts.append(now)
+            ends.append(end)
+            kv += batch
+            step += 1
+            now = until
+        done = step - first
+        if done:
+            batches.extend([batch] * done)
+            kvs.extend(range(self.kv_tokens, kv, batch))
+            labels.extend([label] * done)
+            env.now, self.kv_tokens, self.next_step = now, kv, step
+            env.steps += done * (2 if gap > 0 else 1)  # a step's end, and its gap's
 
     def _pay_debt(self) -> bool:
         """Busy with the handling work owed (what arrives meanwhile waits); True when it
