@@ -18,8 +18,8 @@ from pdref.apply import apply, check_end, initial_state
 from pdref.mirror import MirrorLife, MirrorState
 from pdref.monitor import Monitor
 from pdref.pool import PoolError
-from pdref.progress import LayerProgress, ProgressError, empty_coverage
-from pdref.state import Phase, Quarantine, RequestLife, Span, Unfenced
+from pdref.progress import ProgressError
+from pdref.state import Phase, Quarantine, Span, Unfenced
 from pdref.violations import Violation
 
 _new = tuple.__new__
@@ -94,13 +94,9 @@ class FastMonitor(Monitor):
             pool = m.pool.take(e.pages)
         except PoolError:
             return False
-        layers = m.geometry.layers
-        empty = empty_coverage(layers)
-        life = RequestLife(req=e.req, producer=e.producer, prompt=e.prompt, prefix=e.prefix,
-                           pages=e.pages, progress=LayerProgress(layers, e.prefix, e.prompt),
-                           computed=empty, held=empty, serial=m.lives)
+        self._requests[e.req] = MirrorLife.reserved(e.req, e.producer, e.prompt, e.prefix,
+                                                    e.pages, m.geometry.layers, m.lives)
         m.pool, m.lives = pool, m.lives + 1
-        self._requests[e.req] = MirrorLife(life)
         return True
 
     def _computed(self, e) -> bool:
@@ -112,9 +108,19 @@ class FastMonitor(Monitor):
         if not ((l1 <= l0 or (0 <= l0 and l1 <= self.mirror.geometry.layers))
                 and (b <= a or (0 <= a and b <= life.prompt))):
             return False
-        computed = life.computed.union(layers, tokens)
-        life.held = computed if life.held is life.computed else life.held.union(layers, tokens)
-        life.computed = computed
+        if l1 <= l0 or b <= a:  # an empty region changes nothing
+            return True
+        if life.held is not None:  # held apart from computed since a reuse
+            life.held = life.held.union(layers, tokens)
+        if life.computed is None and l0 <= 0 and l1 >= life.layers:  # one band: extend it
+            lo, hi = life.c_lo, life.c_hi
+            if lo == hi:
+                life.c_lo, life.c_hi = a, b
+                return True
+            if a <= hi and lo <= b:  # overlapping or adjacent: still one band
+                life.c_lo, life.c_hi = min(lo, a), max(hi, b)
+                return True
+        life.computed = life.own_computed().union(layers, tokens)
         return True
 
     def _issue(self, e) -> bool:
@@ -130,8 +136,12 @@ class FastMonitor(Monitor):
         if e.bytes != (geometry.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0)
                        * (b - a if b > a else 0)):
             return False
-        if life.held.first_gap(layers, tokens) is not None:
-            return False
+        if l0 < l1 and a < b:  # an empty region reads nothing
+            if life.held is None and life.computed is None:  # the computed band
+                if not (life.c_lo <= a and b <= life.c_hi and life.c_lo < life.c_hi):
+                    return False
+            elif life.held_value().first_gap(layers, tokens) is not None:
+                return False
         for other in life.in_flight:
             (o0, o1), (x, y) = other.layers, other.tokens
             if l0 < o1 and o0 < l1 and l0 < l1 and o0 < o1 and a < y and x < b and a < b and x < y:
@@ -160,16 +170,31 @@ class FastMonitor(Monitor):
         span = next((s for s in life.in_flight if s.span == e.span), None)
         if span is None:
             return False
-        progress = life.progress
         (l0, l1), (a, b) = span.layers, span.tokens
-        if l0 < l1 and a < b:
-            try:
-                progress = progress.add(span.layers, span.tokens)
-            except ProgressError:
-                return False
+        if l0 < l1 and a < b and not self._publish(life, span):
+            return False
         self._take_span(life, e.span)
-        life.progress = progress
         self._pending[life.producer] = self._pending.get(life.producer, 0) - 1
+        return True
+
+    def _publish(self, life: MirrorLife, span: Span) -> bool:
+        """`LayerProgress.add` of a non-empty span: False where it raises."""
+        (l0, l1), (a, b) = span.layers, span.tokens
+        if life.progress is None and not life.finished and l0 <= 0 and l1 >= life.layers:
+            lo, hi = life.p_lo, life.p_hi
+            if lo < hi and a < hi and lo < b:  # overlaps what landed
+                return False
+            if life.prefix <= a and b <= life.prompt:  # else: add's own error below
+                if lo == hi:
+                    life.p_lo, life.p_hi = a, b
+                    return True
+                if a == hi or b == lo:  # adjacent: still one band
+                    life.p_lo, life.p_hi = min(lo, a), max(hi, b)
+                    return True
+        try:
+            life.progress = life.own_progress().add(span.layers, span.tokens)
+        except ProgressError:
+            return False
         return True
 
     def _fail(self, e) -> bool:
@@ -191,14 +216,19 @@ class FastMonitor(Monitor):
         life = self._requests.get(e.req)
         if life is None or any(s.reads(e.tokens) for s in life.in_flight + life.unfenced):
             return False
-        life.held = life.held.remove_tokens(e.tokens)
+        if e.tokens[0] < e.tokens[1]:  # (an empty range leaves held as it is)
+            life.held = life.held_value().remove_tokens(e.tokens)
         return True
 
     def _produced(self, e) -> bool:
         life = self._requests.get(e.req)
-        if (life is None or life.phase is not Phase.RESERVED
-                or life.computed.first_gap((0, self.mirror.geometry.layers),
-                                           (life.prefix, life.prompt)) is not None):
+        if life is None or life.phase is not Phase.RESERVED:
+            return False
+        if life.computed is None:
+            if life.prefix < life.prompt and not (life.c_lo <= life.prefix
+                                                  and life.prompt <= life.c_hi):
+                return False
+        elif life.computed.first_gap((0, life.layers), (life.prefix, life.prompt)) is not None:
             return False
         life.phase = Phase.PRODUCED
         return True
@@ -207,7 +237,11 @@ class FastMonitor(Monitor):
         life = self._requests.get(e.req)
         if life is None or not life.can_admit():
             return False
-        life.phase, life.progress = Phase.ADMITTED, life.progress.finish()
+        life.phase = Phase.ADMITTED
+        if life.progress is None:
+            life.finished = True
+        else:
+            life.progress = life.progress.finish()
         return True
 
     def _release(self, e) -> bool:

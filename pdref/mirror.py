@@ -12,31 +12,101 @@ from __future__ import annotations
 
 import immutables
 
+from pdref.intervals import IntervalSet
+from pdref.progress import Coverage, LayerProgress, empty_coverage
 from pdref.state import Phase, RequestLife, SystemState
 
 
+def band(num_layers: int, lo: int, hi: int) -> Coverage:
+    """The coverage of tokens [lo, hi) on every layer (empty when lo >= hi), as the
+    specification's unions build it."""
+    if lo >= hi:
+        return empty_coverage(num_layers)
+    return Coverage(num_layers, (0,), (IntervalSet((lo,), (hi,)),))
+
+
 class MirrorLife:
-    """One life, as `RequestLife` holds it; `in_flight` and `unfenced` are lists here."""
+    """One life, as `RequestLife` holds it; `in_flight` and `unfenced` are lists here.
+
+    A chunk-mode life (every span and step over all layers, in token order) covers one band
+    of tokens on every layer, so its coverages are held as two integers until anything else
+    happens (`computed` / `progress` None: the band [c_lo, c_hi) / [p_lo, p_hi)); then as
+    the specification's values. `held` None: the same value as `computed` (in the
+    specification, the same object until the first reuse)."""
 
     __slots__ = ("req", "producer", "prompt", "prefix", "pages", "progress", "computed",
-                 "held", "phase", "in_flight", "failed", "serial", "unfenced")
+                 "held", "phase", "in_flight", "failed", "serial", "unfenced", "layers",
+                 "c_lo", "c_hi", "p_lo", "p_hi", "finished")
 
     def __init__(self, life: RequestLife) -> None:
         (self.req, self.producer, self.prompt, self.prefix, self.pages, self.progress,
-         self.computed, self.held, self.phase, in_flight, self.failed, self.serial,
+         self.computed, held, self.phase, in_flight, self.failed, self.serial,
          unfenced) = life
+        self.held = None if held is self.computed else held
         self.in_flight, self.unfenced = list(in_flight), list(unfenced)
+        self.layers = self.progress.num_layers
+        self.c_lo = self.c_hi = self.p_lo = self.p_hi = 0
+        self.finished = False
+
+    @classmethod
+    def reserved(cls, req: str, producer: str, prompt: int, prefix: int, pages, layers: int,
+                 serial: int) -> MirrorLife:
+        """A new life: nothing computed, held or landed (all three as empty bands)."""
+        life = cls.__new__(cls)
+        life.req, life.producer, life.prompt, life.prefix, life.pages = (req, producer, prompt,
+                                                                         prefix, pages)
+        life.progress = life.computed = life.held = None
+        life.phase, life.in_flight, life.failed, life.serial = Phase.RESERVED, [], False, serial
+        life.unfenced, life.layers = [], layers
+        life.c_lo = life.c_hi = life.p_lo = life.p_hi = 0
+        life.finished = False
+        return life
+
+    def computed_value(self) -> Coverage:
+        if self.computed is None:
+            return band(self.layers, self.c_lo, self.c_hi)
+        return self.computed
+
+    def own_computed(self) -> Coverage:
+        """`computed` as the specification's value from now on."""
+        if self.computed is None:
+            self.computed = band(self.layers, self.c_lo, self.c_hi)
+        return self.computed
+
+    def held_value(self) -> Coverage:
+        return self.computed_value() if self.held is None else self.held
+
+    def progress_value(self) -> LayerProgress:
+        if self.progress is None:
+            return LayerProgress(self.layers, self.prefix, self.prompt,
+                                 band(self.layers, self.p_lo, self.p_hi), self.finished)
+        return self.progress
+
+    def own_progress(self) -> LayerProgress:
+        """`progress` as the specification's value from now on."""
+        if self.progress is None:
+            self.progress = self.progress_value()
+        return self.progress
 
     def frozen(self) -> RequestLife:
         """The specification's value of this life."""
+        computed = self.computed_value()
         return RequestLife(self.req, self.producer, self.prompt, self.prefix, self.pages,
-                           self.progress, self.computed, self.held, self.phase,
+                           self.progress_value(), computed,
+                           computed if self.held is None else self.held, self.phase,
                            tuple(self.in_flight), self.failed, self.serial,
                            tuple(self.unfenced))
 
+    def complete(self) -> bool:
+        """Every layer landed every suffix token (`LayerProgress.is_complete`)."""
+        if self.progress is not None:
+            return self.progress.is_complete()
+        return self.prefix >= self.prompt or (self.p_lo <= self.prefix
+                                              and self.prompt <= self.p_hi)
+
     def can_admit(self) -> bool:
         return (self.phase is Phase.PRODUCED and not self.in_flight and not self.failed
-                and self.progress.is_complete())
+                and self.complete())
 
 
 class MirrorState:
