@@ -19,16 +19,15 @@ With one span in flight both copiers give the same times.
 
 from __future__ import annotations
 
-import attrs
+from typing import NamedTuple
 
 from pdsim.core.costs import Costs
 
 WORKER = "worker"  # the serial copier's one lane
 
 
-@attrs.frozen
-class SpanTimes:
-    """When one span's copy runs (absolute times)."""
+class SpanTimes(NamedTuple):
+    """When one span's copy runs (absolute times). A NamedTuple: one is made per span."""
 
     start: float  # the copier began working on it (its fixed cost starts)
     stages: tuple[tuple[str, float, float], ...]  # (stage name, start, end), gather first

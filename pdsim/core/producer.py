@@ -74,6 +74,12 @@ class Producer:
         self.lands: deque[float] = deque()  # land times of spans in flight, in FIFO order
         self.span_bytes: dict[int, int] = {}  # with land_byte_s: bytes of spans in flight
         self.lane_prefix = f"{name}."  # a copy stage's resource: producer.lane
+        # fixed for the run, looked up once (every step and span reads them)
+        cfg = self.cfg
+        self.head_s = 0.0 if cfg.no_compute else cfg.costs.head_s
+        self.whole = cfg.mode is Mode.WHOLE
+        self.compute_lane = f"{name}.compute"
+        self.bytes_per_token_layer = cfg.geometry.bytes_per_token_layer
 
     @property
     def available(self) -> bool:
@@ -129,56 +135,60 @@ class Producer:
             self._finish(job)
             return
         step = job.steps[job.index]
-        duration = self._stretched(step.base_s)
-        name = "fill" if self.cfg.no_compute else "compute"  # export: the payload
+        duration = self._stretched(step.base_s) if self.gathers else step.base_s
+        cfg = self.cfg
+        name = "fill" if cfg.no_compute else "compute"  # export: the payload
         if self.sim.cores is not None:  # shared host cores: the stage is known at its end
             self.sim.cores.start(duration, self._shared_end, self._end_step, job.req, name,
                                  self.env.now, job, step)
             return
-        if self.cfg.stages and (duration or not self.cfg.no_compute):
-            self.sim.stage(self.env.now, job.req, name, duration, None, f"{self.name}.compute")
-        self.env.after(duration, self._end_step, job, step)
+        now = self.env.now
+        if cfg.stages and (duration or not cfg.no_compute):
+            self.sim.stage_rows.append((now, job.req, name, now + duration, None,
+                                        self.compute_lane))
+        self.env.at(now + duration, self._end_step, job, step)
 
     def _shared_end(self, then, req: str, name: str, start: float, *args) -> None:
         """Compute on shared host cores ended: its stage (start to now), then `then`."""
         if self.cfg.stages and (self.env.now > start or not self.cfg.no_compute):
-            self.sim.ended_stage(start, req, name, f"{self.name}.compute")
+            self.sim.ended_stage(start, req, name, self.compute_lane)
         then(*args)
 
     def _stretched(self, base: float) -> float:
         """Compute time when known gathers (or other contended copy stages) overlap
         [now, now + base]: contention slows it."""
-        now, end = self.env.now, self.env.now + base
-        while self.gathers and self.gathers[0][1] <= now:
-            self.gathers.popleft()
-        overlap = sum(max(0.0, min(g1, end) - max(g0, now)) for g0, g1 in self.gathers)
+        now, gathers = self.env.now, self.gathers
+        end = now + base
+        while gathers and gathers[0][1] <= now:
+            gathers.popleft()
+        if not gathers:
+            return base
+        overlap = sum(max(0.0, min(g1, end) - max(g0, now)) for g0, g1 in gathers)
         return base + self.cfg.costs.contention * overlap
 
     def _end_step(self, job: Job, step: Step) -> None:
         now = self.env.now
         self.sim.emit(ev.Computed(now, job.req, step.layers, step.tokens))
         job.index += 1
-        last = job.index == len(job.steps)
-        if last and not self._head_s() and self.cfg.mode is Mode.WHOLE:
-            self._produce(job)  # chunk/layer: once the last spans are issued (_finish)
+        if job.index == len(job.steps) and self.whole:
+            if not self.head_s:
+                self._produce(job)  # chunk/layer: once the last spans are issued (_finish)
+            else:
+                job.ready.extend(step.spans)
+                self._run_head(job, self._issue_ready)  # the whole copy starts after it
+                return
         job.ready.extend(step.spans)
-        if last and self._head_s() and self.cfg.mode is Mode.WHOLE:
-            self._run_head(job, self._issue_ready)  # the whole copy starts after `produced`
-            return
         self._issue_ready(job)
-
-    def _head_s(self) -> float:
-        return 0.0 if self.cfg.no_compute else self.cfg.costs.head_s
 
     def _run_head(self, job: Job, then) -> None:
         """The first token's LM head (after the last step, before `produced`), then `then`."""
-        head = self._head_s()
+        head = self.head_s
         if self.sim.cores is not None:
             self.sim.cores.start(head, self._shared_end, self._head_done, job.req, "head",
                                  self.env.now, job, then)
             return
         if self.cfg.stages:
-            self.sim.stage(self.env.now, job.req, "head", head, None, f"{self.name}.compute")
+            self.sim.stage(self.env.now, job.req, "head", head, None, self.compute_lane)
         self.env.after(head, self._head_done, job, then)
 
     def _head_done(self, job: Job, then) -> None:
@@ -191,7 +201,7 @@ class Producer:
         self.sim.decoder.deliver(self.sim.decoder.produced, job)
 
     def _finish(self, job: Job) -> None:
-        if not job.produced and self._head_s():
+        if not job.produced and self.head_s:
             self._run_head(job, self._finish)  # chunk/layer: the last copies overlap the head
             return
         if not job.produced:
@@ -227,14 +237,15 @@ class Producer:
         self.blocked = job
         if self.cfg.stages:
             wait = max(0.0, self.lands[0] - self.env.now)  # a land the decoder defers
-            self.sim.stage(self.env.now, job.req, "blocked", wait, None, f"{self.name}.compute")
+            self.sim.stage(self.env.now, job.req, "blocked", wait, None, self.compute_lane)
 
     def _issue(self, job: Job, region: Region) -> None:
-        cfg, now = self.cfg, self.env.now
-        span = self.sim.next_span()
-        nbytes = region.bytes(cfg.geometry)
+        cfg, now, sim = self.cfg, self.env.now, self.sim
+        span = sim.next_span()
+        (l0, l1), (a, b) = layers, tokens = region.layers, region.tokens  # Region.bytes inlined
+        nbytes = self.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0) * (b - a if b > a else 0)
         job.spans_issued += 1
-        self.sim.emit(ev.Issue(now, job.req, span, region.layers, region.tokens, nbytes))
+        sim.emit(ev.Issue(now, job.req, span, layers, tokens, nbytes))
         if cfg.costs.land_byte_s:
             self.span_bytes[span] = nbytes
         moved = copied_bytes(cfg, nbytes, job.spans_issued == job.spans_total)

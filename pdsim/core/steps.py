@@ -15,7 +15,7 @@ handoff - bound is the cost of the max_pending bound and of contention.
 
 from __future__ import annotations
 
-import attrs
+from typing import NamedTuple
 
 from pdref import plan
 from pdref.intervals import Range
@@ -24,9 +24,9 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.copier import Copier
 
 
-@attrs.frozen
-class Step:
-    """One piece of prefill compute: its region, its base duration, the spans ready after it."""
+class Step(NamedTuple):
+    """One piece of prefill compute: its region, its base duration, the spans ready after it.
+    (A NamedTuple: a run makes one per chunk of every request.)"""
 
     layers: Range
     tokens: Range
