@@ -123,8 +123,9 @@ def life_metrics(events: Iterable, fences: bool = True) -> tuple[list[LifeMetric
     `fences`: the trace is version 2 (staging is held until a fence)."""
     tracker = _Tracker(fences)
     feed, live = tracker.feed, tracker.live
+    silent = (ev.Stage, ev.Computed)  # no metric of a live life: most events, skipped here
     for event in events:
-        if type(event) is ev.Stage and event.req in live:  # most events: `feed` skips them
+        if type(event) in silent and event.req in live:
             continue
         feed(event)
     return tracker.done + list(tracker.live.values()), tracker.peak_staging

@@ -92,14 +92,32 @@ def plan_steps(mode: Mode, geometry: Geometry, prompt: int, prefix: int, chunk: 
     """
     mode = Mode(mode)
     chunks = plan_chunks(prompt, prefix, chunk)
-    spans = plan_spans(mode, geometry, prompt, prefix, chunk)
     every = (0, geometry.layers)
     if not chunks:
         return []
+    if mode is Mode.CHUNK and compute:
+        return [_chunk_step(every, t) for t in chunks]
+    spans = plan_spans(mode, geometry, prompt, prefix, chunk)
     if not compute:
         return [Step(every, (prefix, prompt), tuple(spans))]
-    if mode is Mode.CHUNK:
-        return [Step(every, t, (s,)) for t, s in zip(chunks, spans, strict=True)]
     if mode is Mode.WHOLE:
         return [Step(every, t) for t in chunks[:-1]] + [Step(every, chunks[-1], tuple(spans))]
     return [Step(s.layers, s.tokens, (s,)) for s in spans]
+
+
+# A chunk's step is the same immutable value in every request that has that chunk (every
+# request without a prefix shares its full chunks): made once, shared. Bounded, like
+# progress.py's unions.
+_CHUNK_STEPS: dict[tuple[Range, Range], Step] = {}
+_CHUNK_STEPS_MAX = 8192
+
+
+def _chunk_step(every: Range, tokens: Range) -> Step:
+    """Chunk mode's step for one chunk: it computes the chunk and its span is ready."""
+    key = (every, tokens)
+    step = _CHUNK_STEPS.get(key)
+    if step is None:
+        if len(_CHUNK_STEPS) >= _CHUNK_STEPS_MAX:
+            _CHUNK_STEPS.clear()
+        step = _CHUNK_STEPS[key] = Step(every, tokens, (Region(every, tokens),))
+    return step

@@ -90,7 +90,7 @@ class Producer:
 
     def assign(self, request: RequestSpec) -> Job:
         """The decoder reserved the request's slab for this producer: it joins the queue."""
-        job = self._new_job(request, plan_steps(self.cfg, request))
+        job = self._new_job(request, plan_steps(self.cfg, request, self.sim.chunk_s))
         job.owner, job.queued_work = self, request.prompt - request.prefix
         self.sim.monitor.reserve(self.env.now, request.req, request.prompt, request.prefix,
                                  self.name)

@@ -112,6 +112,7 @@ class Sim:
         host_cores = cfg.costs.host_cores
         self.cores = HostCores(self.env, host_cores) if host_cores is not None else None
         self.emit = self.monitor.emit  # the hot path: producers' events straight to the spec
+        self.chunk_s: dict = {}  # compute time by chunk tokens (steps.plan_steps' memo)
         self.producers = [self._make_producer(cfg.producer_name(i))
                           for i in range(cfg.producers)]
         self.decoder = Decoder(self.env, self)

@@ -34,8 +34,9 @@ class Step(NamedTuple):
     spans: tuple[Region, ...] = ()
 
 
-def plan_steps(cfg: SimConfig, request: RequestSpec) -> list[Step]:
-    """The producer's steps for one request (`pdref.plan.plan_steps`), with their costs."""
+def plan_steps(cfg: SimConfig, request: RequestSpec, chunk_s: dict | None = None) -> list[Step]:
+    """The producer's steps for one request (`pdref.plan.plan_steps`), with their costs.
+    `chunk_s`: a run's memo of `Costs.compute_s` by chunk (requests share their chunks)."""
     steps = plan.plan_steps(cfg.mode, cfg.geometry, request.prompt, request.prefix, cfg.chunk,
                             compute=not cfg.no_compute)
     if cfg.no_compute:  # export only: the payload is written (fill), then copied
@@ -43,7 +44,11 @@ def plan_steps(cfg: SimConfig, request: RequestSpec) -> list[Step]:
         return [Step(s.layers, s.tokens, fill * _region_bytes(cfg, s), s.spans) for s in steps]
     every = (0, cfg.geometry.layers)
     if all(s.layers == every for s in steps):  # whole and chunk modes: each step its chunk
-        return [Step(s.layers, s.tokens, cfg.costs.compute_s(s.tokens), s.spans) for s in steps]
+        if chunk_s is None:
+            chunk_s = {}
+        compute_s = cfg.costs.compute_s
+        return [Step(s.layers, s.tokens, chunk_s.get(s.tokens) or
+                     chunk_s.setdefault(s.tokens, compute_s(s.tokens)), s.spans) for s in steps]
     chunks = plan.plan_chunks(request.prompt, request.prefix, cfg.chunk)
     per_layer = sum(cfg.costs.compute_s(t) for t in chunks) / cfg.geometry.layers
     return [Step(s.layers, s.tokens, _step_cost(cfg, s, per_layer), s.spans) for s in steps]
