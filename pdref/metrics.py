@@ -124,9 +124,16 @@ def life_metrics(events: Iterable, fences: bool = True) -> tuple[list[LifeMetric
     tracker = _Tracker(fences)
     feed, live = tracker.feed, tracker.live
     silent = (ev.Stage, ev.Computed)  # no metric of a live life: most events, skipped here
+    on_issue, on_land = tracker.on_issue, tracker.on_land
     for event in events:
-        if type(event) in silent and event.req in live:
+        cls = type(event)
+        if cls in silent and event.req in live:
             continue
+        if cls is ev.Issue or cls is ev.Land:  # most of the rest: `feed`'s dispatch inlined
+            life = live.get(event.req)
+            if life is not None:
+                (on_issue if cls is ev.Issue else on_land)(life, event)
+                continue
         feed(event)
     return tracker.done + list(tracker.live.values()), tracker.peak_staging
 

@@ -4,8 +4,13 @@ occupancy, throughput and pdgpu serve's summary (serving_metrics.py: tokens/s, T
 
 from __future__ import annotations
 
+from functools import partial
+from itertools import compress
+from operator import is_
+
 import numpy as np
 
+from pdref.events import Abort, Fence, Release, Reserve
 from pdref.metrics import life_metrics, run_metrics
 from pdsim.core.serving_metrics import serving_metrics
 from pdsim.core.sim import SimResult
@@ -99,7 +104,11 @@ def _occupancy(result: SimResult) -> tuple[float, int]:
     held at once."""
     pool = _PoolUse()
     area = last_t = 0.0
-    for e in result.protocol:
+    events = result.protocol
+    if next(_by_kind(events, Abort), None) is None:
+        # no life was aborted: no page is ever quarantined, spans in flight never matter
+        events = compress(events, map(_POOL_TYPES.__contains__, map(type, events)))
+    for e in events:
         kind = e.kind
         if kind in _WRITER_KINDS:
             getattr(pool, kind)(e)
@@ -112,6 +121,12 @@ def _occupancy(result: SimResult) -> tuple[float, int]:
 
 
 _POOL_KINDS = frozenset(("reserve", "release", "abort", "fence"))
+_POOL_TYPES = frozenset((Reserve, Release, Fence))
+
+
+def _by_kind(events, cls):
+    """The events of class `cls` (a pass in C: `map(type, ...)`)."""
+    return compress(events, map(partial(is_, cls), map(type, events)))
 _WRITER_KINDS = frozenset(("issue", "land"))
 
 

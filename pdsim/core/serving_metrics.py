@@ -25,17 +25,18 @@ def percentile(values, q: float) -> float | None:
     return float(ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)])
 
 
-def weighted_percentile(values, weights, q: float) -> float | None:
-    """Nearest-rank percentile of `values`, each counted `weights` times; None for none."""
+def weighted_percentiles(values, weights, qs) -> list[float | None]:
+    """Nearest-rank percentiles of `values`, each counted `weights` times, for each q of
+    `qs` (one sort for all); None for none."""
     values = np.asarray(values, dtype=float)
     weights = np.asarray(weights, dtype=np.int64)
     total = int(weights.sum())
     if total <= 0:
-        return None
+        return [None for _ in qs]
     order = np.argsort(values, kind="stable")
     cumulative = np.cumsum(weights[order])
-    rank = max(1, math.ceil(q / 100 * total))
-    return float(values[order][np.searchsorted(cumulative, rank)])
+    ranks = [max(1, math.ceil(q / 100 * total)) for q in qs]
+    return [float(values[order[np.searchsorted(cumulative, rank)]]) for rank in ranks]
 
 
 def inter_token_gaps(result: SimResult, ok_reqs) -> tuple[np.ndarray, np.ndarray]:
@@ -65,14 +66,14 @@ def serving_metrics(result: SimResult, ok_lives, makespan: float, peak_pages: in
     ok_reqs = [life.req for life in ok_lives]
     ttft = [record.tokens[req][0] - arrival[req] for req in ok_reqs]
     gaps, counts = inter_token_gaps(result, ok_reqs)
+    itl_p50, itl_p99 = weighted_percentiles(gaps, counts, (50, 99))
     handoff = [life.ready_t - life.reserve_t for life in ok_lives if life.ready_t is not None]
     generated = sum(outputs[req] for req in ok_reqs)
     return {
         "ok": len(ok_reqs),
         "tokens_per_s": generated / makespan if makespan > 0 else None,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_s": weighted_percentile(gaps, counts, 50),
-        "itl_p99_s": weighted_percentile(gaps, counts, 99),
+        "itl_p50_s": itl_p50, "itl_p99_s": itl_p99,
         "handoff_p50_s": percentile(handoff, 50),
         "peak_pool_pages": peak_pages, "leaked_pages": result.leaked_pages,
         "wall_s": makespan, "generated_tokens": generated, "decode_steps": record.steps,
