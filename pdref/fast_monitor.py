@@ -167,13 +167,18 @@ class FastMonitor(Monitor):
         life = self._requests.get(e.req)
         if life is None or not life.in_flight:
             return False
-        span = next((s for s in life.in_flight if s.span == e.span), None)
-        if span is None:
-            return False
+        in_flight = life.in_flight
+        if in_flight[0].span == e.span:  # the usual order: the oldest lands first
+            index, span = 0, in_flight[0]
+        else:
+            index, span = next(((i, s) for i, s in enumerate(in_flight) if s.span == e.span),
+                               (None, None))
+            if span is None:
+                return False
         (l0, l1), (a, b) = span.layers, span.tokens
         if l0 < l1 and a < b and not self._publish(life, span):
             return False
-        self._take_span(life, e.span)
+        del in_flight[index]
         self._pending[life.producer] = self._pending.get(life.producer, 0) - 1
         return True
 

@@ -46,14 +46,13 @@ class Copier:
         # serial: nbytes -> (stage offsets, copy time) of a span alone. Spans of a workload
         # share a few sizes (every full chunk's), so the plan is worked out once per size.
         self._plans: dict[int, tuple[tuple[tuple[str, float, float], ...], float]] = {}
+        # schedule(issue_t, nbytes) -> SpanTimes: place a span of `nbytes` issued at
+        # `issue_t` on the lanes (bound once: it runs for every span)
+        self.schedule = self._serial if self.serial else self._pipelined
 
     @property
     def serial(self) -> bool:
         return self.costs.copier == "serial"
-
-    def schedule(self, issue_t: float, nbytes: int) -> SpanTimes:
-        """Place a span of `nbytes` issued at `issue_t` on the lanes; its times."""
-        return (self._serial if self.serial else self._pipelined)(issue_t, nbytes)
 
     def _serial(self, issue_t: float, nbytes: int) -> SpanTimes:
         start = max(issue_t, self.free.get(WORKER, 0.0))

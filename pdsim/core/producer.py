@@ -26,7 +26,7 @@ from pdref.events import Mode
 from pdref.plan import Region
 from pdsim.core.config import RequestSpec
 from pdsim.core.copier import Copier, SpanTimes
-from pdsim.core.steps import Step, copied_bytes, plan_steps
+from pdsim.core.steps import Step, plan_steps
 
 
 @attrs.define(eq=False)
@@ -80,6 +80,8 @@ class Producer:
         self.whole = cfg.mode is Mode.WHOLE
         self.compute_lane = f"{name}.compute"
         self.bytes_per_token_layer = cfg.geometry.bytes_per_token_layer
+        self.state_bytes, self.land_byte_s = cfg.costs.state_bytes, cfg.costs.land_byte_s
+        self.queued = cfg.sender == "queued"
 
     @property
     def available(self) -> bool:
@@ -212,7 +214,7 @@ class Producer:
     # -- the sender ---------------------------------------------------------------------------
 
     def _issue_ready(self, job: Job) -> None:
-        if self.cfg.sender == "queued":
+        if self.queued:
             self.outbox.extend((job, region) for region in job.ready)
             job.ready.clear()
             self._pump()
@@ -240,15 +242,16 @@ class Producer:
             self.sim.stage(self.env.now, job.req, "blocked", wait, None, self.compute_lane)
 
     def _issue(self, job: Job, region: Region) -> None:
-        cfg, now, sim = self.cfg, self.env.now, self.sim
+        now, sim = self.env.now, self.sim
         span = sim.next_span()
         (l0, l1), (a, b) = layers, tokens = region.layers, region.tokens  # Region.bytes inlined
         nbytes = self.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0) * (b - a if b > a else 0)
         job.spans_issued += 1
         sim.emit(ev.Issue(now, job.req, span, layers, tokens, nbytes))
-        if cfg.costs.land_byte_s:
+        if self.land_byte_s:
             self.span_bytes[span] = nbytes
-        moved = copied_bytes(cfg, nbytes, job.spans_issued == job.spans_total)
+        # `steps.copied_bytes`: the last span also carries the recurrent state
+        moved = nbytes + self.state_bytes if job.spans_issued == job.spans_total else nbytes
         self._schedule_copy(job, span, self.copier.schedule(now, moved))
 
     def _schedule_copy(self, job: Job, span: int, times: SpanTimes) -> None:

@@ -15,6 +15,7 @@ one in at that moment).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from functools import cached_property
 from operator import attrgetter, itemgetter
@@ -117,7 +118,7 @@ class Sim:
                           for i in range(cfg.producers)]
         self.decoder = Decoder(self.env, self)
         self.queue: deque[RequestSpec] = deque()
-        self._spans = 0
+        self.next_span = itertools.count().__next__  # span ids 0, 1, 2 ... in issue order
         self.entered: dict[str, float] = {}  # closed loop: when each request came in
         if cfg.concurrency is None:
             self._open_loop()
@@ -196,10 +197,6 @@ class Sim:
         """A stage that started at `t` and ends now (its length known only now: shared
         cores)."""
         self.stage_rows.append((t, req, name, self.env.now, None, resource))
-
-    def next_span(self) -> int:
-        self._spans += 1
-        return self._spans - 1
 
     def try_admit(self, job) -> None:
         self.decoder.try_admit(job)
