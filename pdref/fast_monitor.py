@@ -43,6 +43,7 @@ class FastMonitor(Monitor):
             ev.Produced: self._produced, ev.Admit: self._admit, ev.Release: self._release,
             ev.Abort: self._abort, ev.Fence: self._fence}
         self._requests, self._pending, self._used = m.requests, m.pending, m.spans_used
+        self._token_layer_bytes = header.geometry.bytes_per_token_layer
 
     @property
     def state(self):
@@ -133,7 +134,7 @@ class FastMonitor(Monitor):
         if not ((l1 <= l0 or (0 <= l0 and l1 <= geometry.layers))
                 and (b <= a or (life.prefix <= a and b <= life.prompt))):
             return False
-        if e.bytes != (geometry.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0)
+        if e.bytes != (self._token_layer_bytes * (l1 - l0 if l1 > l0 else 0)
                        * (b - a if b > a else 0)):
             return False
         if l0 < l1 and a < b:  # an empty region reads nothing
@@ -337,4 +338,6 @@ class FastMonitor(Monitor):
         return self.mirror.pool.quarantined_pages
 
     def close(self) -> None:
-        check_end(self.mirror.snapshot())
+        m = self.mirror
+        if m.unfenced or any(life.pages or life.in_flight for life in m.requests.values()):
+            check_end(m.snapshot())  # LIFE-1: the specification words it

@@ -55,19 +55,22 @@ class Monitor:
         if self.stage_sink is not None:
             self.stage_sink(event)
 
-    def recorded_stages(self, name: str, starts: Sequence[float], ends: Sequence[float]) -> None:
+    def recorded_stages(self, name: str, starts: Sequence[float], ends: Sequence[float],
+                        ordered: bool = True) -> None:
         """Stages a shell recorded as times instead of emitting them one by one (pdsim's
         decode steps: one per token at batch 1), which its trace writer merges by time:
         checked for form as `stage` checks one (each ends at or after it starts) and for
-        order among themselves (starts never decrease), both TRACE-2; in C, not one call
-        per stage. Counted as checked events; not handed to a sink (the shell writes them)."""
+        order among themselves (starts never decrease; `ordered=False`: stages recorded in
+        any order, which the writer sorts), both TRACE-2; in C, not one call per stage.
+        Counted as checked events; not handed to a sink (the shell writes them)."""
         if len(starts) != len(ends):
             raise ValueError(f"{len(starts)} stage starts but {len(ends)} ends")
         bad = next(compress(count(), map(gt, starts, ends)), None)
         if bad is not None:
             raise Violation("TRACE-2", f"stage {name} ends at {ends[bad]}, before it starts "
                             f"at {starts[bad]}")
-        back = next(compress(count(1), map(gt, starts, islice(starts, 1, None))), None)
+        back = None if not ordered else next(
+            compress(count(1), map(gt, starts, islice(starts, 1, None))), None)
         if back is not None:
             raise Violation("TRACE-2", f"stage {name} starts at {starts[back]}, before the "
                             f"one recorded before it at {starts[back - 1]}")

@@ -268,10 +268,9 @@ class Producer:
         self.gathers.extend((a, b) for name, a, b in stages if name in contended)
 
     def _schedule_stages(self, req: str, span: int, stages) -> None:
-        """The span's stages (absolute (name, start, end)), recorded now: they are planned."""
-        prefix = self.lane_prefix
-        self.sim.stage_rows.extend([(a, req, name, b, span, prefix + name)
-                                    for name, a, b in stages])
+        """The span's stages (absolute (name, start, end)), recorded now: they are planned.
+        One entry per span; its rows are made when the trace is read (`SimResult.events`)."""
+        self.sim.span_stages.append((req, span, self.lane_prefix, stages))
 
     def _arrived(self, job: Job, span: int) -> None:
         """The span's bytes reached the decoder: it lands when the decoder handles it."""

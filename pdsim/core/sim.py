@@ -18,6 +18,7 @@ import heapq
 import itertools
 from collections import deque
 from functools import cached_property
+from itertools import chain
 from operator import attrgetter, itemgetter
 
 import attrs
@@ -49,22 +50,27 @@ class SimResult:
     leaked_pages: int = 0  # pages not back in the pool at the end
     decode: DecodeRecord = attrs.Factory(DecodeRecord)  # the decode batch's steps
     stage_rows: tuple = ()  # (t, req, name, end, span, resource) of each stage, any order
+    # a span's copy stages, one entry per span: (req, span, resource prefix, ((name, t, end), ...))
+    span_stages: tuple = ()
 
     @cached_property
     def events(self) -> tuple:
         """Every checked event in time order: protocol events and the stages (decode steps
         aside: `trace_events`); among equal times the protocol events come first, then the
         stages in the order the run made them."""
-        if not self.stage_rows:
+        if not self.stage_rows and not self.span_stages:
             return self.protocol
-        rows = sorted(self.stage_rows, key=itemgetter(0))
+        copies = [(t, req, name, end, span, prefix + name)
+                  for req, span, prefix, stages in self.span_stages for name, t, end in stages]
+        rows = sorted([*self.stage_rows, *copies], key=itemgetter(0))
         stages = [ev.Stage(*row) for row in rows]
         return tuple(heapq.merge(self.protocol, stages, key=_time))
 
     @property
     def event_count(self) -> int:
         """Checked events, decode steps aside."""
-        return len(self.protocol) + len(self.stage_rows)
+        return (len(self.protocol) + len(self.stage_rows)
+                + sum(map(len, map(itemgetter(3), self.span_stages))))
 
     def trace_events(self):
         """Every event of the trace in time order: the checked events, and (with stage
@@ -107,6 +113,7 @@ class Sim:
         self.header = make_header(cfg)
         self.events: list = []
         self.stage_rows: list = []  # (t, req, name, end, span, resource): checked at the end
+        self.span_stages: list = []  # copy stages, one entry per span (SimResult.span_stages)
         # the specification's verdicts on a mutable mirror of its state (fast_monitor.py)
         self.monitor = FastMonitor(self.header, sink=self.events.append)
         # one host's cores shared by every producer's compute and the decoder's steps
@@ -219,6 +226,9 @@ class Sim:
         record = self.decoder.record  # its steps become the trace's `decode` stages: checked
         self.monitor.recorded_stages("decode", record.step_start, record.step_end)
         self.monitor.recorded_stage_rows(self.stage_rows)
+        copies = list(chain.from_iterable(map(itemgetter(3), self.span_stages)))  # (name, t, end)
+        self.monitor.recorded_stages("copy", list(map(itemgetter(1), copies)),
+                                     list(map(itemgetter(2), copies)), ordered=False)
         self.monitor.close()
         requests = self.requests
         if self.entered:
@@ -226,7 +236,8 @@ class Sim:
                              for r in requests)
         return SimResult(self.cfg, self.header, tuple(self.events), requests, self.env.steps,
                          leaked_pages=self.cfg.pool_pages - len(self.monitor.free_page_ids()),
-                         decode=self.decoder.record, stage_rows=tuple(self.stage_rows))
+                         decode=self.decoder.record, stage_rows=tuple(self.stage_rows),
+                         span_stages=tuple(self.span_stages))
 
 
 def simulate(cfg: SimConfig, requests, faults=None) -> SimResult:
