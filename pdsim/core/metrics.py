@@ -105,8 +105,9 @@ def _occupancy(result: SimResult) -> tuple[float, int]:
     pool = _PoolUse()
     area = last_t = 0.0
     events = result.protocol
-    if next(_by_kind(events, Abort), None) is None:
-        # no life was aborted: no page is ever quarantined, spans in flight never matter
+    if not result.outcomes or next(_by_kind(events, Abort), None) is None:
+        # no life was aborted (only runs with faults abort): no page is ever quarantined,
+        # spans in flight never matter
         events = compress(events, map(_POOL_TYPES.__contains__, map(type, events)))
     for e in events:
         kind = e.kind

@@ -165,7 +165,9 @@ class Producer:
             gathers.popleft()
         if not gathers:
             return base
-        overlap = sum(max(0.0, min(g1, end) - max(g0, now)) for g0, g1 in gathers)
+        overlap = 0  # (a loop: one or two gathers in flight; a generator costs more)
+        for g0, g1 in gathers:
+            overlap += max(0.0, (g1 if g1 < end else end) - (g0 if g0 > now else now))
         return base + self.cfg.costs.contention * overlap
 
     def _end_step(self, job: Job, step: Step) -> None:
