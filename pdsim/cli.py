@@ -16,7 +16,7 @@ from pdsim.core.env import gc_paused
 from pdsim.core.faults import add_fault_options, fault_spec
 from pdsim.core.metrics import serving_summary, single_metrics, workload_metrics
 from pdsim.core.sim import simulate
-from pdsim.fit.engine_runs import EngineRunError
+from pdsim.fit import EngineRunError
 from pdsim.options import Parser, UsageError, add_run_options, run_setup
 from pdsim.views.report import format_metrics, write_results, write_trace
 

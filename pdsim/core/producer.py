@@ -262,7 +262,8 @@ class Producer:
         if self.cfg.stages:
             self._schedule_stages(job.req, span, times.stages)
         self.lands.append(times.land)
-        self.env.at(times.land, self._arrived, job, span)
+        # the span's bytes reach the decoder then: it lands when the decoder handles it
+        self.env.at(times.land, self.sim.decoder.deliver, self._land, job, span)
 
     def contend(self, stages) -> None:
         """The span's stages that slow overlapping compute (`Costs.contended`; gather)."""
@@ -273,10 +274,6 @@ class Producer:
         """The span's stages (absolute (name, start, end)), recorded now: they are planned.
         One entry per span; its rows are made when the trace is read (`SimResult.events`)."""
         self.sim.span_stages.append((req, span, self.lane_prefix, stages))
-
-    def _arrived(self, job: Job, span: int) -> None:
-        """The span's bytes reached the decoder: it lands when the decoder handles it."""
-        self.sim.decoder.deliver(self._land, job, span)
 
     def _land(self, job: Job, span: int) -> None:
         self.sim.emit(ev.Land(self.env.now, job.req, span))

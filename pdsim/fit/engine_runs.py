@@ -23,10 +23,7 @@ import attrs
 
 from pdref.metrics import life_metrics
 from pdref.trace import read_trace
-
-
-class EngineRunError(RuntimeError):
-    """The engine subprocess failed (not a parity failure: that is reported, not raised)."""
+from pdsim.fit import EngineRunError
 
 
 @attrs.frozen
