@@ -140,10 +140,14 @@ class IntervalSet:
     def take_lowest(self, count: int) -> tuple[IntervalSet, tuple[int, ...]]:
         """Remove the `count` lowest points; returns (rest, points). Caller checks size."""
         taken: list[int] = []
-        rest = self
-        while len(taken) < count:
-            a, b = rest.starts[0], rest.ends[0]
-            b = min(b, a + count - len(taken))
+        starts, ends = self.starts, self.ends
+        need, i = count, 0
+        while need > 0:
+            a, b = starts[i], ends[i]
+            if b - a > need:  # the last range taken from: its rest stays
+                taken.extend(range(a, a + need))
+                return IntervalSet((a + need,) + starts[i + 1:], ends[i:]), tuple(taken)
             taken.extend(range(a, b))
-            rest = rest.difference((a, b))
-        return rest, tuple(taken)
+            need -= b - a
+            i += 1
+        return IntervalSet(starts[i:], ends[i:]), tuple(taken)
