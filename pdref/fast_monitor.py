@@ -41,7 +41,7 @@ class FastMonitor(Monitor):
             ev.Reserve: self._reserve, ev.Computed: self._computed, ev.Issue: self._issue,
             ev.Land: self._land, ev.Fail: self._fail, ev.Reuse: self._reuse,
             ev.Produced: self._produced, ev.Admit: self._admit, ev.Release: self._release,
-            ev.Abort: self._abort, ev.Fence: self._fence}
+            ev.Abort: self._abort, ev.Fence: self._fence, ev.Stage: None}
         self._requests, self._pending, self._used = m.requests, m.pending, m.spans_used
         self._token_layer_bytes = header.geometry.bytes_per_token_layer
 
@@ -55,8 +55,8 @@ class FastMonitor(Monitor):
         t = event.t
         if t < self.last_t:
             raise Violation("TRACE-2", f"t {t} is before the previous t {self.last_t}", event)
-        cls = type(event)
-        if cls is not ev.Stage and not self._handlers[cls](event):  # a stage changes nothing
+        handler = self._handlers[type(event)]
+        if handler is not None and not handler(event):  # (a stage changes nothing)
             self._by_spec(event)
         self.last_t = t
         self.events += 1

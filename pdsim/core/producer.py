@@ -267,8 +267,10 @@ class Producer:
 
     def contend(self, stages) -> None:
         """The span's stages that slow overlapping compute (`Costs.contended`; gather)."""
-        contended = self.cfg.costs.contended
-        self.gathers.extend((a, b) for name, a, b in stages if name in contended)
+        contended, gathers = self.cfg.costs.contended, self.gathers
+        for name, a, b in stages:  # (a loop: a generator per span costs more)
+            if name in contended:
+                gathers.append((a, b))
 
     def _schedule_stages(self, req: str, span: int, stages) -> None:
         """The span's stages (absolute (name, start, end)), recorded now: they are planned.
