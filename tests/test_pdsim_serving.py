@@ -493,3 +493,28 @@ def test_a_profile_with_bad_host_cores_is_one_line_exit_2(tmp_path, capsys):
     assert main(["run", "--requests", "2", "--prompt", "256", "--hw", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "host_cores" in err and "Traceback" not in err
+
+
+def test_quiet_decode_steps_match_steps_run_one_by_one(monkeypatch):
+    """Steps the decoder runs in its tight loop have the times, batches and KV of steps run
+    one at a time, and the run's events are the same."""
+    from pdsim.core.decoder import Decoder
+
+    requests = reqs(64, 200, 96, 300, 40, outputs=[40, 25, 60, 8, 33],
+                    arrivals=[0.0, 0.05, 0.3, 0.31, 0.9])
+    run_cfg = cfg(costs=attrs.evolve(COSTS, decode_gap_s=2e-4), stages=True)
+    quiet = []
+    tight = Decoder._quiet_steps
+
+    def counted(self):
+        before = self.next_step
+        tight(self)
+        quiet.append(self.next_step - before)
+
+    monkeypatch.setattr(Decoder, "_quiet_steps", counted)
+    fast = simulate(run_cfg, requests)
+    monkeypatch.setattr(Decoder, "_quiet_steps", lambda self: None)
+    one_by_one = simulate(run_cfg, requests)
+    assert sum(quiet) > fast.decode.steps // 2  # most steps ran in the tight loop
+    assert fast.decode == one_by_one.decode
+    assert fast.events == one_by_one.events and fast.steps == one_by_one.steps

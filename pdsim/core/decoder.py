@@ -170,8 +170,7 @@ class Decoder:
         to handle between them: nothing reached the decoder, and the queue's head could not
         be reserved after the last step (the pool has not changed since)."""
         env, record, finishing = self.env, self.record, self.finishing
-        heap = env._heap
-        next_t = heap[0][0] if heap else float("inf")
+        next_t = env.next_time()
         fixed, row_s, kv_s, gap = self.step_fixed, self.row_s, self.kv_s, self.gap_s
         batch, kv, step, now, label = (self.running, self.kv_tokens, self.next_step, env.now,
                                        self.last_req)

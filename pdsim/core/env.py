@@ -72,6 +72,10 @@ class Env:
         self.steps += 1
         return True
 
+    def next_time(self) -> float:
+        """When the earliest pending event is due (infinity when none is)."""
+        return self._heap[0][0] if self._heap else float("inf")
+
     def after(self, delay: float, callback: Callable, *args) -> None:
         self.at(self.now + delay, callback, *args)
 
