@@ -329,3 +329,21 @@ def test_results_file_has_one_line_per_request_matching_the_summary(tmp_path, ca
     median = ttfts[mid] if len(ttfts) % 2 else (ttfts[mid - 1] + ttfts[mid]) / 2
     assert median == pytest.approx(summary["ttft_p50_s"])
     assert all(r["e2e_s"] >= (r["ttft_s"] or 0) >= 0 for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "layer", "whole"])
+def test_a_run_checked_by_the_pure_monitor_is_the_same_run(monkeypatch, mode):
+    """pdsim's FastMonitor and pdref's pure Monitor drive a faulty run (fails, stalls,
+    cancellations, a kill and restart) to the same events, outcomes and leaked pages."""
+    import pdsim.core.sim as sim_module
+
+    cfg = slow_link_config(mode)
+    faults = FaultSpec(fail_rate=0.1, stall_rate=0.05, cancel_rate=0.2, span_timeout=0.5,
+                       kills=(Kill(1, 0.2),), restart_producers=True, restart_delay=0.1,
+                       seed=5)
+    fast = simulate(cfg, workload(count=20), faults)
+    monkeypatch.setattr(sim_module, "FastMonitor", Monitor)
+    pure = simulate(cfg, workload(count=20), faults)
+    assert {"fail", "fence", "abort"} <= {e.kind for e in pure.protocol}  # faults happened
+    assert fast.events == pure.events and fast.outcomes == pure.outcomes
+    assert fast.leaked_pages == pure.leaked_pages == 0
