@@ -25,6 +25,11 @@ def band(num_layers: int, lo: int, hi: int) -> Coverage:
     return Coverage(num_layers, (0,), (IntervalSet((lo,), (hi,)),))
 
 
+def band_covers(lo: int, hi: int, a: int, b: int) -> bool:
+    """Whether the band [lo, hi) holds every token of [a, b) (an empty range: always)."""
+    return b <= a or (lo <= a and b <= hi)
+
+
 class MirrorLife:
     """One life, as `RequestLife` holds it; `in_flight` and `unfenced` are lists here.
 
@@ -101,8 +106,7 @@ class MirrorLife:
         """Every layer landed every suffix token (`LayerProgress.is_complete`)."""
         if self.progress is not None:
             return self.progress.is_complete()
-        return self.prefix >= self.prompt or (self.p_lo <= self.prefix
-                                              and self.prompt <= self.p_hi)
+        return band_covers(self.p_lo, self.p_hi, self.prefix, self.prompt)
 
     def can_admit(self) -> bool:
         return (self.phase is Phase.PRODUCED and not self.in_flight and not self.failed

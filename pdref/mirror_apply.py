@@ -8,7 +8,7 @@ specification itself give the verdict).
 
 from __future__ import annotations
 
-from pdref.mirror import MirrorLife
+from pdref.mirror import MirrorLife, band_covers
 from pdref.pool import PoolError
 from pdref.progress import ProgressError
 from pdref.state import Phase, Quarantine, Span, Unfenced
@@ -75,7 +75,7 @@ class MirrorTransitions:
             return False
         if l0 < l1 and a < b:  # an empty region reads nothing
             if life.held is None and life.computed is None:  # the computed band
-                if not (life.c_lo <= a and b <= life.c_hi and life.c_lo < life.c_hi):
+                if not band_covers(life.c_lo, life.c_hi, a, b):
                     return False
             elif life.held_value().first_gap(layers, tokens) is not None:
                 return False
@@ -91,31 +91,24 @@ class MirrorTransitions:
         self._used[e.span] = e.req
         return True
 
-    def _take_span(self, life: MirrorLife, span_id) -> Span | None:
-        """Remove span `span_id` from the life's spans in flight; None when not there."""
+    @staticmethod
+    def _span_index(life: MirrorLife, span_id) -> int | None:
+        """Where span `span_id` is among the life's spans in flight; None when not there."""
         in_flight = life.in_flight
-        for i, span in enumerate(in_flight):
-            if span.span == span_id:
-                del in_flight[i]
-                return span
-        return None
+        if in_flight and in_flight[0].span == span_id:  # the usual order: oldest first
+            return 0
+        return next((i for i, s in enumerate(in_flight) if s.span == span_id), None)
 
     def _land(self, e) -> bool:
         life = self._requests.get(e.req)
-        if life is None or not life.in_flight:
+        index = None if life is None else self._span_index(life, e.span)
+        if index is None:
             return False
-        in_flight = life.in_flight
-        if in_flight[0].span == e.span:  # the usual order: the oldest lands first
-            index, span = 0, in_flight[0]
-        else:
-            index, span = next(((i, s) for i, s in enumerate(in_flight) if s.span == e.span),
-                               (None, None))
-            if span is None:
-                return False
+        span = life.in_flight[index]
         (l0, l1), (a, b) = span.layers, span.tokens
         if l0 < l1 and a < b and not self._publish(life, span):
             return False
-        del in_flight[index]
+        del life.in_flight[index]
         self._pending[life.producer] = self._pending.get(life.producer, 0) - 1
         return True
 
@@ -141,11 +134,10 @@ class MirrorTransitions:
 
     def _fail(self, e) -> bool:
         life = self._requests.get(e.req)
-        if life is None:
+        index = None if life is None else self._span_index(life, e.span)
+        if index is None:
             return False
-        span = self._take_span(life, e.span)
-        if span is None:
-            return False
+        span = life.in_flight.pop(index)
         life.failed = True
         if not self.mirror.fences:  # v1: the span's slot is free at once
             self._pending[life.producer] = self._pending.get(life.producer, 0) - 1
@@ -167,8 +159,7 @@ class MirrorTransitions:
         if life is None or life.phase is not Phase.RESERVED:
             return False
         if life.computed is None:
-            if life.prefix < life.prompt and not (life.c_lo <= life.prefix
-                                                  and life.prompt <= life.c_hi):
+            if not band_covers(life.c_lo, life.c_hi, life.prefix, life.prompt):
                 return False
         elif life.computed.first_gap((0, life.layers), (life.prefix, life.prompt)) is not None:
             return False
