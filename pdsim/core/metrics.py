@@ -123,12 +123,12 @@ def _occupancy(result: SimResult) -> tuple[float, int]:
 
 _POOL_KINDS = frozenset(("reserve", "release", "abort", "fence"))
 _POOL_TYPES = frozenset((Reserve, Release, Fence))
+_WRITER_KINDS = frozenset(("issue", "land"))
 
 
 def _by_kind(events, cls):
     """The events of class `cls` (a pass in C: `map(type, ...)`)."""
     return compress(events, map(partial(is_, cls), map(type, events)))
-_WRITER_KINDS = frozenset(("issue", "land"))
 
 
 class _PoolUse:

@@ -26,7 +26,7 @@ from pdref.events import Mode
 from pdref.plan import Region
 from pdsim.core.config import RequestSpec
 from pdsim.core.copier import Copier, SpanTimes
-from pdsim.core.steps import Step, plan_steps
+from pdsim.core.steps import Step, copied_bytes, plan_steps
 
 
 @attrs.define(eq=False)
@@ -80,7 +80,7 @@ class Producer:
         self.whole = cfg.mode is Mode.WHOLE
         self.compute_lane = f"{name}.compute"
         self.bytes_per_token_layer = cfg.geometry.bytes_per_token_layer
-        self.state_bytes, self.land_byte_s = cfg.costs.state_bytes, cfg.costs.land_byte_s
+        self.land_byte_s = cfg.costs.land_byte_s
         self.queued = cfg.sender == "queued"
 
     @property
@@ -137,18 +137,16 @@ class Producer:
             self._finish(job)
             return
         step = job.steps[job.index]
-        duration = self._stretched(step.base_s) if self.gathers else step.base_s
+        duration = self._stretched(step.base_s)
         cfg = self.cfg
         name = "fill" if cfg.no_compute else "compute"  # export: the payload
         if self.sim.cores is not None:  # shared host cores: the stage is known at its end
             self.sim.cores.start(duration, self._shared_end, self._end_step, job.req, name,
                                  self.env.now, job, step)
             return
-        now = self.env.now
         if cfg.stages and (duration or not cfg.no_compute):
-            self.sim.stage_rows.append((now, job.req, name, now + duration, None,
-                                        self.compute_lane))
-        self.env.at(now + duration, self._end_step, job, step)
+            self.sim.stage(self.env.now, job.req, name, duration, None, self.compute_lane)
+        self.env.after(duration, self._end_step, job, step)
 
     def _shared_end(self, then, req: str, name: str, start: float, *args) -> None:
         """Compute on shared host cores ended: its stage (start to now), then `then`."""
@@ -174,14 +172,12 @@ class Producer:
         now = self.env.now
         self.sim.emit(ev.Computed(now, job.req, step.layers, step.tokens))
         job.index += 1
-        if job.index == len(job.steps) and self.whole:
-            if not self.head_s:
-                self._produce(job)  # chunk/layer: once the last spans are issued (_finish)
-            else:
-                job.ready.extend(step.spans)
+        job.ready.extend(step.spans)
+        if job.index == len(job.steps) and self.whole:  # chunk/layer: produced in _finish
+            if self.head_s:
                 self._run_head(job, self._issue_ready)  # the whole copy starts after it
                 return
-        job.ready.extend(step.spans)
+            self._produce(job)
         self._issue_ready(job)
 
     def _run_head(self, job: Job, then) -> None:
@@ -252,8 +248,7 @@ class Producer:
         sim.emit(ev.Issue(now, job.req, span, layers, tokens, nbytes))
         if self.land_byte_s:
             self.span_bytes[span] = nbytes
-        # `steps.copied_bytes`: the last span also carries the recurrent state
-        moved = nbytes + self.state_bytes if job.spans_issued == job.spans_total else nbytes
+        moved = copied_bytes(self.cfg, nbytes, job.spans_issued == job.spans_total)
         self._schedule_copy(job, span, self.copier.schedule(now, moved))
 
     def _schedule_copy(self, job: Job, span: int, times: SpanTimes) -> None:

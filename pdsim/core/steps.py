@@ -44,11 +44,14 @@ def plan_steps(cfg: SimConfig, request: RequestSpec, chunk_s: dict | None = None
         return [Step(s.layers, s.tokens, fill * _region_bytes(cfg, s), s.spans) for s in steps]
     every = (0, cfg.geometry.layers)
     if all(s.layers == every for s in steps):  # whole and chunk modes: each step its chunk
-        if chunk_s is None:
-            chunk_s = {}
-        compute_s = cfg.costs.compute_s
-        return [Step(s.layers, s.tokens, chunk_s.get(s.tokens) or
-                     chunk_s.setdefault(s.tokens, compute_s(s.tokens)), s.spans) for s in steps]
+        memo = {} if chunk_s is None else chunk_s
+        out = []
+        for s in steps:
+            base = memo.get(s.tokens)
+            if base is None:
+                base = memo[s.tokens] = cfg.costs.compute_s(s.tokens)
+            out.append(Step(s.layers, s.tokens, base, s.spans))
+        return out
     chunks = plan.plan_chunks(request.prompt, request.prefix, cfg.chunk)
     per_layer = sum(cfg.costs.compute_s(t) for t in chunks) / cfg.geometry.layers
     return [Step(s.layers, s.tokens, _step_cost(cfg, s, per_layer), s.spans) for s in steps]
