@@ -38,6 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdgpu.serve.devices import kind
 from pdgpu.serve.rendezvous import NCCL, TransportError, peer_name
 from pdgpu.serve.transport import GlooTransport, Link
 
@@ -47,7 +48,7 @@ ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 def backend_for(device: str) -> str:
     """The process group a device's tensors need: gloo for CPU, NCCL for CUDA."""
-    return "gloo" if torch.device(device).type == "cpu" else "nccl"
+    return "gloo" if kind(device) == "cpu" else "nccl"
 
 
 def open_transport(store, rank: int, device: str, timeout_s: float = 60.0) -> GlooTransport:
