@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import attrs
 
 from pdref import events as ev
+from pdref.rows import ComputedRow, IssueRow, LandRow
 
 
 @attrs.define
@@ -123,16 +124,19 @@ def life_metrics(events: Iterable, fences: bool = True) -> tuple[list[LifeMetric
     `fences`: the trace is version 2 (staging is held until a fence)."""
     tracker = _Tracker(fences)
     feed, live = tracker.feed, tracker.live
-    silent = (ev.Stage, ev.Computed)  # no metric of a live life: most events, skipped here
-    on_issue, on_land = tracker.on_issue, tracker.on_land
+    # no metric of a live life: most events, skipped here (rows: pdref.rows, as the events)
+    silent = (ev.Stage, ev.Computed, ComputedRow)
+    writers = {ev.Issue: tracker.on_issue, IssueRow: tracker.on_issue,  # most of the rest:
+               ev.Land: tracker.on_land, LandRow: tracker.on_land}  # `feed`'s dispatch inlined
     for event in events:
         cls = type(event)
         if cls in silent and event.req in live:
             continue
-        if cls is ev.Issue or cls is ev.Land:  # most of the rest: `feed`'s dispatch inlined
+        on_writer = writers.get(cls)
+        if on_writer is not None:
             life = live.get(event.req)
             if life is not None:
-                (on_issue if cls is ev.Issue else on_land)(life, event)
+                on_writer(life, event)
                 continue
         feed(event)
     return tracker.done + list(tracker.live.values()), tracker.peak_staging

@@ -13,6 +13,7 @@ from operator import gt, itemgetter
 from pdref import events as ev
 from pdref.apply import TRANSITIONS, apply, check_end, initial_state
 from pdref.events import Stage
+from pdref.rows import as_event
 from pdref.state import SystemState
 from pdref.violations import Violation
 
@@ -30,7 +31,9 @@ class Monitor:
         self.last_t = 0.0
 
     def emit(self, event) -> None:
-        """Apply `event`; raises Violation (state unchanged) when it breaks a rule."""
+        """Apply `event` (or its row, pdref.rows); raises Violation (state unchanged) when it
+        breaks a rule."""
+        event = as_event(event)
         t = event.t
         if t < self.last_t:
             raise Violation("TRACE-2", f"t {t} is before the previous t {self.last_t}", event)

@@ -177,13 +177,16 @@ class Decoder:
         starts, ends, batches, kvs, labels = (record.step_start, record.step_end, record.batch,
                                               record.kv_tokens, record.label)
         first = step
-        while step not in finishing:
-            end = now + fixed + batch * row_s + kv * kv_s
-            until = end + gap if gap > 0 else end  # the loop's gap is paid after the step
+        stop = min(finishing, default=float("inf"))  # the next step a request finishes in
+        rows = batch * row_s  # (the same product each step: the sums below add it as before)
+        add_start, add_end = starts.append, ends.append
+        while step < stop:
+            end = now + fixed + rows + kv * kv_s
+            until = end + gap  # the loop's gap is paid after the step (+ 0.0: end itself)
             if until >= next_t:
                 break
-            starts.append(now)
-            ends.append(end)
+            add_start(now)
+            add_end(end)
             kv += batch
             step += 1
             now = until

@@ -77,7 +77,12 @@ class Env:
         return self._heap[0][0] if self._heap else float("inf")
 
     def after(self, delay: float, callback: Callable, *args) -> None:
-        self.at(self.now + delay, callback, *args)
+        """Run `callback(*args)` `delay` (>= 0) from now (`at` inlined: a run calls this for
+        every compute step)."""
+        if delay < 0:
+            raise ValueError(f"cannot schedule {delay} s from now: a negative delay")
+        heapq.heappush(self._heap, (self.now + delay, self._seq, callback, args))
+        self._seq += 1
 
     def step(self) -> bool:
         """Handle the earliest event; False when none is left."""

@@ -40,7 +40,7 @@ def workload_metrics(result: SimResult) -> dict:
     """Aggregate metrics of a many-request run: TTFT p50/p99, occupancy, throughput; with
     faults also the outcome counts and leaked pages. Latencies and rates count the lives
     that ended ok (released), with TTFT from the request's arrival (so retries cost)."""
-    lives, peak = life_metrics(result.protocol)  # stages change no metric of a workload
+    lives, peak = life_metrics(result.protocol_rows)  # stages change no metric of a workload
     ok = [life for life in lives if life.outcome == "released"]
     cfg = result.cfg
     makespan = max((life.end_t for life in lives), default=0.0)
@@ -62,7 +62,7 @@ def workload_metrics(result: SimResult) -> dict:
 
 def serving_summary(result: SimResult) -> dict:
     """pdgpu serve's summary keys alone (serving_metrics.py), e.g. for a one-request run."""
-    lives, _ = life_metrics(result.protocol)
+    lives, _ = life_metrics(result.protocol_rows)
     ok = [life for life in lives if life.outcome == "released"]
     makespan = max((life.end_t for life in lives), default=0.0)
     return {"requests": len(result.requests),
@@ -75,7 +75,7 @@ def outcome_counts(result: SimResult, lives) -> dict:
     return {"ok": statuses.count("ok"), "cancelled": statuses.count("cancelled"),
             "failed": statuses.count("failed"), "lives": len(lives),
             "failed_spans": sum(life.failed_spans for life in lives),
-            "fences": sum(e.kind == "fence" for e in result.protocol),
+            "fences": sum(e.kind == "fence" for e in result.protocol_rows),
             "leaked_pages": result.leaked_pages}
 
 
@@ -104,7 +104,7 @@ def _occupancy(result: SimResult) -> tuple[float, int]:
     held at once."""
     pool = _PoolUse()
     area = last_t = 0.0
-    events = result.protocol
+    events = result.protocol_rows
     if not result.outcomes or next(_by_kind(events, Abort), None) is None:
         # no life was aborted (only runs with faults abort): no page is ever quarantined,
         # spans in flight never matter

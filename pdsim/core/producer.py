@@ -21,9 +21,9 @@ from collections import deque
 
 import attrs
 
-from pdref import events as ev
 from pdref.events import Mode
 from pdref.plan import Region
+from pdref.rows import ComputedRow, IssueRow, LandRow, new_row
 from pdsim.core.config import RequestSpec
 from pdsim.core.copier import Copier, SpanTimes
 from pdsim.core.steps import Step, copied_bytes, plan_steps
@@ -46,10 +46,9 @@ class Job:
     queued_work: int = 0  # suffix tokens counted in its producer's load until `produced`
     source_pages: int = 0  # source cache pages it holds on its producer until its `reuse`
     decode_last: int | None = None  # the decode step that gives its last token
-
-    @property
-    def req(self) -> str:
-        return self.request.req
+    # request.req, kept as a field: a run reads it several times per span
+    req: str = attrs.field(init=False, default=attrs.Factory(lambda job: job.request.req,
+                                                             takes_self=True))
 
     @property
     def failed(self) -> bool:
@@ -170,7 +169,7 @@ class Producer:
 
     def _end_step(self, job: Job, step: Step) -> None:
         now = self.env.now
-        self.sim.emit(ev.Computed(now, job.req, step.layers, step.tokens))
+        self.sim.emit(new_row(ComputedRow, (now, job.req, step.layers, step.tokens)))
         job.index += 1
         job.ready.extend(step.spans)
         if job.index == len(job.steps) and self.whole:  # chunk/layer: produced in _finish
@@ -245,7 +244,7 @@ class Producer:
         (l0, l1), (a, b) = layers, tokens = region.layers, region.tokens  # Region.bytes inlined
         nbytes = self.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0) * (b - a if b > a else 0)
         job.spans_issued += 1
-        sim.emit(ev.Issue(now, job.req, span, layers, tokens, nbytes))
+        sim.emit(new_row(IssueRow, (now, job.req, span, layers, tokens, nbytes)))
         if self.land_byte_s:
             self.span_bytes[span] = nbytes
         moved = copied_bytes(self.cfg, nbytes, job.spans_issued == job.spans_total)
@@ -273,7 +272,7 @@ class Producer:
         self.sim.span_stages.append((req, span, self.lane_prefix, stages))
 
     def _land(self, job: Job, span: int) -> None:
-        self.sim.emit(ev.Land(self.env.now, job.req, span))
+        self.sim.emit(new_row(LandRow, (self.env.now, job.req, span)))
         if self.span_bytes:  # the decoder writes the span's bytes into its slab
             self.sim.decoder.charge(self.cfg.costs.land_byte_s * self.span_bytes.pop(span, 0))
         self.lands.popleft()

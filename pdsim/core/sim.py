@@ -25,6 +25,7 @@ import attrs
 
 from pdref import events as ev
 from pdref.fast_monitor import FastMonitor
+from pdref.rows import as_event
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.cores import HostCores
 from pdsim.core.decoder import Decoder, DecodeRecord
@@ -43,7 +44,9 @@ class SimResult:
 
     cfg: SimConfig
     header: ev.Header
-    protocol: tuple  # every protocol event (no stage), in the order checked
+    # every protocol event (no stage), in the order checked; the per-span ones (computed,
+    # issue, land) as pdref.rows, which metrics fold as the events (`protocol`: all events)
+    protocol_rows: tuple
     requests: tuple[RequestSpec, ...]  # closed loop: each with the time it entered
     steps: int  # heap events handled
     outcomes: tuple = ()  # with faults: one fault_sim.Outcome per request, in workload order
@@ -52,6 +55,11 @@ class SimResult:
     stage_rows: tuple = ()  # (t, req, name, end, span, resource) of each stage, any order
     # a span's copy stages, one entry per span: (req, span, resource prefix, ((name, t, end), ...))
     span_stages: tuple = ()
+
+    @cached_property
+    def protocol(self) -> tuple:
+        """Every protocol event (no stage), in the order checked."""
+        return tuple(map(as_event, self.protocol_rows))
 
     @cached_property
     def events(self) -> tuple:
@@ -69,7 +77,7 @@ class SimResult:
     @property
     def event_count(self) -> int:
         """Checked events, decode steps aside."""
-        return (len(self.protocol) + len(self.stage_rows)
+        return (len(self.protocol_rows) + len(self.stage_rows)
                 + sum(map(len, map(itemgetter(3), self.span_stages))))
 
     def trace_events(self):
