@@ -139,8 +139,11 @@ class IntervalSet:
 
     def take_lowest(self, count: int) -> tuple[IntervalSet, tuple[int, ...]]:
         """Remove the `count` lowest points; returns (rest, points). Caller checks size."""
-        taken: list[int] = []
         starts, ends = self.starts, self.ends
+        if starts and ends[0] - starts[0] > count:  # the usual case: the lowest range has more
+            a = starts[0]
+            return IntervalSet((a + count,) + starts[1:], ends), tuple(range(a, a + count))
+        taken: list[int] = []
         need, i = count, 0
         while need > 0:
             a, b = starts[i], ends[i]

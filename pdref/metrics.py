@@ -82,8 +82,9 @@ class _Tracker:
     def on_issue(self, life: LifeMetrics, e) -> None:
         life.spans += 1
         self.in_flight[e.span] = (e.req, e.bytes)
-        self.staging += e.bytes
-        self.peak_staging = max(self.peak_staging, self.staging)
+        staging = self.staging = self.staging + e.bytes
+        if staging > self.peak_staging:  # (not max(): this runs for every span)
+            self.peak_staging = staging
 
     def on_land(self, life: LifeMetrics, e) -> None:
         life.bytes += self._retire(e.span)

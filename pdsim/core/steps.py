@@ -23,6 +23,8 @@ from pdref.plan import Region
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.copier import Copier
 
+_new = tuple.__new__
+
 
 class Step(NamedTuple):
     """One piece of prefill compute: its region, its base duration, the spans ready after it.
@@ -50,7 +52,7 @@ def plan_steps(cfg: SimConfig, request: RequestSpec, chunk_s: dict | None = None
             base = memo.get(s.tokens)
             if base is None:
                 base = memo[s.tokens] = cfg.costs.compute_s(s.tokens)
-            out.append(Step(s.layers, s.tokens, base, s.spans))
+            out.append(_new(Step, (s.layers, s.tokens, base, s.spans)))  # (every chunk)
         return out
     chunks = plan.plan_chunks(request.prompt, request.prefix, cfg.chunk)
     per_layer = sum(cfg.costs.compute_s(t) for t in chunks) / cfg.geometry.layers
