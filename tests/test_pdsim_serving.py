@@ -518,3 +518,21 @@ def test_quiet_decode_steps_match_steps_run_one_by_one(monkeypatch):
     assert sum(quiet) > fast.decode.steps // 2  # most steps ran in the tight loop
     assert fast.decode == one_by_one.decode
     assert fast.events == one_by_one.events and fast.steps == one_by_one.steps
+
+
+def test_decode_record_runs_have_one_form():
+    """Steps added one by one or as one run give the same record, batches, KV and mean."""
+    from pdsim.core.decoder import DecodeRecord
+
+    one_by_one, as_runs = DecodeRecord(), DecodeRecord()
+    for kv in (100, 103, 106):
+        one_by_one.add_run(1, 3, kv, "a")
+    one_by_one.add_run(1, 2, 50, "a")  # a request finished: a new run
+    one_by_one.add_run(1, 2, 52, "b")  # another label: a new run
+    as_runs.add_run(3, 3, 100, "a")
+    as_runs.add_run(1, 2, 50, "a")
+    as_runs.add_run(1, 2, 52, "b")
+    assert one_by_one == as_runs and len(as_runs.runs) == 3
+    assert as_runs.batch == [3, 3, 3, 2, 2] and as_runs.kv_tokens == [100, 103, 106, 50, 52]
+    assert as_runs.label == ["a", "a", "a", "a", "b"]
+    assert as_runs.batch_mean() == 13 / 5 and DecodeRecord().batch_mean() is None

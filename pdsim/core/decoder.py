@@ -31,20 +31,53 @@ from pdref import events as ev
 
 @attrs.define
 class DecodeRecord:
-    """What the decode batch did, one entry per step, for the serving metrics and the trace's
-    `decode` stages (`stages()`)."""
+    """What the decode batch did, for the serving metrics and the trace's `decode` stages
+    (`stages()`): each step's start and end; batch, KV tokens and label by runs of steps."""
 
     step_start: list[float] = attrs.Factory(list)
     step_end: list[float] = attrs.Factory(list)
-    batch: list[int] = attrs.Factory(list)
-    kv_tokens: list[int] = attrs.Factory(list)
-    label: list[str] = attrs.Factory(list)  # the req a step's stage names (need not be live)
+    # (steps, batch, KV tokens of the first, label): that many steps in a row over the same
+    # batch, each reading `batch` KV tokens more than the one before, naming the same req
+    # (the req a step's stage names: need not be live). Runs are as long as they can be
+    # (`add_run`): one record of given steps has one value, however they were run.
+    runs: list[tuple[int, int, int, str]] = attrs.Factory(list)
     # req -> (first token time, first decode step, decode steps) of the life that decoded
     tokens: dict[str, tuple[float, int, int]] = attrs.Factory(dict)
 
     @property
     def steps(self) -> int:
         return len(self.step_end)
+
+    def add_run(self, steps: int, batch: int, kv: int, label: str) -> None:
+        """`steps` more steps (their times appended by the caller), joined to the last run
+        where they go on from it."""
+        if self.runs:
+            last_steps, last_batch, first, last_label = self.runs[-1]
+            if (batch == last_batch and label == last_label
+                    and kv == first + last_steps * batch):
+                self.runs[-1] = (last_steps + steps, batch, first, label)
+                return
+        self.runs.append((steps, batch, kv, label))
+
+    @property
+    def batch(self) -> list[int]:
+        """Each step's batch (requests decoded together)."""
+        return [batch for steps, batch, _, _ in self.runs for _ in range(steps)]
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The KV tokens each step read."""
+        return [kv for steps, batch, first, _ in self.runs
+                for kv in range(first, first + steps * batch, batch)]
+
+    @property
+    def label(self) -> list[str]:
+        return [label for steps, _, _, label in self.runs for _ in range(steps)]
+
+    def batch_mean(self) -> float | None:
+        """The mean batch over the steps (None without a step)."""
+        steps = sum(steps for steps, _, _, _ in self.runs)
+        return sum(steps * batch for steps, batch, _, _ in self.runs) / steps if steps else None
 
     def stages(self) -> list[ev.Stage]:
         """Each step as the contract's `decode` stage (batch, KV tokens read), in time order."""
@@ -174,8 +207,7 @@ class Decoder:
         fixed, row_s, kv_s, gap = self.step_fixed, self.row_s, self.kv_s, self.gap_s
         batch, kv, step, now, label = (self.running, self.kv_tokens, self.next_step, env.now,
                                        self.last_req)
-        starts, ends, batches, kvs, labels = (record.step_start, record.step_end, record.batch,
-                                              record.kv_tokens, record.label)
+        starts, ends = record.step_start, record.step_end
         first = step
         stop = min(finishing, default=float("inf"))  # the next step a request finishes in
         rows = batch * row_s  # (the same product each step: the sums below add it as before)
@@ -192,9 +224,7 @@ class Decoder:
             now = until
         done = step - first
         if done:
-            batches.extend([batch] * done)
-            kvs.extend(range(self.kv_tokens, kv, batch))
-            labels.extend([label] * done)
+            record.add_run(done, batch, self.kv_tokens, label)
             env.now, self.kv_tokens, self.next_step = now, kv, step
             env.steps += done * (2 if gap > 0 else 1)  # a step's end, and its gap's
 
@@ -213,9 +243,7 @@ class Decoder:
         """Start a step of every running request; (its batch, its end)."""
         record, now, batch, kv = self.record, self.env.now, self.running, self.kv_tokens
         record.step_start.append(now)
-        record.batch.append(batch)
-        record.kv_tokens.append(kv)
-        record.label.append(self.last_req)
+        record.add_run(1, batch, kv, self.last_req)
         self.stepping = self.step_running = True
         self.next_step += 1
         return batch, now + self.step_fixed + batch * self.row_s + kv * self.kv_s

@@ -77,5 +77,5 @@ def serving_metrics(result: SimResult, ok_lives, makespan: float, peak_pages: in
         "handoff_p50_s": percentile(handoff, 50),
         "peak_pool_pages": peak_pages, "leaked_pages": result.leaked_pages,
         "wall_s": makespan, "generated_tokens": generated, "decode_steps": record.steps,
-        "decode_batch_mean": float(np.mean(record.batch)) if record.batch else None,
+        "decode_batch_mean": record.batch_mean(),
     }
