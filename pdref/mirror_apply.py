@@ -101,7 +101,11 @@ class MirrorTransitions:
 
     def _land(self, e) -> bool:
         life = self._requests.get(e.req)
-        index = None if life is None else self._span_index(life, e.span)
+        if life is None:
+            return False
+        in_flight = life.in_flight
+        # the usual order, oldest first, tested here: this runs for every span
+        index = 0 if in_flight and in_flight[0].span == e.span else self._span_index(life, e.span)
         if index is None:
             return False
         span = life.in_flight[index]

@@ -81,6 +81,7 @@ class Producer:
         self.bytes_per_token_layer = cfg.geometry.bytes_per_token_layer
         self.land_byte_s = cfg.costs.land_byte_s
         self.queued = cfg.sender == "queued"
+        self.emit, self.monitor = sim.emit, sim.monitor  # (every step and span: bound once)
 
     @property
     def available(self) -> bool:
@@ -169,7 +170,7 @@ class Producer:
 
     def _end_step(self, job: Job, step: Step) -> None:
         now = self.env.now
-        self.sim.emit(new_row(ComputedRow, (now, job.req, step.layers, step.tokens)))
+        self.emit(new_row(ComputedRow, (now, job.req, step.layers, step.tokens)))
         job.index += 1
         job.ready.extend(step.spans)
         if job.index == len(job.steps) and self.whole:  # chunk/layer: produced in _finish
@@ -218,7 +219,7 @@ class Producer:
             self._next_step(job)
             return
         while job.ready:
-            if not self.sim.monitor.can_issue(self.name):
+            if not self.monitor.can_issue(self.name):
                 self._block(job)
                 return
             self._issue(job, job.ready.popleft())
@@ -226,7 +227,7 @@ class Producer:
 
     def _pump(self) -> None:
         """Queued sender: issue the outbox's spans in order while pending slots are free."""
-        while self.outbox and self.sim.monitor.can_issue(self.name):
+        while self.outbox and self.monitor.can_issue(self.name):
             job, region = self.outbox.popleft()
             if not (job.ended or job.failed):  # a stopped life sends no more spans
                 self._issue(job, region)
@@ -244,7 +245,7 @@ class Producer:
         (l0, l1), (a, b) = layers, tokens = region.layers, region.tokens  # Region.bytes inlined
         nbytes = self.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0) * (b - a if b > a else 0)
         job.spans_issued += 1
-        sim.emit(new_row(IssueRow, (now, job.req, span, layers, tokens, nbytes)))
+        self.emit(new_row(IssueRow, (now, job.req, span, layers, tokens, nbytes)))
         if self.land_byte_s:
             self.span_bytes[span] = nbytes
         moved = copied_bytes(self.cfg, nbytes, job.spans_issued == job.spans_total)
@@ -272,7 +273,7 @@ class Producer:
         self.sim.span_stages.append((req, span, self.lane_prefix, stages))
 
     def _land(self, job: Job, span: int) -> None:
-        self.sim.emit(new_row(LandRow, (self.env.now, job.req, span)))
+        self.emit(new_row(LandRow, (self.env.now, job.req, span)))
         if self.span_bytes:  # the decoder writes the span's bytes into its slab
             self.sim.decoder.charge(self.cfg.costs.land_byte_s * self.span_bytes.pop(span, 0))
         self.lands.popleft()
@@ -284,6 +285,6 @@ class Producer:
         """A pending slot came free: the blocked job (or the outbox) issues its next spans."""
         if self.outbox:
             self._pump()
-        elif self.blocked is not None and self.sim.monitor.can_issue(self.name):
+        elif self.blocked is not None and self.monitor.can_issue(self.name):
             blocked, self.blocked = self.blocked, None
             self._issue_ready(blocked)
