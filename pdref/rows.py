@@ -1,7 +1,7 @@
 """Compact forms of the three events a run makes for every span: `computed`, `issue`, `land`.
 
 A simulator makes hundreds of thousands of them, and an attrs event (a frozen class: one
-`object.__setattr__` per field) costs four times a tuple to build. A row is a NamedTuple
+`object.__setattr__` per field) costs four times a tuple to build. A row is a namedtuple
 with the event's fields, in the event's order and under its names, and its `kind`: the
 monitors check it as the event itself (`FastMonitor`'s transitions read fields by name;
 `Monitor` and `apply` are handed `as_event(row)`) and `pdref.metrics` folds it alike. Rows
@@ -11,39 +11,24 @@ Build one with `new_row(IssueRow, (t, req, ...))` (`tuple.__new__`: no Python ca
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections import namedtuple
+
+import attrs
 
 from pdref import events as ev
-from pdref.events import SpanId
-from pdref.intervals import Range
 
 new_row = tuple.__new__
 
 
-class ComputedRow(NamedTuple):
-    t: float
-    req: str
-    layers: Range
-    tokens: Range
-    kind = "computed"
+def _row_of(event: type) -> type:
+    """The row class of an event class: its fields (names, order) and its `kind`."""
+    row = namedtuple(f"{event.__name__}Row", [f.name for f in attrs.fields(event)],
+                     module=__name__)
+    row.kind = event.kind
+    return row
 
 
-class IssueRow(NamedTuple):
-    t: float
-    req: str
-    span: SpanId
-    layers: Range
-    tokens: Range
-    bytes: int
-    kind = "issue"
-
-
-class LandRow(NamedTuple):
-    t: float
-    req: str
-    span: SpanId
-    kind = "land"
-
+ComputedRow, IssueRow, LandRow = map(_row_of, (ev.Computed, ev.Issue, ev.Land))
 
 EVENT_OF_ROW: dict[type, type] = {ComputedRow: ev.Computed, IssueRow: ev.Issue,
                                   LandRow: ev.Land}
