@@ -210,10 +210,10 @@ class Decoder:
         starts, ends = record.step_start, record.step_end
         first = step
         stop = min(finishing, default=float("inf"))  # the next step a request finishes in
-        rows = batch * row_s  # (the same product each step: the sums below add it as before)
+        batch_s = batch * row_s  # (the same product each step: the sums add it as before)
         add_start, add_end = starts.append, ends.append
         while step < stop:
-            end = now + fixed + rows + kv * kv_s
+            end = now + fixed + batch_s + kv * kv_s
             until = end + gap  # the loop's gap is paid after the step (+ 0.0: end itself)
             if until >= next_t:
                 break
