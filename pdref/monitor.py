@@ -68,7 +68,7 @@ class Monitor:
         Counted as checked events; not handed to a sink (the shell writes them)."""
         if len(starts) != len(ends):
             raise ValueError(f"{len(starts)} stage starts but {len(ends)} ends")
-        bad = next(compress(count(), map(gt, starts, ends)), None)
+        bad = _first_ending_before_start(starts, ends)
         if bad is not None:
             raise Violation("TRACE-2", f"stage {name} ends at {ends[bad]}, before it starts "
                             f"at {starts[bad]}")
@@ -83,8 +83,7 @@ class Monitor:
         """Stages a shell recorded as rows `(t, req, name, end, span, resource)`, in any
         order (its trace writer sorts them by time): each checked for form as `stage` checks
         one (end >= t, TRACE-2), in C, and counted; not handed to a sink."""
-        starts, ends = map(itemgetter(0), rows), map(itemgetter(3), rows)
-        bad = next(compress(count(), map(gt, starts, ends)), None)
+        bad = _first_ending_before_start(map(itemgetter(0), rows), map(itemgetter(3), rows))
         if bad is not None:
             t, req, name, end = rows[bad][:4]
             raise Violation("TRACE-2", f"stage {name} of {req!r} ends at {end}, before it "
@@ -135,3 +134,9 @@ class Monitor:
     def close(self) -> None:
         """End of a complete run: LIFE-1 says nothing may still hold pages or spans."""
         check_end(self.state)
+
+
+def _first_ending_before_start(starts, ends) -> int | None:
+    """The index of the first stage whose end is before its start (in C: one pass over
+    hundreds of thousands of stages); None when every stage ends at or after its start."""
+    return next(compress(count(), map(gt, starts, ends)), None)
