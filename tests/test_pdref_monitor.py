@@ -107,3 +107,17 @@ def test_recorded_stages_checked_for_form_and_order():
     with pytest.raises(ValueError):
         m.recorded_stages("decode", [0.0], [])
     assert m.events == 4
+
+
+def test_recorded_stage_rows_checked_for_form():
+    """recorded_stage_rows counts rows in any order; a row that ends before it starts is
+    TRACE-2 naming its stage, request and times."""
+    geo = Geometry(layers=1, kv_heads=1, head_dim=2, dtype_bytes=1, page_tokens=4)
+    m = Monitor(ev.Header("t", "chunk", geo, 8, 1))
+    m.recorded_stage_rows([(2.0, "a", "compute", 3.0, None, "p0.compute"),
+                           (0.0, "b", "compute", 0.0, None, "p0.compute")])
+    assert m.events == 2
+    with pytest.raises(Violation, match="stage gather of 'c' ends at 0.5, before it starts at 1.0"):
+        m.recorded_stage_rows([(0.0, "a", "compute", 1.0, None, "p0.compute"),
+                               (1.0, "c", "gather", 0.5, 3, "p0.gather")])
+    assert m.events == 2
