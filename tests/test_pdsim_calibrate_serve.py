@@ -208,22 +208,26 @@ def test_decoder_gaps_count_landed_and_admitted_bytes_and_skip_idle():
         (0.005, 2048, 16 * per_token)]
 
 
-def _simulated_serving_trace(path, host_cores, producers: int = 1) -> None:
+def _simulated_serving_trace(path, host_cores, producers: int = 1, free: float = 1.0,
+                             slowdown: float = 0.0, seed: int = 1) -> None:
     """A serving run of the simulator (chunked prefill beside a decode batch) with its
-    compute and decode stages, on `host_cores` shared cores (None: dedicated devices)."""
+    compute and decode stages, on `host_cores` shared cores (None: dedicated devices), of
+    which other work left `free`, slowing each activity by `slowdown` per share it held."""
     import attrs
 
     from pdsim.core.config import RequestSpec, SimConfig
     from pdsim.core.costs import Costs
     from pdsim.core.serving import serving_config
     from pdsim.core.sim import simulate
+    from pdsim.fit.validate_serving import under_load
     from pdsim.views.report import write_trace
 
     spec = load_model("tiny")
-    costs = Costs(token_s=2e-5, pair_s=1e-8, chunk_s=2e-3, span_s=1e-5, gather_byte_s=1e-12,
-                  link_stages=(("h2d", 1e-12),), link_latency_s=0.0, host_cores=host_cores,
-                  **TRUTH)
-    rng = random.Random(1)
+    costs = under_load(Costs(token_s=2e-5, pair_s=1e-8, chunk_s=2e-3, span_s=1e-5,
+                             gather_byte_s=1e-12, link_stages=(("h2d", 1e-12),),
+                             link_latency_s=0.0, host_cores=host_cores, **TRUTH),
+                       free, slowdown)
+    rng = random.Random(seed)
     requests = [RequestSpec(f"r{i}", 0.0, rng.randint(64, 320), 0, rng.randint(4, 24))
                 for i in range(40)]
     cfg = SimConfig(spec.geometry(16), costs, "chunk", 32, producers=producers, stages=True,
@@ -253,6 +257,24 @@ def test_a_known_host_bounds_the_fitted_cores(tmp_path, host_cores, producers, h
     path = tmp_path / "t.jsonl"
     _simulated_serving_trace(path, host_cores, producers)
     assert calibrate([str(path)], host_cores=host).host_cores == fitted
+
+
+def test_calibrate_takes_each_runs_measured_host_load_out(tmp_path):
+    """Runs that other work slowed (a measured share of the host taken, a slowdown per
+    share): given each trace's free share, calibrate finds the engine's own cores, the
+    slowdown and the decode terms as if alone on an idle host; without the shares it
+    cannot (the terms come out slowed)."""
+    paths, free = [], [1.0, 0.8, 0.6, 0.9]
+    for i, share in enumerate(free):
+        paths.append(str(tmp_path / f"t{i}.jsonl"))
+        _simulated_serving_trace(paths[-1], 2.0, 3, free=share, slowdown=0.7, seed=i)
+    cal = calibrate(paths, host_cores=2, free=free)
+    assert (cal.host_cores, cal.load_slowdown) == (2.0, pytest.approx(0.7))
+    for name, value in TRUTH.items():
+        assert cal.decode.get(name) == pytest.approx(value, rel=0.02, abs=1e-9), name
+    blind = calibrate(paths, host_cores=2)
+    assert blind.load_slowdown == 0.0
+    assert blind.decode.get("decode_s") > 1.05 * TRUTH["decode_s"]
 
 
 def test_calibrate_refuses_host_cores_under_one(tmp_path, capsys):

@@ -73,6 +73,9 @@ class Calibration:
     serve_latency_s: float  # serving traces: a request's message round trip (else 0)
     decode_gap: Fit  # serving traces: the decoder loop between steps (no samples: none)
     host_cores: float | None = None  # effective shared cores (None: dedicated devices)
+    # per share of the host other work held (traces with a measured `free`): how much longer
+    # the compute, head and decode terms took (sharing.load_factor); 0 without one
+    load_slowdown: float = 0.0
 
 
 @attrs.frozen
@@ -84,18 +87,22 @@ class ReadSamples:
     gaps: list  # GapSample: the decoder loop between decode steps (serving traces)
 
 
-def read_samples(paths: list[str], skip_warmup: bool = True) -> ReadSamples:
+def read_samples(paths: list[str], skip_warmup: bool = True,
+                 free: list[float] | None = None) -> ReadSamples:
+    """`free`: per trace, the share of the host's cores other work left its run (measured;
+    None: all of them)."""
     merged, models, gaps = TraceSamples([], [], [], [], [], []), set(), []
     for index, path in enumerate(paths):
         items = [item for _, item in read_trace(path)]
         header, events = items[0], items[1:]
         models.add(header.get("model"))
         got = samples(header, events, skip_warmup)
-        merged.computes.extend(got.computes)
+        share = 1.0 if free is None else free[index]
+        merged.computes.extend(attrs.evolve(c, free=share) for c in got.computes)
         merged.copies.extend(attrs.evolve(c, trace=index) for c in got.copies)
-        merged.heads.extend(got.heads)
+        merged.heads.extend(attrs.evolve(h, free=share) for h in got.heads)
         merged.fills.extend(got.fills)
-        merged.decodes.extend(got.decodes)
+        merged.decodes.extend(attrs.evolve(d, free=share) for d in got.decodes)
         merged.latencies.extend(got.latencies)
         gaps += gap_samples(header, events)
     if len(models) > 1:
@@ -104,12 +111,14 @@ def read_samples(paths: list[str], skip_warmup: bool = True) -> ReadSamples:
 
 
 def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = None,
-              host_cores: int | None = None) -> Calibration:
+              host_cores: int | None = None, free: list[float] | None = None) -> Calibration:
     """Fit every term; with `skip_warmup`, a trace's first request (of several) is left out.
     `copier` ("serial" or "pipelined") overrides what the traces show. `host_cores`: the
     traces' engine ran on one host of that many cores (CPU devices): the fitted effective
-    count is at most that, never dedicated devices."""
-    read = read_samples(paths, skip_warmup)
+    count is at most that, never dedicated devices. `free`: per trace, the share of the
+    host's cores other work left its run (measured); the count fitted is then the engine's
+    with the host to itself, each trace's activities sharing that count times its share."""
+    read = read_samples(paths, skip_warmup, free)
     computes, copies, got = read.samples.computes, read.samples.copies, read.samples
     if not computes and not copies and not got.decodes:
         raise UsageError("TRACE: no compute, copy or decode stage events to fit")
@@ -123,14 +132,16 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     gather = fit_stage(copies, "gather")
     fit_copier = fit_fixed if kind == "serial" else fit_fixed_pipelined
     fixed = fit_copier(copies, gather, links, streamed)
-    cores = fit_host_cores(computes, got.decodes, host_cores)  # before the terms it divides
-    compute, dense = fit_attention(computes, cores)
+    sharing = fit_host_cores(computes, got.decodes, host_cores)  # before the terms it divides
+    cores, slowdown = sharing.cores, sharing.slowdown
+    compute, dense = fit_attention(computes, cores, slowdown)
     latency = max(0.0, median(got.latencies))
     return Calibration(read.model, compute, gather, links, streamed, kind, basis,
                        fixed.latency_s, fixed.span_s, fixed.rms,
-                       median(alone(got.heads, cores)) + latency,
+                       median(alone(got.heads, cores, slowdown)) + latency,
                        dense, fill_per_byte(got.fills), tuple(paths),
-                       fit_decode(got.decodes, cores), latency, fit_decode_gap(read.gaps), cores)
+                       fit_decode(got.decodes, cores, slowdown), latency,
+                       fit_decode_gap(read.gaps), cores, slowdown)
 
 
 def fill_per_byte(fills: list[tuple[float, int]]) -> float:
@@ -187,6 +198,10 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         *([] if cal.host_cores is None else [
             f"host_cores = {cal.host_cores!r}  # effective cores the producers' compute and "
             "the decoder's steps shared (processor sharing; the terms above: each alone)"]),
+        *([] if not cal.load_slowdown else [
+            f"# fitted with each trace's measured host load: the terms above are on an idle "
+            f"host; other work holding a share x of its cores left the engine host_cores * "
+            f"(1 - x) and slowed each term by 1 + {cal.load_slowdown:.3g} * x"]),
     ]
     return "\n".join(lines + (_link_lines(cal, name) if cal.links else _base_link(base))) + "\n"
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from pdsim.fit.samples import ComputeSample, CopySample, DecodeSample
 from pdsim.fit.serve_samples import GapSample
-from pdsim.fit.sharing import CANDIDATES, work_alone
+from pdsim.fit.sharing import CANDIDATES, SLOWDOWNS, Sharing, load_factor, run_cores, work_alone
 
 
 @attrs.frozen
@@ -69,12 +69,14 @@ def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, rounds: int = 3) -
 
 
 def fit_compute(samples: list[ComputeSample], dense: bool = False,
-                cores: float | None = None) -> Fit:
+                cores: float | None = None, slowdown: float = 0.0) -> Fit:
     """duration = f * (chunk_s * chunks + token_s * n + pair_s * pairs) + contention * overlap;
     pairs: the causal triangle, or with `dense` the masked rectangle (triangle + masked).
-    With `cores` (shared host cores), each duration is first divided by its slowdown."""
+    With `cores` (shared host cores), each duration is first divided by its slowdown (and
+    by other work's, `slowdown`: sharing.load_factor)."""
     x = compute_rows(samples, dense)
-    return fit(("chunk_s", "token_s", "pair_s", "contention"), x, alone(samples, cores))
+    return fit(("chunk_s", "token_s", "pair_s", "contention"), x,
+               alone(samples, cores, slowdown))
 
 
 def compute_rows(samples: list[ComputeSample], dense: bool) -> np.ndarray:
@@ -86,15 +88,18 @@ def compute_rows(samples: list[ComputeSample], dense: bool) -> np.ndarray:
     return np.array(rows, dtype=float).reshape(-1, 4)
 
 
-def alone(samples, cores: float | None) -> np.ndarray:
-    """The samples' durations as if each had run alone on its core (processor sharing)."""
-    return np.array([work_alone(s.duration, s.running, cores) for s in samples], dtype=float)
+def alone(samples, cores: float | None, slowdown: float = 0.0) -> np.ndarray:
+    """The samples' durations as if each had run alone on its core (processor sharing) on a
+    host with no other work (`slowdown` per share of the host other work held: sharing.py)."""
+    return np.array([work_alone(s.duration, s.running, run_cores(cores, s.free))
+                     / load_factor(slowdown, s.free) for s in samples], dtype=float)
 
 
-def fit_attention(samples: list[ComputeSample], cores: float | None = None
-                  ) -> tuple[Fit, bool]:
+def fit_attention(samples: list[ComputeSample], cores: float | None = None,
+                  slowdown: float = 0.0) -> tuple[Fit, bool]:
     """The better of the causal and the dense attention model (smaller rms residual)."""
-    causal, dense = fit_compute(samples, cores=cores), fit_compute(samples, True, cores)
+    causal = fit_compute(samples, cores=cores, slowdown=slowdown)
+    dense = fit_compute(samples, True, cores, slowdown)
     if dense.rms < causal.rms * (1 - 1e-6) and dense.samples >= causal.samples:
         return dense, True
     return causal, False
@@ -104,45 +109,56 @@ def decode_rows(samples: list[DecodeSample]) -> np.ndarray:
     return np.array([[1.0, s.batch, s.kv_tokens] for s in samples], dtype=float).reshape(-1, 3)
 
 
-def fit_decode(samples: list[DecodeSample], cores: float | None = None) -> Fit:
+def fit_decode(samples: list[DecodeSample], cores: float | None = None,
+               slowdown: float = 0.0) -> Fit:
     """One batched decode step: duration = decode_s + decode_row_s * batch
     + decode_kv_token_s * kv_tokens (the KV tokens its attention read); with `cores`, the
-    durations as if alone (processor sharing)."""
+    durations as if alone (processor sharing; other work's `slowdown` taken out)."""
     return fit(("decode_s", "decode_row_s", "decode_kv_token_s"), decode_rows(samples),
-               alone(samples, cores))
+               alone(samples, cores, slowdown))
 
 
 def fit_host_cores(computes: list[ComputeSample], decodes: list[DecodeSample],
-                   host: int | None = None) -> float | None:
+                   host: int | None = None) -> Sharing:
     """The effective host core count under which compute and decode times alone (processor
     sharing taken out, sharing.py) are best explained by their linear terms (mean squared
     log error, every sample); None (dedicated devices) unless some ran together and a count
     does better than none by over 1%. `host`: the engine ran on one host of that many cores
-    (CPU devices), so the count is one of at most `host`, never dedicated devices."""
+    (CPU devices), so the count is one of at most `host`, never dedicated devices. When
+    some samples' runs had other work beside them (`free` < 1, measured), the slowdown it
+    caused (sharing.load_factor) is fitted with the count."""
     peak = max((n for s in (*computes, *decodes) for _, n in s.running), default=1)
+    loaded = any(s.free < 1.0 for s in (*computes, *decodes))
+    slowdowns = SLOWDOWNS if loaded else (0.0,)
     if host is not None:
         counts = sorted({*(c for c in CANDIDATES if c < min(peak, host)), float(host)})
-        return min(counts, key=lambda c: (sharing_error(computes, decodes, c), -c))
-    if peak <= 1:
-        return None
-    scores = {cores: sharing_error(computes, decodes, cores)
-              for cores in (None, *(c for c in CANDIDATES if c < peak))}
-    best = min(scores, key=lambda c: (scores[c], c is not None))
-    return best if scores[best] < 0.99 * scores[None] else None
+        shares = [Sharing(c, k) for c in counts for k in slowdowns]
+        return min(shares, key=lambda h: (sharing_error(computes, decodes, h), -h.cores,
+                                          h.slowdown))
+    if peak <= 1 and not loaded:
+        return Sharing(None)
+    scores = {h: sharing_error(computes, decodes, h)
+              for h in (*(Sharing(None, k) for k in slowdowns),
+                        *(Sharing(c, k) for c in CANDIDATES if c < peak for k in slowdowns))}
+    best = min(scores, key=lambda h: (scores[h], h.cores is not None, h.slowdown))
+    alone_best = min(scores[h] for h in scores if h.cores is None)
+    if scores[best] < 0.99 * alone_best:
+        return best
+    return min((h for h in scores if h.cores is None), key=lambda h: (scores[h], h.slowdown))
 
 
-def sharing_error(computes, decodes, cores: float | None) -> float:
-    """Mean squared log error of the linear terms fitted on the times alone under `cores`
+def sharing_error(computes, decodes, sharing: Sharing) -> float:
+    """Mean squared log error of the linear terms fitted on the times alone under `sharing`
     against those times."""
-    errors = []
+    errors, cores, slowdown = [], sharing.cores, sharing.slowdown
     if computes:
-        compute, dense = fit_attention(computes, cores)
+        compute, dense = fit_attention(computes, cores, slowdown)
         predicted = compute_rows(computes, dense) @ np.array(compute.values)
-        errors.append(log_errors(predicted, alone(computes, cores)))
+        errors.append(log_errors(predicted, alone(computes, cores, slowdown)))
     if decodes:
-        decode = fit_decode(decodes, cores)
+        decode = fit_decode(decodes, cores, slowdown)
         predicted = decode_rows(decodes) @ np.array(decode.values)
-        errors.append(log_errors(predicted, alone(decodes, cores)))
+        errors.append(log_errors(predicted, alone(decodes, cores, slowdown)))
     both = np.concatenate(errors)
     return float(np.mean(both**2)) if len(both) else 0.0
 

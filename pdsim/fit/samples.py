@@ -41,6 +41,7 @@ class ComputeSample:
     masked: float = 0.0  # masked-out pairs of its chunks (dense attention): sum n (n - 1) / 2
     # its stage's span as (seconds, compute activities running, itself included): sharing.py
     running: tuple = ()
+    free: float = 1.0  # share of the host's cores other work left its run (sharing.py)
 
 
 @attrs.frozen
@@ -52,6 +53,7 @@ class DecodeSample:
     kv_tokens: int
     # its stage's span as (seconds, compute activities running, itself included): sharing.py
     running: tuple = ()
+    free: float = 1.0  # share of the host's cores other work left its run (sharing.py)
 
 
 @attrs.frozen
@@ -60,6 +62,7 @@ class HeadSample:
 
     duration: float
     running: tuple = ()  # (seconds, compute activities running), as ComputeSample's
+    free: float = 1.0  # share of the host's cores other work left its run (sharing.py)
 
 
 @attrs.frozen

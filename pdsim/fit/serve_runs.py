@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 
 from pdsim.fit.engine_runs import EngineRunError, engine_failed, pacing_and_device
+from pdsim.fit.host_load import HostLoad, HostLoadMonitor
 
 
 @attrs.frozen
@@ -51,6 +52,7 @@ class ServeRun:
     prompts: list[dict]  # {"req", "tokens", "output_tokens"} in arrival order
     trace: str
     summary: dict  # pdgpu serve --json
+    host_load: HostLoad | None = None  # other work on the host meanwhile (None: not measured)
 
 
 def draw_prompts(point: ServePoint, vocab: int) -> list[dict]:
@@ -77,15 +79,34 @@ def run_serve(point: ServePoint, model: str, vocab: int, folder: Path,
     prompts = draw_prompts(point, vocab)
     prompts_path, trace = folder / "prompts.jsonl", folder / "trace.jsonl"
     prompts_path.write_text("".join(json.dumps(row) + "\n" for row in prompts))
-    proc = subprocess.run(serve_argv(point, model, prompts_path, trace, device),
-                          capture_output=True, text=True)
+    proc, monitor = serve_measured(serve_argv(point, model, prompts_path, trace, device))
     summary = _summary(proc.stdout)
     if proc.returncode != 0 or summary is None:
         raise engine_failed(proc, f"pdgpu serve on {point.name}")
+    end = trace.stat().st_mtime  # the trace's last write: serving had just ended
+    load = monitor.window(end - summary["wall_s"], end)
+    (folder / "host-load.json").write_text(json.dumps(
+        {"serving": load.to_json(), "series": monitor.series}) + "\n")
     if summary.get("ok") != point.requests:
         raise EngineRunError(f"pdgpu serve on {point.name}: {summary.get('ok')} of "
                              f"{point.requests} requests ended ok")
-    return ServeRun(point, prompts, str(trace), summary)
+    return ServeRun(point, prompts, str(trace), summary, load)
+
+
+def serve_measured(argv: list[str]) -> tuple[subprocess.CompletedProcess, HostLoadMonitor]:
+    """Run the engine's command line; its output and the host's load sampled meanwhile."""
+    monitor = HostLoadMonitor().start()
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        monitor.root = proc.pid
+        try:
+            stdout, stderr = proc.communicate()
+        except BaseException:  # as subprocess.run: no engine left behind
+            proc.kill()
+            raise
+        finally:
+            monitor.stop()
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr), monitor
 
 
 def _summary(stdout: str) -> dict | None:

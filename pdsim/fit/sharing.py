@@ -14,10 +14,27 @@ from __future__ import annotations
 from bisect import bisect_right
 from itertools import accumulate
 
+import attrs
+
 ACTIVITIES = ("compute", "head", "decode")  # the stages that run on the host's cores
 # Candidate core counts: effective (other work on a shared machine takes a share too), so
 # fractional; at least 1 (under 1, an activity alone would run slowed: no longer sharing)
 CANDIDATES = tuple(1.0 + 0.125 * i for i in range(41))
+# Candidate slowdowns by other work (load_factor): 0 .. 2 per share of the host it held (a
+# vCPU the hypervisor takes stalls whatever runs on it, so a share can cost more than itself)
+SLOWDOWNS = tuple(0.1 * i for i in range(21))
+
+
+@attrs.frozen
+class Sharing:
+    """How the engine's activities shared the host: `cores` they shared with the host to
+    themselves (None: dedicated devices), and `slowdown`, how much longer each activity
+    took per share of the host's cores other work held during its run (measured:
+    pdsim/fit/host_load.py). Other work takes cores (fewer for the engine: `run_cores`) and
+    slows what still runs (on this VM a busy second vCPU slows the first by about 20%)."""
+
+    cores: float | None
+    slowdown: float = 0.0
 
 
 class Running:
@@ -48,6 +65,18 @@ def running_of(events) -> Running:
     """The trace's activity spans (every request's, the warm-up's too: it used the cores)."""
     return Running([(e.t, e.end) for e in events
                     if e.kind == "stage" and e.name in ACTIVITIES and e.end > e.t])
+
+
+def run_cores(cores: float | None, free: float) -> float | None:
+    """The cores a run's activities shared: `cores` (the engine's, the host to itself) times
+    `free`, the share of the host other work left during that run (measured:
+    pdsim/fit/host_load.py; 1 when not measured). None: dedicated devices."""
+    return None if cores is None else cores * free
+
+
+def load_factor(slowdown: float, free: float) -> float:
+    """How much longer an activity takes when other work held 1 - `free` of the host."""
+    return 1.0 + slowdown * (1.0 - free)
 
 
 def work_alone(duration: float, running, cores: float | None) -> float:

@@ -13,6 +13,13 @@ calibrated on its own trace. Those say what the model misses when the machine ru
 did in that very run; the held-out errors add what the machine's own drift between runs
 does (on a shared machine, the larger part: the same point and prompts served four times
 in a row on a quiet machine gave 26..45 tokens/s, README).
+
+Host load, a measured input: while each run serves, pdsim/fit/host_load.py measures the
+share of the host's cores other processes and the hypervisor (steal) took. Calibration
+takes each training trace's share out (the engine's cores and a slowdown per share, fitted
+on the training traces only) and the prediction of every run puts that run's own measured
+share back in. Nothing of a run's outcome goes into its share. The headline figures use
+it; `without_host_load` gives the same figures with neither fit nor prediction using it.
 """
 
 from __future__ import annotations
@@ -27,33 +34,37 @@ from tqdm import tqdm
 
 from pdref.models import load_model
 from pdsim.core.config import RequestSpec, SimConfig
-from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.costs import Costs, costs_for, sim_geometry
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.serving import serving_config, simulate_serving
 from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.fit.predict import paced
 from pdsim.fit.serve_runs import ServePoint, ServeRun, run_serve
+from pdsim.fit.sharing import load_factor
 from pdsim.options import UsageError
 from pdsim.views.report import write_atomic
 
 S = ServePoint
-SERVE_GRIDS = {  # (point, role): "train" feeds calibration, "test" is held out; roles
-    # alternate so that load drifts on a shared machine hit both halves alike
+# (point, role): "train" feeds calibration, "test" is held out; roles alternate so that load
+# drifts on a shared machine hit both halves alike. 12..24 requests a point (5..13 s of
+# serving on a quiet 2-core box): the median TTFT of 8 requests moved 0.22..0.32 s between
+# identical runs, and a longer run averages the host's bursts (hypervisor steal) over more.
+SERVE_GRIDS = {
     "default": (
-        (S(1, (64, 256), 16), "train"),
-        (S(2, (64, 256), 16), "test"),
-        (S(4, (128, 512), 16), "train"),
-        (S(4, (64, 256), 32, mode="whole"), "test"),
-        (S(2, (256, 512), 16, producers=2), "train"),
-        (S(4, (128, 512), 16, producers=2), "test"),
-        (S(3, (64, 384), 24, mode="layer"), "train"),
-        (S(2, (128, 512), 32, mode="layer"), "test"),
-        (S(2, (128, 512), 16, link_gbps=0.05), "train"),
-        (S(4, (128, 512), 16, mode="whole", link_gbps=0.05), "test"),
-        (S(1, (256, 512), 32, mode="whole"), "test"),
-        (S(3, (64, 512), 24, producers=2), "test"),
-        (S(4, (256, 512), 8, link_gbps=0.05), "test"),
-        (S(2, (64, 256), 48, producers=2, mode="whole"), "test"),
+        (S(1, (64, 256), 16, requests=20), "train"),
+        (S(2, (64, 256), 16, requests=24), "test"),
+        (S(4, (128, 512), 16, requests=24), "train"),
+        (S(4, (64, 256), 32, mode="whole", requests=24), "test"),
+        (S(2, (256, 512), 16, producers=2, requests=20), "train"),
+        (S(4, (128, 512), 16, producers=2, requests=24), "test"),
+        (S(3, (64, 384), 24, mode="layer", requests=24), "train"),
+        (S(2, (128, 512), 32, mode="layer", requests=16), "test"),
+        (S(2, (128, 512), 16, link_gbps=0.05, requests=24), "train"),
+        (S(4, (128, 512), 16, mode="whole", link_gbps=0.05, requests=24), "test"),
+        (S(1, (256, 512), 32, mode="whole", requests=12), "test"),
+        (S(3, (64, 512), 24, producers=2, requests=20), "test"),
+        (S(4, (256, 512), 8, link_gbps=0.05, requests=20), "test"),
+        (S(2, (64, 256), 48, producers=2, mode="whole", requests=16), "test"),
     ),
     "quick": (
         (S(2, (32, 96), 8, requests=4, chunk=32), "train"),
@@ -83,7 +94,8 @@ class ServeRow:
                 **{f"measured_{k}": self.run.summary.get(k) for k in figures},
                 **{f"predicted_{k}": self.predicted.get(k) for k in figures},
                 "tps_err_pct": self.err_pct("tokens_per_s"),
-                "ttft_p50_err_pct": self.err_pct("ttft_p50_s")}
+                "ttft_p50_err_pct": self.err_pct("ttft_p50_s"),
+                "host_load": self.run.host_load.to_json() if self.run.host_load else None}
 
 
 def run_serve_grid(grid, model: str, out: Path, device: str | None = None,
@@ -98,28 +110,49 @@ def run_serve_grid(grid, model: str, out: Path, device: str | None = None,
     return done
 
 
+@attrs.frozen
+class Fitted:
+    """A calibrated profile and how other work on the host slowed its traces' runs."""
+
+    path: Path
+    load_slowdown: float = 0.0  # calibrate's load_slowdown (0: host load not an input)
+    host_load: bool = False  # predictions take each run's measured host load as an input
+
+
+def free_share(run: ServeRun, host_load: bool) -> float:
+    """The share of the host's cores other work left the run (1: not an input, or not
+    measured)."""
+    if not host_load or run.host_load is None:
+        return 1.0
+    load = run.host_load
+    return 1.0 - load.taken_cores / load.cores
+
+
 def fit_serving_profile(runs: list[tuple[ServeRun, str]], out: Path, model: str,
-                        name: str = "serving-profile.toml", host_cores: int | None = None
-                        ) -> Path:
+                        name: str = "serving-profile.toml", host_cores: int | None = None,
+                        host_load: bool = False) -> Fitted:
     """Calibrate from the training runs' traces; the profile is out/NAME. `host_cores`: the
-    engine's processes shared this host's that many cores (CPU devices)."""
-    traces = [run.trace for run, role in runs if role == "train"]
-    if not traces:
+    engine's processes shared this host's that many cores (CPU devices). `host_load`: each
+    trace's measured host load is an input of the fit (sharing.Sharing)."""
+    train = [run for run, role in runs if role == "train"]
+    if not train:
         raise UsageError("serving grid: no training point to calibrate from")
     path = out / name
-    cal = calibrate(traces, host_cores=host_cores)
+    cal = calibrate([run.trace for run in train], host_cores=host_cores,
+                    free=[free_share(run, host_load) for run in train])
     write_atomic(path, profile_toml(cal, load_hw("a100-pcie"), f"{model}-serve"))
-    return path
+    return Fitted(path, cal.load_slowdown, host_load)
 
 
 def in_sample_rows(runs: list[tuple[ServeRun, str]], model: str, predictor,
-                   host_cores: int | None = None) -> list[ServeRow]:
+                   host_cores: int | None = None, host_load: bool = False) -> list[ServeRow]:
     """Each held-out run predicted from a profile calibrated on its own trace alone."""
     spec, rows = load_model(model), []
+    suffix = "-load" if host_load else ""
     for run, role in runs:
         if role == "test":
             own = fit_serving_profile([(run, "train")], Path(run.trace).parent, model,
-                                      "own-profile.toml", host_cores)
+                                      f"own-profile{suffix}.toml", host_cores, host_load)
             rows.append(ServeRow(run, role, predictor(spec, own, run)))
     return rows
 
@@ -144,9 +177,27 @@ def serving_setup(spec, profile: str, point: ServePoint, prompts: list[dict],
     return serving_config(cfg, requests, concurrency=point.concurrency), requests
 
 
-def predict_serving(spec, profile: Path, run: ServeRun) -> dict:
-    """The serving simulator's summary of the run's point, prompts and pacing."""
-    return simulate_serving(*serving_setup(spec, str(profile), run.point, run.prompts))
+LOADED_TERMS = ("chunk_s", "token_s", "pair_s", "head_s", "decode_s", "decode_row_s",
+                "decode_kv_token_s")  # the terms calibrate fitted with its load_slowdown
+
+
+def under_load(costs: Costs, free: float, slowdown: float) -> Costs:
+    """`costs` on a host of which other work left `free`: the engine's activities share that
+    share of its cores, each slowed by sharing.load_factor (as calibrate fitted them)."""
+    if free == 1.0 or costs.host_cores is None:
+        return costs
+    factor = load_factor(slowdown, free)
+    return attrs.evolve(costs, host_cores=costs.host_cores * free,
+                        **{term: getattr(costs, term) * factor for term in LOADED_TERMS})
+
+
+def predict_serving(spec, profile: Fitted | str, run: ServeRun) -> dict:
+    """The serving simulator's summary of the run's point, prompts and pacing (and, with a
+    `Fitted` profile that takes it, the host load measured during the run)."""
+    fitted = profile if isinstance(profile, Fitted) else Fitted(Path(profile))
+    cfg, requests = serving_setup(spec, str(fitted.path), run.point, run.prompts)
+    costs = under_load(cfg.costs, free_share(run, fitted.host_load), fitted.load_slowdown)
+    return simulate_serving(attrs.evolve(cfg, costs=costs), requests)
 
 
 def serving_summary(rows: list[ServeRow], role: str = "test") -> dict:
@@ -167,25 +218,40 @@ def engine_host_cores(device: str | None) -> int | None:
     return os.cpu_count() if (device or "cpu") == "cpu" else None
 
 
+def predicted_rows(runs, model: str, out: Path, host: int | None, predictor,
+                   host_load: bool) -> tuple[Fitted, list[ServeRow]]:
+    """Calibrate on the training runs, predict every run (host load an input or not)."""
+    name = "serving-profile.toml" if host_load else "serving-profile-no-load.toml"
+    fitted = fit_serving_profile(runs, out, model, name, host, host_load)
+    spec = load_model(model)
+    return fitted, [ServeRow(run, role, predictor(spec, fitted, run)) for run, role in runs]
+
+
 def validate_serving(model: str, grid_name: str, out: Path, device: str | None = None,
                      progress: bool = True, predictor=predict_serving
                      ) -> tuple[list[ServeRow], dict]:
-    """Serve the grid, calibrate on its training runs, predict every run; rows and JSON."""
+    """Serve the grid, calibrate on its training runs, predict every run; rows and JSON.
+    The headline figures take each run's measured host load as an input (host_load.py);
+    `without_host_load` gives the same figures without it."""
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]  # other work on the host: the held-out errors' floor
     runs = run_serve_grid(SERVE_GRIDS[grid_name], model, out, device, progress)
     load_after = os.getloadavg()[0]
     host = engine_host_cores(device)
-    profile = fit_serving_profile(runs, out, model, host_cores=host)
-    spec = load_model(model)
-    rows = [ServeRow(run, role, predictor(spec, profile, run)) for run, role in runs]
-    held_out = serving_summary(rows, "test")
-    result = {"model": model, "grid": grid_name, "profile": str(profile), **held_out,
+    fitted, rows = predicted_rows(runs, model, out, host, predictor, host_load=True)
+    _, plain = predicted_rows(runs, model, out, host, predictor, host_load=False)
+    result = {"model": model, "grid": grid_name, "profile": str(fitted.path),
+              **serving_summary(rows, "test"), "host_load_input": True,
+              "load_slowdown": fitted.load_slowdown,
               "load_average": [load_before, load_after],  # 1-minute, before and after
               "train": serving_summary(rows, "train"),
-              "in_sample": serving_summary(in_sample_rows(runs, model, predictor, host)),
+              "in_sample": serving_summary(in_sample_rows(runs, model, predictor, host, True)),
+              "without_host_load": {
+                  **serving_summary(plain, "test"), "train": serving_summary(plain, "train"),
+                  "in_sample": serving_summary(in_sample_rows(runs, model, predictor, host))},
               "configs": [r.to_json() for r in rows if r.role == "test"],
-              "train_configs": [r.to_json() for r in rows if r.role == "train"]}
+              "train_configs": [r.to_json() for r in rows if r.role == "train"],
+              "configs_without_host_load": [r.to_json() for r in plain if r.role == "test"]}
     return rows, result
 
 
@@ -203,8 +269,12 @@ def format_table(rows: list[ServeRow]) -> str:
 
 def format_summary(result: dict) -> str:
     lines = []
+    plain = result.get("without_host_load", {})
     for label, s in (("held-out", result), ("training (calibration)", result["train"]),
-                     ("held-out, each calibrated on its own run", result["in_sample"])):
+                     ("held-out, each calibrated on its own run", result["in_sample"]),
+                     ("held-out without the host load input", plain),
+                     ("training without it", plain.get("train", {})),
+                     ("held-out on own runs without it", plain.get("in_sample", {}))):
         if s.get("n"):
             lines.append(f"{label} ({s['n']} configs): tokens/s error median "
                          f"{s['median_tps_err_pct']:.1f}%, worst {s['worst_tps_err_pct']:.1f}%;"
