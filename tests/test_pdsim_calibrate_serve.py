@@ -264,7 +264,7 @@ def test_calibrate_takes_each_runs_measured_host_load_out(tmp_path):
     share): given each trace's free share, calibrate finds the engine's own cores, the
     slowdown and the decode terms as if alone on an idle host; without the shares it
     cannot (the terms come out slowed)."""
-    paths, free = [], [1.0, 0.8, 0.6, 0.9]
+    paths, free = [], [1.0, 0.8, 0.6]
     for i, share in enumerate(free):
         paths.append(str(tmp_path / f"t{i}.jsonl"))
         _simulated_serving_trace(paths[-1], 2.0, 3, free=share, slowdown=0.7, seed=i)
