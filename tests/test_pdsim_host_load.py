@@ -73,3 +73,17 @@ def test_a_busy_process_outside_the_run_is_seen():
     load = monitor.window(t0, t1)
     assert load.others_cpu_s >= 0.45
     assert load.taken_cores == pytest.approx((load.others_cpu_s + load.steal_s) / (t1 - t0))
+
+
+def test_a_host_without_proc_serves_unmeasured(monkeypatch, tmp_path):
+    """Without /proc the engine's command still runs and its output comes back, with no
+    load measured (None: predicted as if the host were idle, and said so in the JSON)."""
+    from pdsim.fit import serve_runs
+
+    monkeypatch.setattr(serve_runs, "host_load_measurable", lambda: False)
+    proc, monitor = serve_runs.serve_measured([sys.executable, "-c", "print('{}')"])
+    assert (proc.returncode, proc.stdout.strip(), monitor) == (0, "{}", None)
+    assert serve_runs.serving_load(None, tmp_path / "t.jsonl", 1.0) is None
+    monkeypatch.undo()
+    proc, monitor = serve_runs.serve_measured([sys.executable, "-c", "print(1)"])
+    assert monitor is not None and len(monitor.series) >= 2

@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")  # /proc's CPU time unit
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01  # /proc's unit
 PROC = Path("/proc")
 
 
@@ -43,6 +43,11 @@ class HostLoad:
 
     def to_json(self) -> dict:
         return {**attrs.asdict(self), "taken_cores": self.taken_cores}
+
+
+def host_load_measurable() -> bool:
+    """Whether this host has what the monitor reads (Linux's /proc)."""
+    return (PROC / "stat").exists() and (PROC / "uptime").exists()
 
 
 def steal_ticks() -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 
 from pdsim.fit.engine_runs import EngineRunError, engine_failed, pacing_and_device
-from pdsim.fit.host_load import HostLoad, HostLoadMonitor
+from pdsim.fit.host_load import HostLoad, HostLoadMonitor, host_load_measurable
 
 
 @attrs.frozen
@@ -83,29 +83,43 @@ def run_serve(point: ServePoint, model: str, vocab: int, folder: Path,
     summary = _summary(proc.stdout)
     if proc.returncode != 0 or summary is None:
         raise engine_failed(proc, f"pdgpu serve on {point.name}")
-    end = trace.stat().st_mtime  # the trace's last write: serving had just ended
-    load = monitor.window(end - summary["wall_s"], end)
-    (folder / "host-load.json").write_text(json.dumps(
-        {"serving": load.to_json(), "series": monitor.series}) + "\n")
     if summary.get("ok") != point.requests:
         raise EngineRunError(f"pdgpu serve on {point.name}: {summary.get('ok')} of "
                              f"{point.requests} requests ended ok")
-    return ServeRun(point, prompts, str(trace), summary, load)
+    return ServeRun(point, prompts, str(trace), summary,
+                    serving_load(monitor, trace, summary["wall_s"]))
 
 
-def serve_measured(argv: list[str]) -> tuple[subprocess.CompletedProcess, HostLoadMonitor]:
-    """Run the engine's command line; its output and the host's load sampled meanwhile."""
-    monitor = HostLoadMonitor().start()
+def serving_load(monitor: HostLoadMonitor | None, trace: Path, wall_s: float
+                 ) -> HostLoad | None:
+    """Other work's share over the serving window: `wall_s` up to the trace's last write
+    (serving had just ended); written beside the trace. None where nothing was sampled."""
+    if monitor is None:
+        return None
+    end = trace.stat().st_mtime
+    load = monitor.window(end - wall_s, end)
+    (trace.parent / "host-load.json").write_text(json.dumps(
+        {"serving": load.to_json(), "series": monitor.series}) + "\n")
+    return load
+
+
+def serve_measured(argv: list[str]) -> tuple[subprocess.CompletedProcess,
+                                             HostLoadMonitor | None]:
+    """Run the engine's command line; its output and the host's load sampled meanwhile
+    (None on a host without Linux's /proc)."""
+    monitor = HostLoadMonitor().start() if host_load_measurable() else None
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as proc:
-        monitor.root = proc.pid
+        if monitor is not None:
+            monitor.root = proc.pid
         try:
             stdout, stderr = proc.communicate()
         except BaseException:  # as subprocess.run: no engine left behind
             proc.kill()
             raise
         finally:
-            monitor.stop()
+            if monitor is not None:
+                monitor.stop()
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr), monitor
 
 

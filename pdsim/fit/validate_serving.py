@@ -241,7 +241,8 @@ def validate_serving(model: str, grid_name: str, out: Path, device: str | None =
     fitted, rows = predicted_rows(runs, model, out, host, predictor, host_load=True)
     _, plain = predicted_rows(runs, model, out, host, predictor, host_load=False)
     result = {"model": model, "grid": grid_name, "profile": str(fitted.path),
-              **serving_summary(rows, "test"), "host_load_input": True,
+              **serving_summary(rows, "test"),
+              "host_load_input": all(run.host_load is not None for run, _ in runs),
               "load_slowdown": fitted.load_slowdown,
               "load_average": [load_before, load_after],  # 1-minute, before and after
               "train": serving_summary(rows, "train"),
