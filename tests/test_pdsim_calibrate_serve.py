@@ -164,21 +164,26 @@ def test_serving_trace_gives_chunk_gaps_and_idle_message_round_trips():
     """A `pdgpu serve` trace: a chunk after the first also counts the producer's idle time
     since the chunk before (its step loop's per-chunk cost), and a request reserved while
     its producer was idle gives reserve-to-produced less its prefill as the message round
-    trip; one queued behind another prefill, or one whose decoder ran a step meanwhile, gives
-    none (those waits are not latency: the simulator plays them)."""
+    trip, decode steps during its prefill or not; one queued behind another prefill, or one
+    whose first token the decoder handled just as a step ended (it may have waited for that
+    step), gives none (those waits are not latency: the simulator plays them)."""
     header = dict(HEADER, source="pdgpu serve")
     events = sorted(
         _serve_life("w", "p1", 0.0, [(0.01, 0.05)], (0.05, 0.06), 0.08)  # warm-up
         + _serve_life("a", "p1", 0.1, [(0.12, 0.20), (0.21, 0.30)], (0.30, 0.31), 0.33)
         + _serve_life("b", "p1", 0.11, [(0.31, 0.40)], (0.40, 0.41), 0.43)  # queued behind a
-        + _serve_life("c", "p2", 0.5, [(0.52, 0.60)], (0.60, 0.61), 0.70)  # a step ran meanwhile
-        + [{"kind": "stage", "t": 0.55, "req": "c", "name": "decode", "end": 0.65, "batch": 1,
-            "kv_tokens": 9}],
+        + _serve_life("c", "p2", 0.5, [(0.52, 0.60)], (0.60, 0.61), 0.70)  # held by a step
+        + [{"kind": "stage", "t": 0.6, "req": "c", "name": "decode", "end": 0.6995,
+            "batch": 1, "kv_tokens": 9}]
+        + _serve_life("d", "p2", 0.8, [(0.82, 0.90)], (0.90, 0.91), 0.95)  # a step, then idle
+        + [{"kind": "stage", "t": 0.83, "req": "d", "name": "decode", "end": 0.86,
+            "batch": 1, "kv_tokens": 9}],
         key=lambda e: e["t"])
     items = [item for _, item in parse_lines(json.dumps(x).encode() for x in [header, *events])]
     got = samples(items[0], items[1:])
-    assert [round(s.duration, 3) for s in got.computes] == [0.08, 0.1, 0.09, 0.08]
-    assert got.latencies == [pytest.approx(0.33 - 0.1 - (0.31 - 0.12))]
+    assert [round(s.duration, 3) for s in got.computes] == [0.08, 0.1, 0.09, 0.08, 0.08]
+    assert got.latencies == [pytest.approx(0.33 - 0.1 - (0.31 - 0.12)),
+                             pytest.approx(0.95 - 0.8 - (0.91 - 0.82))]
 
 
 def test_decoder_gaps_count_landed_and_admitted_bytes_and_skip_idle():

@@ -6,6 +6,8 @@ compute(chunk [a, b))  = chunk_s + token_s * (b - a) + pair_s * sum_{i=a}^{b-1} 
 copy(span of n bytes)  = span_s + gather_byte_s * n + link_latency_s + link_byte_s * n
   (one span alone; how spans share the copier, serial or pipelined: pdsim/core/copier.py)
 head (the first token's LM head, after the last chunk) = head_s (calibrated profiles only)
+first token's messages (serving: the prefill order out, the token back) = serve_latency_s, a
+  delay before the decoder has the token: no core, no producer held (calibrated profiles)
 fill (export only: writing the payload of n bytes) = fill_byte_s * n (calibrated profiles only)
 decode step (batch B, KV tokens K read) = decode_s + decode_row_s * B + decode_kv_token_s * K
   derived when a profile lacks them: the weights read once per step at HBM bandwidth, a
@@ -54,6 +56,7 @@ class Costs:
     land_byte_s: float = attrs.field(default=0.0, validator=non_negative)
     admit_byte_s: float = attrs.field(default=0.0, validator=non_negative)
     head_s: float = attrs.field(default=0.0, validator=non_negative)  # first token's LM head
+    serve_latency_s: float = attrs.field(default=0.0, validator=non_negative)
     dense_attention: bool = False  # pairs of a chunk [a, b): n * b, not the causal triangle
     state_bytes: int = 0
     fill_byte_s: float = attrs.field(default=0.0, validator=non_negative)
@@ -163,6 +166,7 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
         admit_byte_s=over.admit_byte_s or 0.0,
         state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),
         head_s=over.head_s or 0.0,  # shipped GPU profiles: absorbed in their efficiency
+        serve_latency_s=over.serve_latency_s or 0.0,
         dense_attention=bool(over.dense_attention),
         host_cores=over.host_cores,
     )

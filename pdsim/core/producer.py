@@ -6,7 +6,9 @@ them one at a time, each once its source cache has room for the prompt's suffix
 does. After each step it emits `computed`, then hands the spans that step made ready to its
 sender. After the last step the first token's LM head (`head_s`) runs before `produced` (in
 whole mode the copy starts after it; in chunk and layer modes the last spans are issued
-first and their copies overlap it). Two senders (`SimConfig.sender`):
+first and their copies overlap it); the token reaches the decoder `serve_latency_s` later
+(the serving messages' round trip: the producer goes on meanwhile, as pdgpu serve's does).
+Two senders (`SimConfig.sender`):
 - blocking (pdgpu run's step loop): when `Monitor.can_issue` says the producer already has
   max_pending spans in flight, its compute waits until a span lands;
 - queued (pdgpu serve's sender thread): compute goes on; ready spans wait in the producer's
@@ -76,6 +78,7 @@ class Producer:
         # fixed for the run, looked up once (every step and span reads them)
         cfg = self.cfg
         self.head_s = 0.0 if cfg.no_compute else cfg.costs.head_s
+        self.latency_s = cfg.costs.serve_latency_s
         self.whole = cfg.mode is Mode.WHOLE
         self.compute_lane = f"{name}.compute"
         self.bytes_per_token_layer = cfg.geometry.bytes_per_token_layer
@@ -198,7 +201,11 @@ class Producer:
     def _produce(self, job: Job) -> None:
         job.produced = True
         self._unload(job)
-        self.sim.decoder.deliver(self.sim.decoder.produced, job)
+        decoder = self.sim.decoder
+        if self.latency_s:  # the messages' time: the producer goes on meanwhile
+            self.env.after(self.latency_s, decoder.deliver, decoder.produced, job)
+        else:
+            decoder.deliver(decoder.produced, job)
 
     def _finish(self, job: Job) -> None:
         if not job.produced and self.head_s:

@@ -73,6 +73,9 @@ class ComputeOverride:
     pair_s: float | None = None
     chunk_s: float | None = None
     head_s: float | None = None  # the first token's LM head, once per request
+    # Serving: the messages' round trip a request's first token waits (the prefill order
+    # out, the token back), on no core and holding no producer. Absent: 0.
+    serve_latency_s: float | None = None
     dense_attention: bool | None = None  # a chunk's attention is a dense masked rectangle
     # One batched decode step over `batch` requests reading `kv_tokens` KV tokens takes
     # decode_s + batch * decode_row_s + kv_tokens * decode_kv_token_s (pdgpu serve's decode

@@ -138,7 +138,7 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     latency = max(0.0, median(got.latencies))
     return Calibration(read.model, compute, gather, links, streamed, kind, basis,
                        fixed.latency_s, fixed.span_s, fixed.rms,
-                       median(alone(got.heads, cores, slowdown)) + latency,
+                       median(alone(got.heads, cores, slowdown)),
                        dense, fill_per_byte(got.fills), tuple(paths),
                        fit_decode(got.decodes, cores, slowdown), latency,
                        fit_decode_gap(read.gaps), cores, slowdown)
@@ -191,9 +191,10 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         f"dense_attention = {'true' if cal.dense_attention else 'false'}"
         "  # the better fit: pairs of a chunk [a, b) are n * b (true) or the causal triangle",
         f"chunk_s = {c.get('chunk_s')!r}",
-        f"head_s = {cal.head_s!r}  # median of the traces' `head` stages"
-        + (f" + serving message round trip {cal.serve_latency_s:.4g} s (before the first "
-           "token reaches the decoder)" if cal.serve_latency_s else ""),
+        f"head_s = {cal.head_s!r}  # median of the traces' `head` stages",
+        *([] if not cal.serve_latency_s else [
+            f"serve_latency_s = {cal.serve_latency_s!r}  # serving: the first token's message "
+            "round trip (a delay: no core, no producer held)"]),
         *_decode_lines(cal.decode, cal.decode_gap),
         *([] if cal.host_cores is None else [
             f"host_cores = {cal.host_cores!r}  # effective cores the producers' compute and "
