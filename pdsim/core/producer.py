@@ -85,6 +85,8 @@ class Producer:
         self.land_byte_s = cfg.costs.land_byte_s
         self.queued = cfg.sender == "queued"
         self.emit, self.monitor = sim.emit, sim.monitor  # (every step and span: bound once)
+        self.cores = sim.cores  # one host's cores shared with others, or None
+        self.compute_name = "fill" if cfg.no_compute else "compute"  # export: the payload
 
     @property
     def available(self) -> bool:
@@ -141,13 +143,12 @@ class Producer:
             return
         step = job.steps[job.index]
         duration = self._stretched(step.base_s)
-        cfg = self.cfg
-        name = "fill" if cfg.no_compute else "compute"  # export: the payload
-        if self.sim.cores is not None:  # shared host cores: the stage is known at its end
-            self.sim.cores.start(duration, self._shared_end, self._end_step, job.req, name,
-                                 self.env.now, job, step)
+        name = self.compute_name
+        if self.cores is not None:  # shared host cores: the stage is known at its end
+            self.cores.start(duration, self._shared_end, self._end_step, job.req, name,
+                             self.env.now, job, step)
             return
-        if cfg.stages and (duration or not cfg.no_compute):
+        if self.cfg.stages and (duration or not self.cfg.no_compute):
             self.sim.stage(self.env.now, job.req, name, duration, None, self.compute_lane)
         self.env.after(duration, self._end_step, job, step)
 
@@ -186,9 +187,9 @@ class Producer:
     def _run_head(self, job: Job, then) -> None:
         """The first token's LM head (after the last step, before `produced`), then `then`."""
         head = self.head_s
-        if self.sim.cores is not None:
-            self.sim.cores.start(head, self._shared_end, self._head_done, job.req, "head",
-                                 self.env.now, job, then)
+        if self.cores is not None:
+            self.cores.start(head, self._shared_end, self._head_done, job.req, "head",
+                             self.env.now, job, then)
             return
         if self.cfg.stages:
             self.sim.stage(self.env.now, job.req, "head", head, None, self.compute_lane)
