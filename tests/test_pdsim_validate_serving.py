@@ -188,7 +188,7 @@ def test_measured_host_load_is_an_input_of_the_fit_and_the_predictions(tmp_path,
                      + "host_cores = 2.0\n")
     monkeypatch.setattr(vs, "run_serve", _loaded_engine(str(truth), 0.8))
     monkeypatch.setattr(vs, "engine_host_cores", lambda device: 2)
-    monkeypatch.setitem(vs.SERVE_GRIDS, "six", vs.SERVE_GRIDS["default"][:6])  # 3 and 3
+    monkeypatch.setitem(vs.SERVE_GRIDS, "six", vs.SERVE_GRIDS["default"][:6])  # 2 and 4
     _, out = vs.validate_serving("small", "six", tmp_path / "v", progress=False)
     assert out["load_slowdown"] == pytest.approx(0.8)
     assert out["host_load_input"] is True
