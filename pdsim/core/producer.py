@@ -99,8 +99,8 @@ class Producer:
         """The decoder reserved the request's slab for this producer: it joins the queue."""
         job = self._new_job(request, plan_steps(self.cfg, request, self.sim.chunk_s))
         job.owner, job.queued_work = self, request.prompt - request.prefix
-        self.sim.monitor.reserve(self.env.now, request.req, request.prompt, request.prefix,
-                                 self.name)
+        self.monitor.reserve(self.env.now, request.req, request.prompt, request.prefix,
+                             self.name)
         self.load += job.queued_work
         self.queue.append(job)
         self._start_next()
@@ -283,7 +283,7 @@ class Producer:
     def _land(self, job: Job, span: int) -> None:
         self.emit(new_row(LandRow, (self.env.now, job.req, span)))
         if self.span_bytes:  # the decoder writes the span's bytes into its slab
-            self.sim.decoder.charge(self.cfg.costs.land_byte_s * self.span_bytes.pop(span, 0))
+            self.sim.decoder.charge(self.land_byte_s * self.span_bytes.pop(span, 0))
         self.lands.popleft()
         job.spans_landed += 1
         self.sim.try_admit(job)

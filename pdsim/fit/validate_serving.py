@@ -40,7 +40,7 @@ from pdsim.core.serving import serving_config, simulate_serving
 from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.fit.predict import paced
 from pdsim.fit.serve_runs import ServePoint, ServeRun, run_serve
-from pdsim.fit.sharing import load_factor
+from pdsim.fit.sharing import load_factor, run_cores
 from pdsim.options import UsageError
 from pdsim.views.report import write_atomic
 
@@ -190,7 +190,7 @@ def under_load(costs: Costs, free: float, slowdown: float) -> Costs:
     if free == 1.0 or costs.host_cores is None:
         return costs
     factor = load_factor(slowdown, free)
-    return attrs.evolve(costs, host_cores=costs.host_cores * free,
+    return attrs.evolve(costs, host_cores=run_cores(costs.host_cores, free),
                         **{term: getattr(costs, term) * factor for term in LOADED_TERMS})
 
 
