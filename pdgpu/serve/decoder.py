@@ -56,7 +56,7 @@ class Decoder(Recovery):
     # -- the loop -----------------------------------------------------------------------------
 
     def run(self) -> None:
-        while self.done < len(self.tracked):
+        while self.done < len(self.tracked) or self._writers_busy():
             self._arrivals()
             self._postprocess()
             self._watch()
@@ -65,6 +65,13 @@ class Decoder(Recovery):
                 self._decode_step()
             else:
                 self._idle()
+
+    def _writers_busy(self) -> bool:
+        """An ended life still has spans whose writer may write (unfenced): the loop waits
+        for its producer's word (the late bytes, or `stopped`) and fences them, so that the
+        trace never closes with a writer unfenced (LIFE-1; a request cancelled last ended
+        the loop before its producer had stopped)."""
+        return any(life.unfenced for life in self.lives.values())
 
     def _idle(self) -> None:
         """Nothing to decode: wait for a message (or the next arrival)."""
