@@ -28,11 +28,21 @@ _new = tuple.__new__
 
 
 class SpanTimes(NamedTuple):
-    """When one span's copy runs (absolute times). A NamedTuple: one is made per span."""
+    """When one span's copy runs (absolute times: `base` plus the offsets). A NamedTuple: one
+    is made per span; a serial copier's spans of one size share their offsets."""
 
     start: float  # the copier began working on it (its fixed cost starts)
-    stages: tuple[tuple[str, float, float], ...]  # (stage name, start, end), gather first
+    base: float  # the stages' offsets count from it
+    offsets: tuple[tuple[str, float, float], ...]  # (stage name, start, end) - base, gather first
     land: float  # every stage is done: the span lands
+    contended: tuple[tuple[float, float], ...]  # (start, end) - base of the stages that slow
+    # overlapping compute (`Costs.contended`), in stage order
+
+    @property
+    def stages(self) -> tuple[tuple[str, float, float], ...]:
+        """(stage name, start, end) of each stage, gather first."""
+        base = self.base
+        return tuple((name, base + a, base + b) for name, a, b in self.offsets)
 
     def stage(self, name: str) -> tuple[float, float] | None:
         return next(((a, b) for n, a, b in self.stages if n == name), None)
@@ -44,9 +54,9 @@ class Copier:
     def __init__(self, costs: Costs) -> None:
         self.costs = costs
         self.free: dict[str, float] = {}  # lane -> when its last span's stage ends
-        # serial: nbytes -> (stage offsets, copy time) of a span alone. Spans of a workload
-        # share a few sizes (every full chunk's), so the plan is worked out once per size.
-        self._plans: dict[int, tuple[tuple[tuple[str, float, float], ...], float]] = {}
+        # serial: nbytes -> (stage offsets, copy time, contended offsets) of a span alone.
+        # Spans of a workload share a few sizes (every full chunk's): worked out once a size.
+        self._plans: dict[int, tuple] = {}
         # schedule(issue_t, nbytes) -> SpanTimes: place a span of `nbytes` issued at
         # `issue_t` on the lanes (bound once: it runs for every span)
         self.schedule = self._serial if self.serial else self._pipelined
@@ -56,16 +66,24 @@ class Copier:
         return self.costs.copier == "serial"
 
     def _serial(self, issue_t: float, nbytes: int) -> SpanTimes:
-        start = max(issue_t, self.free.get(WORKER, 0.0))
+        free = self.free.get(WORKER, 0.0)
+        start = issue_t if issue_t >= free else free
         plan = self._plans.get(nbytes)
         if plan is None:
-            plan = self._plans[nbytes] = (tuple(self.costs.stage_plan(nbytes)),
-                                          self.costs.copy_s(nbytes))
-        offsets, copy_s = plan
-        stages = tuple([(name, start + a, start + b) for name, a, b in offsets])
+            plan = self._plans[nbytes] = self._plan(nbytes)
+        offsets, copy_s, contended = plan
         land = start + copy_s
         self.free[WORKER] = land
-        return _new(SpanTimes, (start, stages, land))  # (no Python __new__: every span)
+        return _new(SpanTimes, (start, start, offsets, land, contended))  # (no Python __new__)
+
+    def _plan(self, nbytes: int) -> tuple:
+        """A serial span's stage offsets from its start, copy time and contended offsets."""
+        offsets = tuple(self.costs.stage_plan(nbytes))
+        return offsets, self.costs.copy_s(nbytes), self._contended(offsets)
+
+    def _contended(self, stages) -> tuple[tuple[float, float], ...]:
+        contended = self.costs.contended
+        return tuple((a, b) for name, a, b in stages if name in contended)
 
     def _pipelined(self, issue_t: float, nbytes: int) -> SpanTimes:
         c = self.costs
@@ -81,7 +99,9 @@ class Copier:
             ready = start if c.streamed else end
         for name, _, end in stages:
             self.free[name] = end
-        return SpanTimes(g0 - c.span_s, tuple(stages), max(end for _, _, end in stages))
+        stages = tuple(stages)  # (absolute: base 0)
+        return SpanTimes(g0 - c.span_s, 0.0, stages, max(end for _, _, end in stages),
+                         self._contended(stages))
 
     def _free(self, lane: str) -> float:
         return self.free.get(lane, 0.0)

@@ -97,7 +97,7 @@ class Producer:
 
     def assign(self, request: RequestSpec) -> Job:
         """The decoder reserved the request's slab for this producer: it joins the queue."""
-        job = self._new_job(request, plan_steps(self.cfg, request, self.sim.chunk_s))
+        job = self._new_job(request, plan_steps(self.cfg, request, self.sim.chunk_steps))
         job.owner, job.queued_work = self, request.prompt - request.prefix
         self.monitor.reserve(self.env.now, request.req, request.prompt, request.prefix,
                              self.name)
@@ -261,24 +261,22 @@ class Producer:
 
     def _schedule_copy(self, job: Job, span: int, times: SpanTimes) -> None:
         """The copier runs the span's stages at `times`, then the span lands."""
-        self.contend(times.stages)
-        if self.cfg.stages:
-            self._schedule_stages(job.req, span, times.stages)
+        base, gathers = times.base, self.gathers
+        for a, b in times.contended:  # they slow overlapping compute (`Costs.contended`)
+            gathers.append((base + a, base + b))
+        if self.cfg.stages:  # recorded now (planned); rows made when the trace is read
+            self.sim.span_stages.append((job.req, span, self.lane_prefix, base, times.offsets))
         self.lands.append(times.land)
         # the span's bytes reach the decoder then: it lands when the decoder handles it
         self.env.at(times.land, self.sim.decoder.deliver, self._land, job, span)
 
     def contend(self, stages) -> None:
-        """The span's stages that slow overlapping compute (`Costs.contended`; gather)."""
+        """Stages (absolute (name, start, end)) that slow overlapping compute
+        (`Costs.contended`; gather)."""
         contended, gathers = self.cfg.costs.contended, self.gathers
         for name, a, b in stages:  # (a loop: a generator per span costs more)
             if name in contended:
                 gathers.append((a, b))
-
-    def _schedule_stages(self, req: str, span: int, stages) -> None:
-        """The span's stages (absolute (name, start, end)), recorded now: they are planned.
-        One entry per span; its rows are made when the trace is read (`SimResult.events`)."""
-        self.sim.span_stages.append((req, span, self.lane_prefix, stages))
 
     def _land(self, job: Job, span: int) -> None:
         self.emit(new_row(LandRow, (self.env.now, job.req, span)))
@@ -286,8 +284,10 @@ class Producer:
             self.sim.decoder.charge(self.land_byte_s * self.span_bytes.pop(span, 0))
         self.lands.popleft()
         job.spans_landed += 1
-        self.sim.try_admit(job)
-        self._unblock()
+        if job.produced and job.spans_landed >= job.spans_total:  # else no admission yet
+            self.sim.try_admit(job)
+        if self.outbox or self.blocked is not None:
+            self._unblock()
 
     def _unblock(self) -> None:
         """A pending slot came free: the blocked job (or the outbox) issues its next spans."""

@@ -44,15 +44,17 @@ def inter_token_gaps(result: SimResult, ok_reqs) -> tuple[np.ndarray, np.ndarray
     decode step it took part in after its first, counted once per such request."""
     record = result.decode
     start, end = np.asarray(record.step_start), np.asarray(record.step_end)
-    firsts, counts = [], np.zeros(len(end) + 1, dtype=np.int64)
-    for req in ok_reqs:
-        first_t, first, steps = record.tokens[req]
-        if steps:
-            firsts.append(end[first] - first_t)
-            counts[first + 1] += 1  # its later steps: [first + 1, first + steps)
-            counts[first + steps] -= 1
+    # [N, 3]: (first token time, first decode step, decode steps) of each ok request
+    table = np.array([record.tokens[req] for req in ok_reqs], dtype=float).reshape(-1, 3)
+    decoding = table[table[:, 2] > 0]
+    first_t, first = decoding[:, 0], decoding[:, 1].astype(np.int64)
+    last = first + decoding[:, 2].astype(np.int64)
+    firsts = end[first] - first_t
+    # each request counts once in every step it took after its first: [first + 1, last)
+    counts = (np.bincount(first + 1, minlength=len(end) + 1)
+              - np.bincount(last, minlength=len(end) + 1))
     per_step = np.cumsum(counts)[:len(end)]
-    values = np.concatenate([np.asarray(firsts, dtype=float), end - start])
+    values = np.concatenate([firsts, end - start])
     weights = np.concatenate([np.ones(len(firsts), dtype=np.int64), per_step])
     return values, weights
 

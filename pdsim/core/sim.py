@@ -18,7 +18,6 @@ import heapq
 import itertools
 from collections import deque
 from functools import cached_property
-from itertools import chain
 from operator import attrgetter, itemgetter
 
 import attrs
@@ -53,7 +52,8 @@ class SimResult:
     leaked_pages: int = 0  # pages not back in the pool at the end
     decode: DecodeRecord = attrs.Factory(DecodeRecord)  # the decode batch's steps
     stage_rows: tuple = ()  # (t, req, name, end, span, resource) of each stage, any order
-    # a span's copy stages, one entry per span: (req, span, resource prefix, ((name, t, end), ...))
+    # a span's copy stages, one entry per span: (req, span, resource prefix, base,
+    # ((name, t - base, end - base), ...)); a serial copier's spans of a size share the offsets
     span_stages: tuple = ()
 
     @cached_property
@@ -68,8 +68,9 @@ class SimResult:
         stages in the order the run made them."""
         if not self.stage_rows and not self.span_stages:
             return self.protocol
-        copies = [(t, req, name, end, span, prefix + name)
-                  for req, span, prefix, stages in self.span_stages for name, t, end in stages]
+        copies = [(base + t, req, name, base + end, span, prefix + name)
+                  for req, span, prefix, base, stages in self.span_stages
+                  for name, t, end in stages]
         rows = sorted([*self.stage_rows, *copies], key=itemgetter(0))
         stages = [ev.Stage(*row) for row in rows]
         return tuple(heapq.merge(self.protocol, stages, key=_time))
@@ -78,7 +79,7 @@ class SimResult:
     def event_count(self) -> int:
         """Checked events, decode steps aside."""
         return (len(self.protocol_rows) + len(self.stage_rows)
-                + sum(map(len, map(itemgetter(3), self.span_stages))))
+                + sum(map(len, map(itemgetter(4), self.span_stages))))
 
     def trace_events(self):
         """Every event of the trace in time order: the checked events, and (with stage
@@ -128,7 +129,7 @@ class Sim:
         host_cores = cfg.costs.host_cores
         self.cores = HostCores(self.env, host_cores) if host_cores is not None else None
         self.emit = self.monitor.emit  # the hot path: producers' events straight to the spec
-        self.chunk_s: dict = {}  # compute time by chunk tokens (steps.plan_steps' memo)
+        self.chunk_steps: dict = {}  # steps.plan_steps' memo: a chunk's Step by its tokens
         self.producers = [self._make_producer(cfg.producer_name(i))
                           for i in range(cfg.producers)]
         self.decoder = Decoder(self.env, self)
@@ -234,9 +235,11 @@ class Sim:
         record = self.decoder.record  # its steps become the trace's `decode` stages: checked
         self.monitor.recorded_stages("decode", record.step_start, record.step_end)
         self.monitor.recorded_stage_rows(self.stage_rows)
-        copies = list(chain.from_iterable(map(itemgetter(3), self.span_stages)))  # (name, t, end)
-        self.monitor.recorded_stages("copy", list(map(itemgetter(1), copies)),
-                                     list(map(itemgetter(2), copies)), ordered=False)
+        spans = self.span_stages
+        self.monitor.recorded_stages(
+            "copy", [base + t for _, _, _, base, stages in spans for _, t, _ in stages],
+            [base + end for _, _, _, base, stages in spans for _, _, end in stages],
+            ordered=False)
         self.monitor.close()
         requests = self.requests
         if self.entered:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pdref import plan
+from pdref.events import Mode
 from pdref.intervals import Range
 from pdref.plan import Region
 from pdsim.core.config import RequestSpec, SimConfig
@@ -36,27 +37,33 @@ class Step(NamedTuple):
     spans: tuple[Region, ...] = ()
 
 
-def plan_steps(cfg: SimConfig, request: RequestSpec, chunk_s: dict | None = None) -> list[Step]:
+def plan_steps(cfg: SimConfig, request: RequestSpec, memo: dict | None = None) -> list[Step]:
     """The producer's steps for one request (`pdref.plan.plan_steps`), with their costs.
-    `chunk_s`: a run's memo of `Costs.compute_s` by chunk (requests share their chunks)."""
+    `memo`: a run's steps by chunk (requests share their chunks: one Step value serves all)."""
     steps = plan.plan_steps(cfg.mode, cfg.geometry, request.prompt, request.prefix, cfg.chunk,
                             compute=not cfg.no_compute)
     if cfg.no_compute:  # export only: the payload is written (fill), then copied
         fill = cfg.costs.fill_byte_s
         return [Step(s.layers, s.tokens, fill * _region_bytes(cfg, s), s.spans) for s in steps]
-    every = (0, cfg.geometry.layers)
-    if all(s.layers == every for s in steps):  # whole and chunk modes: each step its chunk
-        memo = {} if chunk_s is None else chunk_s
-        out = []
-        for s in steps:
-            base = memo.get(s.tokens)
-            if base is None:
-                base = memo[s.tokens] = cfg.costs.compute_s(s.tokens)
-            out.append(_new(Step, (s.layers, s.tokens, base, s.spans)))  # (every chunk)
-        return out
+    if cfg.mode is not Mode.LAYER:  # whole and chunk modes: each step its chunk, every layer
+        return _chunk_steps(cfg, steps, {} if memo is None else memo)
     chunks = plan.plan_chunks(request.prompt, request.prefix, cfg.chunk)
     per_layer = sum(cfg.costs.compute_s(t) for t in chunks) / cfg.geometry.layers
     return [Step(s.layers, s.tokens, _step_cost(cfg, s, per_layer), s.spans) for s in steps]
+
+
+def _chunk_steps(cfg: SimConfig, steps: list[plan.Step], memo: dict) -> list[Step]:
+    """Each chunk's step, its cost `Costs.compute_s`: from `memo` (tokens -> Step) where the
+    same chunk made the same spans ready (pdref.plan shares a chunk's span tuple)."""
+    out = []
+    for s in steps:
+        tokens, spans = s.tokens, s.spans
+        made = memo.get(tokens)
+        if made is None or made.spans is not spans:
+            made = _new(Step, (s.layers, tokens, cfg.costs.compute_s(tokens), spans))
+            memo[tokens] = made
+        out.append(made)
+    return out
 
 
 def _region_bytes(cfg: SimConfig, step: plan.Step) -> int:
