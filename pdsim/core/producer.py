@@ -28,7 +28,7 @@ from pdref.plan import Region
 from pdref.rows import ComputedRow, IssueRow, LandRow, new_row
 from pdsim.core.config import RequestSpec
 from pdsim.core.copier import Copier, SpanTimes
-from pdsim.core.steps import Step, copied_bytes, plan_steps
+from pdsim.core.steps import Step, plan_steps
 
 
 @attrs.define(eq=False)
@@ -87,6 +87,8 @@ class Producer:
         self.emit, self.monitor = sim.emit, sim.monitor  # (every step and span: bound once)
         self.cores = sim.cores  # one host's cores shared with others, or None
         self.compute_name = "fill" if cfg.no_compute else "compute"  # export: the payload
+        self.stages, self.stage_rows = cfg.stages, sim.stage_rows
+        self.state_bytes = cfg.costs.state_bytes
 
     @property
     def available(self) -> bool:
@@ -148,8 +150,9 @@ class Producer:
             self.cores.start(duration, self._shared_end, self._end_step, job.req, name,
                              self.env.now, job, step)
             return
-        if self.cfg.stages and (duration or not self.cfg.no_compute):
-            self.sim.stage(self.env.now, job.req, name, duration, None, self.compute_lane)
+        if self.stages and (duration or not self.cfg.no_compute):  # (Sim.stage inlined)
+            now = self.env.now
+            self.stage_rows.append((now, job.req, name, now + duration, None, self.compute_lane))
         self.env.after(duration, self._end_step, job, step)
 
     def _shared_end(self, then, req: str, name: str, start: float, *args) -> None:
@@ -256,8 +259,9 @@ class Producer:
         self.emit(new_row(IssueRow, (now, job.req, span, layers, tokens, nbytes)))
         if self.land_byte_s:
             self.span_bytes[span] = nbytes
-        moved = copied_bytes(self.cfg, nbytes, job.spans_issued == job.spans_total)
-        self._schedule_copy(job, span, self.copier.schedule(now, moved))
+        if job.spans_issued == job.spans_total:  # the last: the recurrent state goes too
+            nbytes += self.state_bytes  # (steps.copied_bytes inlined)
+        self._schedule_copy(job, span, self.copier.schedule(now, nbytes))
 
     def _schedule_copy(self, job: Job, span: int, times: SpanTimes) -> None:
         """The copier runs the span's stages at `times`, then the span lands."""
