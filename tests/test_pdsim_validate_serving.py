@@ -14,8 +14,7 @@ from pdsim.core.profiles import load_hw
 from pdsim.core.sim import simulate
 from pdsim.fit import validate_serving as vs
 from pdsim.fit.host_load import HostLoad
-from pdsim.fit.serve_rows import pooled_summary
-from pdsim.fit.serve_runs import WHOLE, Part, ServePoint, ServeRun, draw_prompts, serve_argv
+from pdsim.fit.serve_runs import ServePoint, ServeRun, draw_prompts, serve_argv
 from pdsim.views.report import write_trace
 
 SMALL = load_model("small")
@@ -63,8 +62,8 @@ def test_serve_argv_carries_every_setting(tmp_path):
 def _row(role, measured_tps, predicted_tps, measured_ttft, predicted_ttft):
     run = ServeRun(ServePoint(1, (8, 8), 1), [], "t.jsonl",
                    {"tokens_per_s": measured_tps, "ttft_p50_s": measured_ttft})
-    return vs.ServeRow((run,), role, ({"tokens_per_s": predicted_tps,
-                                       "ttft_p50_s": predicted_ttft},))
+    return vs.ServeRow(run, role, {"tokens_per_s": predicted_tps,
+                                   "ttft_p50_s": predicted_ttft})
 
 
 def test_summary_is_median_and_worst_of_held_out_rows_only():
@@ -80,43 +79,6 @@ def test_summary_is_median_and_worst_of_held_out_rows_only():
     assert got["median_ttft_p50_err_pct"] == pytest.approx(10.0)
     assert got["worst_ttft_p50_err_pct"] == pytest.approx(25.0)
     assert vs.serving_summary(rows, "train")["worst_tps_err_pct"] == pytest.approx(900.0)
-
-
-def test_passes_split_each_points_requests_and_run_the_grid_one_after_the_other():
-    """Pass k of n serves the drawn requests k, k + n, ...: the passes are disjoint and
-    together every request once; each pass runs the whole grid, so a point's passes are a
-    grid's length apart."""
-    point = ServePoint(2, (8, 16), 4, requests=7)
-    drawn = draw_prompts(point, 100)
-    parts = [Part(k, 2).of(drawn) for k in range(2)]
-    assert [len(p) for p in parts] == [4, 3]
-    assert sorted(r["req"] for p in parts for r in p) == sorted(r["req"] for r in drawn)
-    assert WHOLE.of(drawn) == drawn
-    with pytest.raises(ValueError, match="index 2"):
-        Part(2, 2)
-    grid = vs.SERVE_GRIDS["default"][:3]
-    order = vs.serving_order(grid, 2)
-    assert [(p, r) for p, r, _ in order] == list(grid) + list(grid)
-    assert [part.index for _, _, part in order] == [0, 0, 0, 1, 1, 1]
-
-
-def test_passes_pool_as_one_run():
-    """Pooled passes: tokens/s is all tokens over all serving time (not the mean of the two
-    rates), latencies the mean weighted by requests; one pass is left as it is."""
-    a = {"ok": 3, "wall_s": 2.0, "tokens_per_s": 30.0, "ttft_p50_s": 0.1, "itl_p50_s": 0.02}
-    b = {"ok": 1, "wall_s": 6.0, "tokens_per_s": 10.0, "ttft_p50_s": 0.5, "itl_p50_s": 0.04}
-    got = pooled_summary([a, b])
-    assert got["tokens_per_s"] == pytest.approx((60 + 60) / 8.0)
-    assert got["wall_s"] == 8.0 and got["ok"] == 4
-    assert got["ttft_p50_s"] == pytest.approx((3 * 0.1 + 0.5) / 4)
-    assert got["itl_p50_s"] == pytest.approx((3 * 0.02 + 0.04) / 4)
-    assert pooled_summary([a]) is a
-    row = vs.ServeRow((ServeRun(ServePoint(1, (8, 8), 1), [], "a", a),
-                       ServeRun(ServePoint(1, (8, 8), 1), [], "b", b, part=Part(1, 2))),
-                      "test", (b, a))
-    assert row.run.summary["tokens_per_s"] == pytest.approx(15.0)
-    assert row.predicted["tokens_per_s"] == pytest.approx(15.0)  # same tokens, same time
-    assert row.to_json()["passes"][1]["trace"] == "b"
 
 
 def test_default_grid_spans_the_serving_axes():
@@ -149,15 +111,14 @@ def test_prediction_plays_the_runs_prompts_and_pacing():
 def _simulated_engine(truth: str):
     """A stand-in for `pdgpu serve`: the simulator on the truth profile, its trace and
     summary, for the same prompts the real run would get."""
-    def run(point, model, vocab, folder, device=None, part=WHOLE):
+    def run(point, model, vocab, folder, device=None):
         folder.mkdir(parents=True, exist_ok=True)
-        prompts = part.of(draw_prompts(point, vocab))
+        prompts = draw_prompts(point, vocab)
         cfg, requests = vs.serving_setup(load_model(model), truth, point, prompts,
                                          stages=True)
         result = simulate(cfg, requests)
         write_trace(str(folder / "trace.jsonl"), result)
-        return ServeRun(point, prompts, str(folder / "trace.jsonl"), workload_metrics(result),
-                        part=part)
+        return ServeRun(point, prompts, str(folder / "trace.jsonl"), workload_metrics(result))
     return run
 
 
@@ -202,10 +163,10 @@ def _loaded_engine(truth: str, slowdown: float):
     run carries the load as the monitor would have measured it."""
     grid = [p for p, _ in vs.SERVE_GRIDS["default"]]  # the share: by the point's place
 
-    def run(point, model, vocab, folder, device=None, part=WHOLE):
+    def run(point, model, vocab, folder, device=None):
         folder.mkdir(parents=True, exist_ok=True)
-        prompts = part.of(draw_prompts(point, vocab))
-        free = 1.0 - 0.1 * ((grid.index(point) + 2 * part.index) % 5)
+        prompts = draw_prompts(point, vocab)
+        free = 1.0 - 0.1 * (grid.index(point) % 5)
         cfg, requests = vs.serving_setup(load_model(model), truth, point, prompts,
                                          stages=True)
         result = simulate(attrs.evolve(cfg, costs=vs.under_load(cfg.costs, free, slowdown)),
@@ -213,7 +174,7 @@ def _loaded_engine(truth: str, slowdown: float):
         write_trace(str(folder / "trace.jsonl"), result)
         summary = workload_metrics(result)
         load = HostLoad(summary["wall_s"], 2 * (1 - free) * summary["wall_s"], 0.0, 2)
-        return ServeRun(point, prompts, str(folder / "trace.jsonl"), summary, load, part)
+        return ServeRun(point, prompts, str(folder / "trace.jsonl"), summary, load)
     return run
 
 
@@ -228,7 +189,6 @@ def test_measured_host_load_is_an_input_of_the_fit_and_the_predictions(tmp_path,
     monkeypatch.setattr(vs, "run_serve", _loaded_engine(str(truth), 0.8))
     monkeypatch.setattr(vs, "engine_host_cores", lambda device: 2)
     monkeypatch.setitem(vs.SERVE_GRIDS, "six", vs.SERVE_GRIDS["default"][:6])  # 2 and 4
-    monkeypatch.setitem(vs.SERVE_PASSES, "six", 2)  # each pass its own measured share
     _, out = vs.validate_serving("small", "six", tmp_path / "v", progress=False)
     assert out["load_slowdown"] == pytest.approx(0.8)
     assert out["host_load_input"] is True

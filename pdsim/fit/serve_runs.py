@@ -6,8 +6,6 @@ lengths uniform over the point's range, token ids uniform over the model's vocab
 written as a `--prompts` file in the engine's format, so the engine serves, and the simulator
 later plays, the very same prompts in the same order. The engine writes its trace (for
 `pdsim calibrate`) and prints its summary (`--json`: tokens_per_s, ttft_p50_s, ...).
-A point may be served in passes (`Part`): pass k of n serves the drawn requests k, k + n,
-k + 2n, ..., each pass its own engine run at its own time (pdsim/fit/validate_serving.py).
 """
 
 from __future__ import annotations
@@ -47,33 +45,14 @@ class ServePoint:
 
 
 @attrs.frozen
-class Part:
-    """Pass `index` of `passes`: the point's drawn requests index, index + passes, ..."""
-
-    index: int = 0
-    passes: int = 1
-
-    def __attrs_post_init__(self) -> None:
-        if not 0 <= self.index < self.passes:
-            raise ValueError(f"part: index {self.index} is not one of {self.passes} passes")
-
-    def of(self, prompts: list[dict]) -> list[dict]:
-        return prompts[self.index::self.passes]
-
-
-WHOLE = Part()  # every drawn request in one run
-
-
-@attrs.frozen
 class ServeRun:
-    """One point (or one pass of it) as the engine served it: its prompts, trace, summary."""
+    """One point as the engine served it: its prompts, trace and summary."""
 
     point: ServePoint
     prompts: list[dict]  # {"req", "tokens", "output_tokens"} in arrival order
     trace: str
     summary: dict  # pdgpu serve --json
     host_load: HostLoad | None = None  # other work on the host meanwhile (None: not measured)
-    part: Part = WHOLE
 
 
 def draw_prompts(point: ServePoint, vocab: int) -> list[dict]:
@@ -94,21 +73,21 @@ def serve_argv(point: ServePoint, model: str, prompts: Path, trace: Path,
 
 
 def run_serve(point: ServePoint, model: str, vocab: int, folder: Path,
-              device: str | None = None, part: Part = WHOLE) -> ServeRun:
-    """Serve the point's prompts (those of `part`) on the engine (files under `folder`)."""
+              device: str | None = None) -> ServeRun:
+    """Serve the point's prompts on the engine (files under `folder`); its ServeRun."""
     folder.mkdir(parents=True, exist_ok=True)
-    prompts = part.of(draw_prompts(point, vocab))
+    prompts = draw_prompts(point, vocab)
     prompts_path, trace = folder / "prompts.jsonl", folder / "trace.jsonl"
     prompts_path.write_text("".join(json.dumps(row) + "\n" for row in prompts))
     proc, monitor = serve_measured(serve_argv(point, model, prompts_path, trace, device))
     summary = _summary(proc.stdout)
     if proc.returncode != 0 or summary is None:
         raise engine_failed(proc, f"pdgpu serve on {point.name}")
-    if summary.get("ok") != len(prompts):
+    if summary.get("ok") != point.requests:
         raise EngineRunError(f"pdgpu serve on {point.name}: {summary.get('ok')} of "
-                             f"{len(prompts)} requests ended ok")
+                             f"{point.requests} requests ended ok")
     return ServeRun(point, prompts, str(trace), summary,
-                    serving_load(monitor, trace, summary["wall_s"]), part)
+                    serving_load(monitor, trace, summary["wall_s"]))
 
 
 def serving_load(monitor: HostLoadMonitor | None, trace: Path, wall_s: float

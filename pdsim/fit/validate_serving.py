@@ -20,11 +20,6 @@ takes each training trace's share out (the engine's cores and a slowdown per sha
 on the training traces only) and the prediction of every run puts that run's own measured
 share back in. Nothing of a run's outcome goes into its share. The headline figures use
 it; `without_host_load` gives the same figures with neither fit nor prediction using it.
-
-Passes (SERVE_PASSES): each point is served in two engine runs a grid apart, each with half
-its requests; a point's figures pool its passes (serve_rows.py), measured and predicted alike,
-each pass predicted with its own prompts and host load. Calibration reads every training
-pass's trace. The host's speed drifts between minutes; the passes average it within points.
 """
 
 from __future__ import annotations
@@ -44,8 +39,7 @@ from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.serving import serving_config, simulate_serving
 from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.fit.predict import paced
-from pdsim.fit.serve_rows import ServeRow, format_table, point_rows
-from pdsim.fit.serve_runs import Part, ServePoint, ServeRun, run_serve
+from pdsim.fit.serve_runs import ServePoint, ServeRun, run_serve
 from pdsim.fit.sharing import load_factor, run_cores
 from pdsim.options import UsageError
 from pdsim.views.report import write_atomic
@@ -80,37 +74,42 @@ SERVE_GRIDS = {
         (S(2, (32, 96), 12, requests=4, chunk=32, seed=1), "test"),
     ),
 }
-# Each point of a grid served in this many passes, the point's requests split among them
-# (Part) and its passes pooled (serve_rows.py), one pass of the whole grid after the
-# other. On this VM identical work ran 10..30% faster or slower seconds to minutes apart,
-# the order flipping between grids; passes minutes apart average that drift within every
-# point, training and held-out alike, for the price of one more engine start-up a point.
-SERVE_PASSES = {"default": 2, "quick": 2}
 SCORED = ("tokens_per_s", "ttft_p50_s")  # what the targets are about
 
 
-def serving_order(grid, passes: int) -> list[tuple[ServePoint, str, Part]]:
-    """Every pass of every point in the order served: the whole grid once per pass, so a
-    point's passes are a grid's length apart (minutes), each meeting the host's speed at
-    another time."""
-    return [(point, role, Part(index, passes)) for index in range(passes)
-            for point, role in grid]
+@attrs.frozen
+class ServeRow:
+    """One serving configuration: what the engine measured and what the simulator predicted."""
+
+    run: ServeRun
+    role: str
+    predicted: dict
+
+    def err_pct(self, key: str) -> float:
+        """|predicted / measured - 1| of one summary figure, in percent."""
+        return 100.0 * abs(self.predicted[key] / self.run.summary[key] - 1.0)
+
+    def to_json(self) -> dict:
+        point = attrs.asdict(self.run.point)
+        figures = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "handoff_p50_s",
+                   "wall_s")
+        return {**point, "name": self.run.point.name, "role": self.role, "trace": self.run.trace,
+                **{f"measured_{k}": self.run.summary.get(k) for k in figures},
+                **{f"predicted_{k}": self.predicted.get(k) for k in figures},
+                "tps_err_pct": self.err_pct("tokens_per_s"),
+                "ttft_p50_err_pct": self.err_pct("ttft_p50_s"),
+                "host_load": self.run.host_load.to_json() if self.run.host_load else None}
 
 
 def run_serve_grid(grid, model: str, out: Path, device: str | None = None,
-                   progress: bool = True, passes: int = 1) -> list[tuple[ServeRun, str]]:
-    """Every pass of every point on the engine (files under out/serve/POINT/, or
-    out/serve/POINT/passK/ with several passes), in `serving_order`."""
+                   progress: bool = True) -> list[tuple[ServeRun, str]]:
+    """Every point on the engine (files under out/serve/POINT/)."""
     vocab = load_model(model).vocab
     done = []
-    order = serving_order(grid, passes)
-    bar = tqdm(order, desc="serve runs", unit="run", disable=not progress, file=sys.stderr)
-    for point, role, part in bar:
+    bar = tqdm(grid, desc="serve runs", unit="run", disable=not progress, file=sys.stderr)
+    for point, role in bar:
         bar.set_postfix_str(point.name)
-        folder = out / "serve" / point.name
-        if passes > 1:
-            folder = folder / f"pass{part.index}"
-        done.append((run_serve(point, model, vocab, folder, device, part), role))
+        done.append((run_serve(point, model, vocab, out / "serve" / point.name, device), role))
     return done
 
 
@@ -150,17 +149,14 @@ def fit_serving_profile(runs: list[tuple[ServeRun, str]], out: Path, model: str,
 
 def in_sample_rows(runs: list[tuple[ServeRun, str]], model: str, predictor,
                    host_cores: int | None = None, host_load: bool = False) -> list[ServeRow]:
-    """Each held-out point predicted from a profile calibrated on its own traces alone (all
-    its passes'; the profile beside them, in the point's folder)."""
+    """Each held-out run predicted from a profile calibrated on its own trace alone."""
     spec, rows = load_model(model), []
     suffix = "-load" if host_load else ""
-    for row in point_rows(runs, [{}] * len(runs)):
-        if row.role == "test":
-            folder = Path(os.path.commonpath([Path(r.trace).parent for r in row.runs]))
-            own = fit_serving_profile([(r, "train") for r in row.runs], folder, model,
+    for run, role in runs:
+        if role == "test":
+            own = fit_serving_profile([(run, "train")], Path(run.trace).parent, model,
                                       f"own-profile{suffix}.toml", host_cores, host_load)
-            rows.append(attrs.evolve(row, predictions=tuple(predictor(spec, own, r)
-                                                            for r in row.runs)))
+            rows.append(ServeRow(run, role, predictor(spec, own, run)))
     return rows
 
 
@@ -227,31 +223,28 @@ def engine_host_cores(device: str | None) -> int | None:
 
 def predicted_rows(runs, model: str, out: Path, host: int | None, predictor,
                    host_load: bool) -> tuple[Fitted, list[ServeRow]]:
-    """Calibrate on the training runs, predict every run (host load an input or not); one
-    row a point, its passes pooled."""
+    """Calibrate on the training runs, predict every run (host load an input or not)."""
     name = "serving-profile.toml" if host_load else "serving-profile-no-load.toml"
     fitted = fit_serving_profile(runs, out, model, name, host, host_load)
     spec = load_model(model)
-    return fitted, point_rows(runs, [predictor(spec, fitted, run) for run, _ in runs])
+    return fitted, [ServeRow(run, role, predictor(spec, fitted, run)) for run, role in runs]
 
 
 def validate_serving(model: str, grid_name: str, out: Path, device: str | None = None,
                      progress: bool = True, predictor=predict_serving
                      ) -> tuple[list[ServeRow], dict]:
-    """Serve the grid (each point in SERVE_PASSES passes), calibrate on its training runs,
-    predict every run; rows (one a point) and JSON. The headline figures take each run's
-    measured host load as an input (host_load.py); `without_host_load` gives the same
-    figures without it."""
+    """Serve the grid, calibrate on its training runs, predict every run; rows and JSON.
+    The headline figures take each run's measured host load as an input (host_load.py);
+    `without_host_load` gives the same figures without it."""
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]  # other work on the host: the held-out errors' floor
-    passes = SERVE_PASSES.get(grid_name, 1)
-    runs = run_serve_grid(SERVE_GRIDS[grid_name], model, out, device, progress, passes)
+    runs = run_serve_grid(SERVE_GRIDS[grid_name], model, out, device, progress)
     load_after = os.getloadavg()[0]
     host = engine_host_cores(device)
     fitted, rows = predicted_rows(runs, model, out, host, predictor, host_load=True)
     _, plain = predicted_rows(runs, model, out, host, predictor, host_load=False)
-    result = {"model": model, "grid": grid_name, "passes": passes,
-              "profile": str(fitted.path), **serving_summary(rows, "test"),
+    result = {"model": model, "grid": grid_name, "profile": str(fitted.path),
+              **serving_summary(rows, "test"),
               "host_load_input": all(run.host_load is not None for run, _ in runs),
               "load_slowdown": fitted.load_slowdown,
               "load_average": [load_before, load_after],  # 1-minute, before and after
@@ -264,6 +257,18 @@ def validate_serving(model: str, grid_name: str, out: Path, device: str | None =
               "train_configs": [r.to_json() for r in rows if r.role == "train"],
               "configs_without_host_load": [r.to_json() for r in plain if r.role == "test"]}
     return rows, result
+
+
+def format_table(rows: list[ServeRow]) -> str:
+    lines = [f"{'role':5} {'point':44} {'tok/s':>7} {'pred':>7} {'err%':>6} "
+             f"{'TTFT50 ms':>9} {'pred':>8} {'err%':>6}"]
+    for r in rows:
+        m, p = r.run.summary, r.predicted
+        lines.append(f"{r.role:5} {r.run.point.name:44} {m['tokens_per_s']:7.1f} "
+                     f"{p['tokens_per_s']:7.1f} {r.err_pct('tokens_per_s'):6.1f} "
+                     f"{m['ttft_p50_s'] * 1e3:9.1f} {p['ttft_p50_s'] * 1e3:8.1f} "
+                     f"{r.err_pct('ttft_p50_s'):6.1f}")
+    return "\n".join(lines)
 
 
 def format_summary(result: dict) -> str:
