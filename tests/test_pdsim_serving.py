@@ -4,6 +4,7 @@ prompt files, pdgpu serve's summary, and the serving options' bad input."""
 import json
 
 import attrs
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from pdsim.core.faults import FaultSpec, Kill
 from pdsim.core.metrics import workload_metrics
 from pdsim.core.profiles import hw_from_dict, load_hw, load_link
 from pdsim.core.serving import serving_config, simulate_serving
+from pdsim.core.serving_metrics import inter_token_gaps
 from pdsim.core.sim import simulate
 from pdsim.views.report import write_trace
 
@@ -536,3 +538,23 @@ def test_decode_record_runs_have_one_form():
     assert as_runs.batch == [3, 3, 3, 2, 2] and as_runs.kv_tokens == [100, 103, 106, 50, 52]
     assert as_runs.label == ["a", "a", "a", "a", "b"]
     assert as_runs.batch_mean() == 13 / 5 and DecodeRecord().batch_mean() is None
+
+
+def test_inter_token_gaps_count_each_requests_steps_once():
+    """The gap values and counts equal a request-by-request count: its first gap, then each
+    later decode step it took part in (staggered arrivals, mixed outputs)."""
+    prompts = [40, 96, 64, 128, 32, 80]
+    result = simulate(cfg(), reqs(*prompts, outputs=[1, 5, 9, 3, 12, 7],
+                                  arrivals=[0.0, 0.001, 0.004, 0.02, 0.021, 0.05]))
+    ok = [f"r{i}" for i in range(len(prompts))]
+    values, counts = inter_token_gaps(result, ok)
+    record = result.decode
+    expected = []
+    for req in ok:
+        first_t, first, steps = record.tokens[req]
+        if steps:
+            expected.append(record.step_end[first] - first_t)
+            expected += [record.step_end[k] - record.step_start[k]
+                         for k in range(first + 1, first + steps)]
+    assert len(expected) > len(ok)  # several requests decoded several steps
+    assert sorted(np.repeat(values, counts).tolist()) == sorted(expected)

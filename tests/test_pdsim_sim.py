@@ -10,6 +10,7 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import Costs
 from pdsim.core.metrics import single_metrics, workload_metrics
 from pdsim.core.sim import simulate
+from pdsim.core.steps import plan_steps
 from pdsim.views.report import write_trace
 
 GEO = Geometry(layers=4, kv_heads=2, head_dim=8, dtype_bytes=2, page_tokens=4)
@@ -126,3 +127,17 @@ def test_contention_slows_compute_that_overlaps_gathers():
     calm = single_metrics(simulate(cfg(costs=attrs.evolve(slow_gather, contention=0.0)), one()))
     busy = single_metrics(simulate(cfg(costs=attrs.evolve(slow_gather, contention=1.0)), one()))
     assert busy["prefill_s"] > calm["prefill_s"]
+
+
+def test_steps_memo_keeps_each_requests_own_spans():
+    """Steps shared through a run's memo are the steps planned afresh: a whole-mode chunk
+    that ended one request's prefill (its step carries the whole span) carries none in a
+    longer request, and the longer request's last step carries its own whole span."""
+    config, memo = cfg(mode="whole"), {}
+    shorter, longer = RequestSpec("a", 0.0, 64, 0), RequestSpec("b", 0.0, 96, 0)
+    first = plan_steps(config, shorter, memo)
+    shared = plan_steps(config, longer, memo)
+    assert first == plan_steps(config, shorter)
+    assert shared == plan_steps(config, longer)
+    assert [len(s.spans) for s in shared] == [0, 0, 1]
+    assert shared[-1].spans[0].tokens == (0, 96) and first[-1].spans[0].tokens == (0, 64)
