@@ -9,6 +9,7 @@ import pytest
 
 from pdref.models import SPECS_DIR, load_model
 from pdsim.cli import main
+from pdsim.core.costs import Costs
 from pdsim.core.metrics import workload_metrics
 from pdsim.core.profiles import load_hw
 from pdsim.core.sim import simulate
@@ -217,3 +218,16 @@ def test_unknown_model_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no-such-model" in err
     assert not (tmp_path / "v").exists()
+
+
+def test_under_load_slows_dedicated_devices_too():
+    """Without shared host cores (dedicated devices) other work's measured share still
+    slows each loaded term as calibrate took it out (fitting.alone divides by it there too);
+    no core count appears."""
+    costs = Costs(token_s=2e-5, pair_s=1e-8, chunk_s=2e-3, span_s=1e-5, gather_byte_s=1e-12,
+                  link_stages=(("h2d", 1e-12),), link_latency_s=0.0, decode_s=0.01)
+    loaded = vs.under_load(costs, 0.5, 1.0)
+    assert loaded.host_cores is None
+    assert loaded.chunk_s == pytest.approx(1.5 * costs.chunk_s)
+    assert loaded.decode_s == pytest.approx(1.5 * costs.decode_s)
+    assert loaded.span_s == costs.span_s  # copy terms: not a compute activity

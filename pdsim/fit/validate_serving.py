@@ -186,8 +186,9 @@ LOADED_TERMS = ("chunk_s", "token_s", "pair_s", "head_s", "decode_s", "decode_ro
 
 def under_load(costs: Costs, free: float, slowdown: float) -> Costs:
     """`costs` on a host of which other work left `free`: the engine's activities share that
-    share of its cores, each slowed by sharing.load_factor (as calibrate fitted them)."""
-    if free == 1.0 or costs.host_cores is None:
+    share of its cores (dedicated devices: none shared), each slowed by
+    sharing.load_factor, as calibrate took it out of every sample (fitting.alone)."""
+    if free == 1.0:
         return costs
     factor = load_factor(slowdown, free)
     return attrs.evolve(costs, host_cores=run_cores(costs.host_cores, free),
