@@ -58,13 +58,12 @@ class Monitor:
         if self.stage_sink is not None:
             self.stage_sink(event)
 
-    def recorded_stages(self, name: str, starts: Sequence[float], ends: Sequence[float],
-                        ordered: bool = True) -> None:
+    def recorded_stages(self, name: str, starts: Sequence[float], ends: Sequence[float]) -> None:
         """Stages a shell recorded as times instead of emitting them one by one (pdsim's
         decode steps: one per token at batch 1), which its trace writer merges by time:
         checked for form as `stage` checks one (each ends at or after it starts) and for
-        order among themselves (starts never decrease; `ordered=False`: stages recorded in
-        any order, which the writer sorts), both TRACE-2; in C, not one call per stage.
+        order among themselves (starts never decrease), both TRACE-2; in C, not one call per
+        stage.
         Counted as checked events; not handed to a sink (the shell writes them)."""
         if len(starts) != len(ends):
             raise ValueError(f"{len(starts)} stage starts but {len(ends)} ends")
@@ -72,8 +71,7 @@ class Monitor:
         if bad is not None:
             raise Violation("TRACE-2", f"stage {name} ends at {ends[bad]}, before it starts "
                             f"at {starts[bad]}")
-        back = None if not ordered else next(
-            compress(count(1), map(gt, starts, islice(starts, 1, None))), None)
+        back = next(compress(count(1), map(gt, starts, islice(starts, 1, None))), None)
         if back is not None:
             raise Violation("TRACE-2", f"stage {name} starts at {starts[back]}, before the "
                             f"one recorded before it at {starts[back - 1]}")
@@ -89,6 +87,25 @@ class Monitor:
             raise Violation("TRACE-2", f"stage {name} of {req!r} ends at {end}, before it "
                             f"starts at {t}")
         self.events += len(rows)
+
+    def recorded_relative_stages(self, bases: Sequence[float], groups: Sequence[tuple]) -> None:
+        """Stages a shell recorded as groups of `(name, start, end)` offsets from a base time
+        (pdsim's span copies: the stages of one span, whose absolute times are `base + start`
+        and `base + end`; spans of one size share one offsets tuple). Each checked for form
+        as `stage` checks one (end >= start, TRACE-2) and counted; not handed to a sink.
+        Each distinct offsets tuple is checked once: adding one base to a start and to an end
+        not before it cannot put them out of order (floating-point addition rounds
+        monotonically), so its every use passes exactly when it does."""
+        if len(bases) != len(groups):
+            raise ValueError(f"{len(bases)} stage bases but {len(groups)} groups")
+        for group in dict(zip(map(id, groups), groups, strict=True)).values():
+            bad = _first_ending_before_start(map(itemgetter(1), group), map(itemgetter(2), group))
+            if bad is not None:
+                base = bases[next(i for i, g in enumerate(groups) if g is group)]
+                name, start, end = group[bad]
+                raise Violation("TRACE-2", f"stage {name} ends at {base + end}, before it "
+                                f"starts at {base + start}")
+        self.events += sum(map(len, groups))
 
     def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0"):
         """Allocate the lowest free pages for [prefix, prompt) and emit the reserve; page ids."""

@@ -109,6 +109,22 @@ def test_recorded_stages_checked_for_form_and_order():
     assert m.events == 4
 
 
+def test_recorded_relative_stages_checked_for_form():
+    """recorded_relative_stages counts every stage of every group (a shared group once per
+    use); a stage whose offsets end before they start is TRACE-2 at its absolute times."""
+    geo = Geometry(layers=1, kv_heads=1, head_dim=2, dtype_bytes=1, page_tokens=4)
+    m = Monitor(ev.Header("t", "chunk", geo, 8, 1))
+    shared = (("gather", 0.0, 0.5), ("h2d", 0.5, 0.5))
+    m.recorded_relative_stages([0.0, 2.0, 3.0], [shared, shared, (("gather", 0.0, 1.0),)])
+    assert m.events == 5
+    bad = (("gather", 0.0, 0.5), ("h2d", 0.75, 0.5))
+    with pytest.raises(Violation, match="stage h2d ends at 4.5, before it starts at 4.75") as info:
+        m.recorded_relative_stages([1.0, 4.0], [shared, bad])
+    assert info.value.code == "TRACE-2" and m.events == 5
+    with pytest.raises(ValueError):
+        m.recorded_relative_stages([0.0], [])
+
+
 def test_recorded_stage_rows_checked_for_form():
     """recorded_stage_rows counts rows in any order; a row that ends before it starts is
     TRACE-2 naming its stage, request and times."""

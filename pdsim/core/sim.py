@@ -236,10 +236,8 @@ class Sim:
         self.monitor.recorded_stages("decode", record.step_start, record.step_end)
         self.monitor.recorded_stage_rows(self.stage_rows)
         spans = self.span_stages
-        self.monitor.recorded_stages(
-            "copy", [base + t for _, _, _, base, stages in spans for _, t, _ in stages],
-            [base + end for _, _, _, base, stages in spans for _, _, end in stages],
-            ordered=False)
+        self.monitor.recorded_relative_stages(list(map(itemgetter(3), spans)),
+                                              list(map(itemgetter(4), spans)))
         self.monitor.close()
         requests = self.requests
         if self.entered:
