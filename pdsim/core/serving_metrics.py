@@ -43,7 +43,8 @@ def inter_token_gaps(result: SimResult, ok_reqs) -> tuple[np.ndarray, np.ndarray
     """Every ok request's inter-token gaps as (values, counts): its first gap, then each
     decode step it took part in after its first, counted once per such request."""
     record = result.decode
-    start, end = np.asarray(record.step_start), np.asarray(record.step_end)
+    start = np.asarray(record.step_start, dtype=float)  # (a dtype: no type discovery)
+    end = np.asarray(record.step_end, dtype=float)
     # [N, 3]: (first token time, first decode step, decode steps) of each ok request
     table = np.array([record.tokens[req] for req in ok_reqs], dtype=float).reshape(-1, 3)
     decoding = table[table[:, 2] > 0]
