@@ -274,14 +274,6 @@ class Producer:
         # the span's bytes reach the decoder then: it lands when the decoder handles it
         self.env.at(times.land, self.sim.decoder.deliver, self._land, job, span)
 
-    def contend(self, stages) -> None:
-        """Stages (absolute (name, start, end)) that slow overlapping compute
-        (`Costs.contended`; gather)."""
-        contended, gathers = self.cfg.costs.contended, self.gathers
-        for name, a, b in stages:  # (a loop: a generator per span costs more)
-            if name in contended:
-                gathers.append((a, b))
-
     def _land(self, job: Job, span: int) -> None:
         self.emit(new_row(LandRow, (self.env.now, job.req, span)))
         if self.span_bytes:  # the decoder writes the span's bytes into its slab
