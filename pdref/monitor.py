@@ -95,7 +95,8 @@ class Monitor:
         as `stage` checks one (end >= start, TRACE-2) and counted; not handed to a sink.
         Each distinct offsets tuple is checked once: adding one base to a start and to an end
         not before it cannot put them out of order (floating-point addition rounds
-        monotonically), so its every use passes exactly when it does."""
+        monotonically), so when it passes every use of it does; one that fails is refused
+        even where rounding would hide it in the absolute times."""
         if len(bases) != len(groups):
             raise ValueError(f"{len(bases)} stage bases but {len(groups)} groups")
         for group in dict(zip(map(id, groups), groups, strict=True)).values():
@@ -104,7 +105,8 @@ class Monitor:
                 base = bases[next(i for i, g in enumerate(groups) if g is group)]
                 name, start, end = group[bad]
                 raise Violation("TRACE-2", f"stage {name} ends at {base + end}, before it "
-                                f"starts at {base + start}")
+                                f"starts at {base + start} (offsets {end} and {start} from "
+                                f"{base})")
         self.events += sum(map(len, groups))
 
     def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0"):
