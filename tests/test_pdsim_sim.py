@@ -6,7 +6,9 @@ import pytest
 from pdref.check import check_file
 from pdref.geometry import Geometry
 from pdref.metrics import run_metrics
+from pdref.violations import Violation
 from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.copier import Copier
 from pdsim.core.costs import Costs
 from pdsim.core.metrics import single_metrics, workload_metrics
 from pdsim.core.sim import simulate
@@ -141,3 +143,19 @@ def test_steps_memo_keeps_each_requests_own_spans():
     assert shared == plan_steps(config, longer)
     assert [len(s.spans) for s in shared] == [0, 0, 1]
     assert shared[-1].spans[0].tokens == (0, 96) and first[-1].spans[0].tokens == (0, 64)
+
+
+def test_a_copy_stage_ending_before_it_starts_is_refused(monkeypatch):
+    """The run's end checks every span's copy stages through pdref: a copier whose last
+    stage ends before it starts makes the run raise TRACE-2 instead of a trace."""
+    plan = Copier._plan
+
+    def backwards(self, nbytes):
+        offsets, copy_s, contended = plan(self, nbytes)
+        name, start, end = offsets[-1]
+        return (*offsets[:-1], (name, end + 1e-3, end)), copy_s, contended
+
+    monkeypatch.setattr(Copier, "_plan", backwards)
+    with pytest.raises(Violation, match="stage h2d ends at") as info:
+        simulate(cfg(), one())
+    assert info.value.code == "TRACE-2"
