@@ -27,6 +27,13 @@ WORKER = "worker"  # the serial copier's one lane
 _new = tuple.__new__
 
 
+def contended_spans(costs: Costs, stages) -> tuple[tuple[float, float], ...]:
+    """(start, end) of the stages, (name, start, end) each, that slow overlapping compute
+    (`Costs.contended`), in stage order."""
+    contended = costs.contended
+    return tuple((a, b) for name, a, b in stages if name in contended)
+
+
 class SpanTimes(NamedTuple):
     """When one span's copy runs (absolute times: `base` plus the offsets). A NamedTuple: one
     is made per span; a serial copier's spans of one size share their offsets."""
@@ -79,11 +86,7 @@ class Copier:
     def _plan(self, nbytes: int) -> tuple:
         """A serial span's stage offsets from its start, copy time and contended offsets."""
         offsets = tuple(self.costs.stage_plan(nbytes))
-        return offsets, self.costs.copy_s(nbytes), self._contended(offsets)
-
-    def _contended(self, stages) -> tuple[tuple[float, float], ...]:
-        contended = self.costs.contended
-        return tuple((a, b) for name, a, b in stages if name in contended)
+        return offsets, self.costs.copy_s(nbytes), contended_spans(self.costs, offsets)
 
     def _pipelined(self, issue_t: float, nbytes: int) -> SpanTimes:
         c = self.costs
@@ -101,7 +104,7 @@ class Copier:
             self.free[name] = end
         stages = tuple(stages)  # (absolute: base 0)
         return SpanTimes(g0 - c.span_s, 0.0, stages, max(end for _, _, end in stages),
-                         self._contended(stages))
+                         contended_spans(c, stages))
 
     def _free(self, lane: str) -> float:
         return self.free.get(lane, 0.0)

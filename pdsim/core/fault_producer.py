@@ -16,6 +16,7 @@ import enum
 import attrs
 
 from pdref import events as ev
+from pdsim.core.copier import contended_spans
 from pdsim.core.faults import Draws, SpanFate
 from pdsim.core.producer import Job, Producer
 
@@ -128,21 +129,14 @@ class FaultyProducer(Producer):
             self.sim.stage(self.env.now, job.req, "stalled", fate.stop_t - self.env.now,
                            span, f"{self.name}.copy")
         stages = self._stages_run(fate, times)
-        if stages:
-            self._contend(stages)
+        if stages:  # the stages it ran slow overlapping compute (cut at its stop)
+            self.gathers.extend(contended_spans(cfg.costs, stages))
             if cfg.stages:
                 self._schedule_stages(job.req, span, stages)
         self.lands.append(fate.stop_t)
         if fate.fail_t is not None:
             self.env.at(fate.fail_t, self._fail, run)
         self.env.at(fate.stop_t, self._stop, run)
-
-    def _contend(self, stages) -> None:
-        """The stages a writer ran (absolute (name, start, end), cut at its stop) that slow
-        overlapping compute (`Costs.contended`): a fault-free copy takes them from the
-        copier's offsets instead (`Producer._schedule_copy`)."""
-        contended = self.cfg.costs.contended
-        self.gathers.extend((a, b) for name, a, b in stages if name in contended)
 
     def _schedule_stages(self, req: str, span: int, stages) -> None:
         """Each stage is recorded at its start if its writer still runs then (a death stops
