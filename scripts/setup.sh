@@ -18,3 +18,6 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2
     "${PIP[@]}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "torch==2.13.0"
 fi
 "${PIP[@]}" -e ".[dev]"
+# the simulator's hot modules, compiled with Cython when a C compiler is here (pdref/accel.py);
+# without one, or when it fails, they run as Python and compute the same
+"$PY" scripts/build_compiled.py || true

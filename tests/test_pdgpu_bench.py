@@ -6,6 +6,7 @@ import json
 import os
 import runpy
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,8 @@ def test_export_curve_reports_whole_and_chunked_per_payload(capsys):
 
 def _gpu_check(tmp_path, *args, **env):
     return subprocess.run(["bash", str(GPU_CHECK), *args], capture_output=True, text=True,
-                          env={**os.environ, "OUT_DIR": str(tmp_path / "out"), **env},
+                          env={**os.environ, "OUT_DIR": str(tmp_path / "out"),
+                               "PYTHON": sys.executable, **env},
                           timeout=300)
 
 
