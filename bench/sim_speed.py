@@ -27,6 +27,7 @@ import time
 
 import attrs
 
+from pdref import accel
 from pdref.models import load_model
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
@@ -126,7 +127,8 @@ def compile_bytecode(root: str | None) -> None:
 def process_speed(count: int, rounds: int, baseline: str | None = None) -> dict:
     """Whole-process requests per second, median of `rounds`; with `baseline`, that checkout
     runs in alternating rounds and its summary must be identical. Both are compiled to
-    bytecode first (`compile_bytecode`)."""
+    bytecode first (`compile_bytecode`). `compiled_modules`: whether this checkout's hot
+    modules ran compiled (pdref/accel.py; PD_PURE_PYTHON=1 for the pure-Python figure)."""
     for root in (None, baseline) if baseline is not None else (None,):
         compile_bytecode(root)
     walls: dict[str, list[float]] = {"this": [], "baseline": []}
@@ -147,7 +149,7 @@ def process_speed(count: int, rounds: int, baseline: str | None = None) -> dict:
            "meets_target": count / median >= TARGET_PROCESS_RPS,
            "cpu_s": [round(c, 3) for c in cpus["this"]], "median_cpu_s": round(cpu, 3),
            "requests_per_cpu_s": round(count / cpu), "load_avg": os.getloadavg()[0],
-           "bytecode": "compiled first"}
+           "bytecode": "compiled first", "compiled_modules": accel.status()}
     if baseline is not None:
         base, base_cpu = (statistics.median(walls["baseline"]),
                           statistics.median(cpus["baseline"]))
