@@ -80,8 +80,8 @@ def compiled_path(package: str, path: list[str]) -> list[str]:
 
 
 def status() -> dict:
-    """What a run here uses, per package: "compiled", "pure (PD_PURE_PYTHON)", "pure (no
-    build)" or "pure (stale: ...)"; for benchmarks and `pdsim --version`-like reports."""
+    """What a run of this checkout uses, per package: "compiled", "pure (PD_PURE_PYTHON)",
+    "pure (no build)" or "pure (stale: ...)" (bench/sim_speed.py reports it)."""
     root, out = repo_root(), {}
     for package in COMPILED:
         stale = stale_modules(root, package)

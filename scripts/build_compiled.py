@@ -5,7 +5,7 @@
     python scripts/build_compiled.py --clean    # remove the build: everything runs as Python
 
 The modules are compiled as they are (no type declarations), so a compiled run computes
-exactly what the Python computes, only faster; tests/test_accel.py compares the two. The
+exactly what the Python computes, only faster; tests/test_pdref_accel.py compares the two. The
 build goes to a temporary folder and replaces the old one only when complete, its
 manifest written last: a failed build leaves the previous one or none, never half of one.
 Exit status 1 when the compiler or Cython is missing or compilation fails (the modules
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clean", action="store_true", help="remove the build and stop")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs: must be at least 1, got {args.jobs}")
     root = repo_root()
     if args.clean:
         shutil.rmtree(build_dir(root), ignore_errors=True)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     start = time.perf_counter()
     try:
-        final = build(root, max(1, args.jobs))
+        final = build(root, args.jobs)
     except (ImportError, SystemExit, Exception) as e:  # noqa: BLE001 (any failure: say it)
         print(f"build_compiled: failed ({type(e).__name__}: {e}); the modules run as Python",
               file=sys.stderr)

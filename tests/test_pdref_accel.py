@@ -115,3 +115,11 @@ def test_compiled_modules_are_loaded():
                          check=True, env={k: v for k, v in os.environ.items()
                                           if k != accel.PURE_ENV}).stdout.split()
     assert all(f.endswith(".so") and "build" in f for f in out), out
+
+
+def test_build_script_refuses_bad_jobs():
+    """scripts/build_compiled.py --jobs 0: one line naming the option, exit 2, nothing built."""
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_compiled.py"), "--jobs",
+                          "0"], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].endswith("--jobs: must be at least 1, got 0")
