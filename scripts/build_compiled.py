@@ -99,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         final = build(root, args.jobs)
     except (ImportError, SystemExit, Exception) as e:  # noqa: BLE001 (any failure: say it)
-        print(f"build_compiled: failed ({type(e).__name__}: {e}); the modules run as Python",
-              file=sys.stderr)
+        left = ("the previous build, still current, is used" if up_to_date(root)
+                else "the modules run as Python")
+        reason = " ".join(str(e).split())[:300]
+        print(f"build_compiled: failed ({type(e).__name__}: {reason}); {left}", file=sys.stderr)
         return 1
     print(f"build_compiled: {count} modules in {final} ({time.perf_counter() - start:.0f} s)")
     return 0

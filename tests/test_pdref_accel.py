@@ -123,3 +123,17 @@ def test_build_script_refuses_bad_jobs():
                           "0"], capture_output=True, text=True)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].endswith("--jobs: must be at least 1, got 0")
+
+
+def test_build_without_cython_fails_in_one_line_and_keeps_the_build():
+    """Where Cython cannot be imported, the build says so in one line (exit 1) and what was
+    there before is left as it was."""
+    before = accel.status()
+    code = ("import runpy, sys; sys.modules['Cython'] = None; "
+            "sys.argv = ['build_compiled.py', '--force']; "
+            f"runpy.run_path({str(ROOT / 'scripts' / 'build_compiled.py')!r}, "
+            "run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("build_compiled: failed (ModuleNotFoundError")
+    assert accel.status() == before
