@@ -135,5 +135,6 @@ def test_build_without_cython_fails_in_one_line_and_keeps_the_build():
             "run_name='__main__')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 1
-    assert run.stderr.count("\n") == 1 and run.stderr.startswith("build_compiled: failed (ModuleNotFoundError")
+    assert run.stderr.count("\n") == 1
+    assert run.stderr.startswith("build_compiled: failed (ModuleNotFoundError")
     assert accel.status() == before
