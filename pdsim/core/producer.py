@@ -87,7 +87,7 @@ class Producer:
         self.emit, self.monitor = sim.emit, sim.monitor  # (every step and span: bound once)
         self.cores = sim.cores  # one host's cores shared with others, or None
         self.compute_name = "fill" if cfg.no_compute else "compute"  # export: the payload
-        self.stages, self.stage_rows = cfg.stages, sim.stage_rows
+        self.stages, self.stage_rows = cfg.stages, sim.stage_rows  # (read on every step and span)
         self.state_bytes = cfg.costs.state_bytes
 
     @property
@@ -157,7 +157,7 @@ class Producer:
 
     def _shared_end(self, then, req: str, name: str, start: float, *args) -> None:
         """Compute on shared host cores ended: its stage (start to now), then `then`."""
-        if self.cfg.stages and (self.env.now > start or not self.cfg.no_compute):
+        if self.stages and (self.env.now > start or not self.cfg.no_compute):
             self.sim.ended_stage(start, req, name, self.compute_lane)
         then(*args)
 
@@ -194,7 +194,7 @@ class Producer:
             self.cores.start(head, self._shared_end, self._head_done, job.req, "head",
                              self.env.now, job, then)
             return
-        if self.cfg.stages:
+        if self.stages:
             self.sim.stage(self.env.now, job.req, "head", head, None, self.compute_lane)
         self.env.after(head, self._head_done, job, then)
 
@@ -246,7 +246,7 @@ class Producer:
     def _block(self, job: Job) -> None:
         """Wait for a free pending slot: the oldest span in flight lands first (FIFO lanes)."""
         self.blocked = job
-        if self.cfg.stages:
+        if self.stages:
             wait = max(0.0, self.lands[0] - self.env.now)  # a land the decoder defers
             self.sim.stage(self.env.now, job.req, "blocked", wait, None, self.compute_lane)
 
@@ -268,7 +268,7 @@ class Producer:
         base, gathers = times.base, self.gathers
         for a, b in times.contended:  # they slow overlapping compute (`Costs.contended`)
             gathers.append((base + a, base + b))
-        if self.cfg.stages:  # recorded now (planned); rows made when the trace is read
+        if self.stages:  # recorded now (planned); rows made when the trace is read
             self.sim.span_stages.append((job.req, span, self.lane_prefix, base, times.offsets))
         self.lands.append(times.land)
         # the span's bytes reach the decoder then: it lands when the decoder handles it
