@@ -12,7 +12,7 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import Costs, costs_for
 from pdsim.core.profiles import hw_from_dict, link_of, load_hw
 from pdsim.core.sim import simulate
-from pdsim.fit.calibrate import calibrate
+from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.fit.samples import SERVE_SOURCE
 from pdsim.views.report import write_trace
 
@@ -71,3 +71,29 @@ def test_calibrate_keeps_the_round_trip_apart_from_the_head(tmp_path):
     cal = calibrate([str(path)])
     assert cal.head_s == pytest.approx(COSTS.head_s, rel=1e-6)
     assert cal.serve_latency_s == pytest.approx(COSTS.serve_latency_s, rel=1e-6)
+
+
+def _serving_trace(tmp_path, concurrency: int) -> str:
+    cfg = SimConfig(GEO, COSTS, "chunk", 32, max_pending=2, pool_pages=4096, output_tokens=3,
+                    stages=True, concurrency=concurrency, labels=(("model", "tiny"),))
+    result = simulate(cfg, [RequestSpec(f"r{i}", 0.0, 40 + 8 * i, 0, 3) for i in range(6)])
+    path = tmp_path / f"trace-c{concurrency}.jsonl"
+    write_trace(str(path), result)
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["source"] = SERVE_SOURCE
+    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    return str(path)
+
+
+def test_calibrate_says_when_no_request_shows_the_round_trip(tmp_path):
+    """Every request found its producer busy (all six in at once): serve_latency_s is not
+    fitted, and the profile says so instead of leaving the line out as if it were 0."""
+    busy = calibrate([_serving_trace(tmp_path, 6)])
+    assert busy.serve_latency_unfitted and busy.serve_latency_s == 0.0
+    text = profile_toml(busy, load_hw("a100-pcie"), "busy")
+    assert "serve_latency_s = 0.0  # NOT FITTED" in text
+    one = calibrate([_serving_trace(tmp_path, 1)])
+    # one at a time: every request but the first (left out as warm-up) shows it
+    assert not one.serve_latency_unfitted and one.serve_latency_samples == 5
+    assert "median of 5 requests" in profile_toml(one, load_hw("a100-pcie"), "one")

@@ -76,6 +76,13 @@ class Calibration:
     # per share of the host other work held (traces with a measured `free`): how much longer
     # the compute, head and decode terms took (sharing.load_factor); 0 without one
     load_slowdown: float = 0.0
+    serve_latency_samples: int = 0  # the requests serve_latency_s is the median of
+
+    @property
+    def serve_latency_unfitted(self) -> bool:
+        """Serving traces (decode steps), yet no request to read the round trip from: each
+        found its producer busy or a decode step holding its first token."""
+        return bool(self.decode.samples) and not self.serve_latency_samples
 
 
 @attrs.frozen
@@ -135,13 +142,14 @@ def calibrate(paths: list[str], skip_warmup: bool = True, copier: str | None = N
     sharing = fit_host_cores(computes, got.decodes, host_cores)  # before the terms it divides
     cores, slowdown = sharing.cores, sharing.slowdown
     compute, dense = fit_attention(computes, cores, slowdown)
-    latency = max(0.0, median(got.latencies))
+    latencies = got.latencies
+    latency = max(0.0, median(latencies))
     return Calibration(read.model, compute, gather, links, streamed, kind, basis,
                        fixed.latency_s, fixed.span_s, fixed.rms,
                        median(alone(got.heads, cores, slowdown)),
                        dense, fill_per_byte(got.fills), tuple(paths),
                        fit_decode(got.decodes, cores, slowdown), latency,
-                       fit_decode_gap(read.gaps), cores, slowdown)
+                       fit_decode_gap(read.gaps), cores, slowdown, len(latencies))
 
 
 def fill_per_byte(fills: list[tuple[float, int]]) -> float:
@@ -192,9 +200,7 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         "  # the better fit: pairs of a chunk [a, b) are n * b (true) or the causal triangle",
         f"chunk_s = {c.get('chunk_s')!r}",
         f"head_s = {cal.head_s!r}  # median of the traces' `head` stages",
-        *([] if not cal.serve_latency_s else [
-            f"serve_latency_s = {cal.serve_latency_s!r}  # serving: the first token's message "
-            "round trip (a delay: no core, no producer held)"]),
+        *_serve_latency_lines(cal),
         *_decode_lines(cal.decode, cal.decode_gap),
         *([] if cal.host_cores is None else [
             f"host_cores = {cal.host_cores!r}  # effective cores the producers' compute and "
@@ -229,6 +235,21 @@ def _base_link(base) -> list[str]:
         lines += ["", "[[link.stages]]", f"name = {json.dumps(stage.name)}",
                   f"bandwidth = {stage.bandwidth!r}"]
     return lines
+
+
+def _serve_latency_lines(cal: Calibration) -> list[str]:
+    if cal.serve_latency_unfitted:
+        return [f"serve_latency_s = 0.0  # {UNFITTED_LATENCY}"]
+    if not cal.serve_latency_samples:
+        return []
+    return [f"serve_latency_s = {cal.serve_latency_s!r}  # serving: the first token's message "
+            f"round trip (a delay: no core, no producer held); median of "
+            f"{cal.serve_latency_samples} requests"]
+
+
+UNFITTED_LATENCY = ("NOT FITTED, 0: no request of these traces found its producer idle with "
+                    "no decode step holding its first token (add such a trace, e.g. "
+                    "concurrency 1)")
 
 
 def _decode_lines(decode: Fit, gap: Fit) -> list[str]:
@@ -307,12 +328,15 @@ def command(args) -> int:
     if args.json:
         print(json.dumps({"model": cal.model, "pipelined": cal.pipelined,
                           "copier": cal.copier, "copier_basis": cal.copier_basis,
-                          "dense_attention": cal.dense_attention, "figures": {
+                          "dense_attention": cal.dense_attention,
+                          "serve_latency_samples": cal.serve_latency_samples, "figures": {
             n: {"value": v, "unit": u, "rms_residual_s": r} for n, v, u, r in rows}}))
     else:
         for n, v, u, r in rows:
             print(f"{n:18} {v:12.5g} {u:8} rms residual {r:.3e} s")
         print(f"{'dense_attention':18} {str(cal.dense_attention).lower():>12} (the better fit)")
         print(f"{'copier':18} {cal.copier:>12} ({COPIER_BASIS[cal.copier_basis]})")
+        if cal.serve_latency_unfitted:
+            print(f"{'serve_latency_s':18} {UNFITTED_LATENCY}")
         print(f"wrote {args.output} (use: pdsim run --hw {args.output} --model {cal.model})")
     return 0
