@@ -77,6 +77,20 @@ def test_presets_serve_like_generate(tmp_path, preset):
     assert code == 0
     _assert_parity(preset, prompts, results, PREFIX)
     trace_ok(trace)
+    _assert_clocks_agree(trace)
+
+
+def _assert_clocks_agree(trace) -> None:
+    """Each producer's stages sit on the decoder's clock (pdgpu/serve/clock.py): a first
+    token (the decoder's event) comes after its LM head ended (the producer's stage), each
+    `computed` after a compute stage of its request ended, within a few milliseconds."""
+    stages = events_of(trace, "stage")
+    head_end = {e["req"]: e["end"] for e in stages if e["name"] == "head"}
+    for e in events_of(trace, "produced"):
+        assert e["t"] >= head_end[e["req"]] - 0.003, (e, head_end[e["req"]])
+    computes = [e for e in stages if e["name"] == "compute"]
+    for e in events_of(trace, "computed"):
+        assert any(s["req"] == e["req"] and s["end"] <= e["t"] + 0.003 for s in computes), e
 
 
 def test_small_pool_backpressure_keeps_arrival_order(tmp_path, checkpoint, capsys):

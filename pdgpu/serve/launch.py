@@ -27,6 +27,7 @@ import attrs
 import torch
 import torch.multiprocessing as mp
 
+from pdgpu.serve import clock
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
 from pdgpu.serve.decoder import Decoder, ServeError
 from pdgpu.serve.devices import use_device
@@ -159,6 +160,17 @@ def handshake(transport, config: ServeConfig, timeout_s: float, check_peers,
         raise Refused(reason)
 
 
+def measure_offset(transport, rank: int, timeout_s: float, check_peers) -> float:
+    """Producer `rank`'s clock offset (clock.py): the best of a few round trips."""
+    def answer():
+        msg = _wait(transport, "clock", timeout_s, check_peers)
+        if msg.src != rank:
+            raise ServeError(f"producer p{msg.src} answered a clock probe sent to p{rank}")
+        return msg
+    return clock.best([clock.probe(transport, rank, answer)
+                       for _ in range(clock.PROBES)]).offset
+
+
 def _wait(transport, op: str, timeout_s: float, check_peers):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -209,10 +221,10 @@ def run_decoder(transport, config: ServeConfig, workload: Workload, policy: Faul
     header = _header(config, model.spec, len(transport.peers()), transport.lanes())
     run.ledger = Ledger(header, device, model.model.embed_tokens.weight.dtype,
                         TraceLog(header, trace))
-    offsets = {}
     for _ in transport.peers():
-        msg = _wait(transport, "ready", timeout_s, check_peers)
-        offsets[msg.src] = time.perf_counter() - msg.body["now"]
+        _wait(transport, "ready", timeout_s, check_peers)
+    offsets = {rank: measure_offset(transport, rank, timeout_s, check_peers)
+               for rank in transport.peers()}
     run.ledger.restart_clock()
     members = Members(transport, config, offsets, policy.heartbeat_timeout, timeout_s,
                       processes, policy.restart_producers, device)

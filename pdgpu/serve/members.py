@@ -6,7 +6,7 @@ seconds (it sends a `beat` every quarter of that): its link is torn down (nothin
 sends is taken) and its process, when local, is killed, so its writers have stopped for good.
 With `--restart-producers` a local producer is respawned at once and joins a new link (the
 next generation) with a new handshake while the others keep serving: `joined` -> setup ->
-hello (its capabilities) -> go -> ready (its clock).
+hello (its capabilities) -> go -> ready, then clock probes (clock.py) relate its clock to ours.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 
 import attrs
 
+from pdgpu.serve.clock import PROBES, ClockSample
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
 from pdgpu.serve.transport import Message, TransportError
 
@@ -33,9 +34,19 @@ class Peer:
     generation: int = 0
     state: PeerState = PeerState.READY
     last_seen: float = attrs.Factory(time.perf_counter)
+    probes: list[float] = attrs.Factory(list)  # when the clock probes not yet answered left
+    clock: ClockSample | None = None  # the best round trip so far (None: `ready`'s estimate)
+
+    def on_clock(self, now: float, received: float) -> None:
+        """An answer to the oldest probe: the offset from the best round trip so far."""
+        if not self.probes:
+            return
+        sample = ClockSample(self.probes.pop(0), now, received)
+        if self.clock is None or sample.round_trip < self.clock.round_trip:
+            self.clock, self.offset = sample, sample.offset
 
 
-HANDSHAKE = ("joined", "hello", "ready")  # from a joining producer
+HANDSHAKE = ("joined", "hello", "ready", "clock")  # from a joining producer
 JOIN_OPS = ("setup", "go", "refuse")  # to it
 
 
@@ -130,6 +141,9 @@ class Members:
     def on_handshake(self, msg: Message) -> None:
         """One step of a respawned producer's handshake."""
         peer = self.peers[msg.src]
+        if msg.op == "clock":
+            peer.on_clock(msg.body["now"], time.perf_counter())
+            return
         if peer.state is not PeerState.JOINING:
             return
         if msg.op == "joined":
@@ -142,5 +156,8 @@ class Members:
                 self.restart = False  # it would be refused again: serve with the others
                 self.broken[peer.rank] = f"producer p{peer.rank} refused: {reason}"
         elif msg.op == "ready":
-            peer.offset = time.perf_counter() - msg.body["now"]
-            peer.state = PeerState.READY
+            peer.offset = time.perf_counter() - msg.body["now"]  # until a probe answers
+            peer.state, peer.clock, peer.probes = PeerState.READY, None, []
+            for _ in range(PROBES):  # answered in order (one link: FIFO both ways)
+                peer.probes.append(time.perf_counter())
+                self.send(peer.rank, "clock", {})
