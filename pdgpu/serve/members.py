@@ -16,7 +16,7 @@ import time
 
 import attrs
 
-from pdgpu.serve.clock import PROBES, ClockSample
+from pdgpu.serve.clock import PROBES, ClockSample, best
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
 from pdgpu.serve.transport import Message, TransportError
 
@@ -42,8 +42,8 @@ class Peer:
         if not self.probes:
             return
         sample = ClockSample(self.probes.pop(0), now, received)
-        if self.clock is None or sample.round_trip < self.clock.round_trip:
-            self.clock, self.offset = sample, sample.offset
+        self.clock = best([sample] if self.clock is None else [self.clock, sample])
+        self.offset = self.clock.offset
 
 
 HANDSHAKE = ("joined", "hello", "ready", "clock")  # from a joining producer
