@@ -32,7 +32,8 @@ PAIRS = {  # the two variants of each pair, the second over the first
 
 def chunk_times(trace: str) -> list[float]:
     """Every prefill chunk's time (s): the trace's `compute` stages."""
-    rows = (json.loads(line) for line in open(trace))
+    with open(trace, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
     return [r["end"] - r["t"] for r in rows
             if r.get("kind") == "stage" and r.get("name") == "compute"]
 
