@@ -12,7 +12,7 @@ from pdref.trace import parse_lines, read_trace
 from pdsim.cli import main
 from pdsim.core.costs import costs_for
 from pdsim.core.profiles import link_of, load_hw
-from pdsim.fit.calibrate import calibrate
+from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.fit.fitting import fit_decode
 from pdsim.fit.samples import samples
 from pdsim.fit.serve_samples import gap_samples
@@ -216,10 +216,12 @@ def test_decoder_gaps_count_landed_and_admitted_bytes_and_skip_idle():
 
 
 def _simulated_serving_trace(path, host_cores, producers: int = 1, free: float = 1.0,
-                             slowdown: float = 0.0, seed: int = 1) -> None:
+                             slowdown: float = 0.0, seed: int = 1,
+                             land_contention: float = 0.0) -> None:
     """A serving run of the simulator (chunked prefill beside a decode batch) with its
     compute and decode stages, on `host_cores` shared cores (None: dedicated devices), of
-    which other work left `free`, slowing each activity by `slowdown` per share it held."""
+    which other work left `free`, slowing each activity by `slowdown` per share it held;
+    each landing slows the prefill running then by `land_contention` per byte."""
     import attrs
 
     from pdsim.core.config import RequestSpec, SimConfig
@@ -232,7 +234,8 @@ def _simulated_serving_trace(path, host_cores, producers: int = 1, free: float =
     spec = load_model("tiny")
     costs = under_load(Costs(token_s=2e-5, pair_s=1e-8, chunk_s=2e-3, span_s=1e-5,
                              gather_byte_s=1e-12, link_stages=(("h2d", 1e-12),),
-                             link_latency_s=0.0, host_cores=host_cores, **TRUTH),
+                             link_latency_s=0.0, host_cores=host_cores,
+                             land_contention=land_contention, **TRUTH),
                        free, slowdown)
     rng = random.Random(seed)
     requests = [RequestSpec(f"r{i}", 0.0, rng.randint(64, 320), 0, rng.randint(4, 24))
@@ -282,6 +285,29 @@ def test_calibrate_takes_each_runs_measured_host_load_out(tmp_path):
     blind = calibrate(paths, host_cores=2)
     assert blind.load_slowdown == 0.0
     assert blind.decode.get("decode_s") > 1.05 * TRUTH["decode_s"]
+
+
+@pytest.mark.parametrize("truth", [0.0, 2e-8])
+def test_calibrate_recovers_land_contention_from_simulated_serving(tmp_path, truth):
+    """Where each landing slowed the prefill running then (shared cores, two producers:
+    chunks land beside both), calibrate finds that per-byte slowdown, and none where there
+    was none; the chunk terms stay those of a chunk alone."""
+    path = tmp_path / "t.jsonl"
+    _simulated_serving_trace(path, 2.0, 2, land_contention=truth)
+    cal = calibrate([str(path)], host_cores=2)
+    assert cal.host_cores == 2.0
+    assert cal.land_contention == pytest.approx(truth, rel=0.05, abs=1e-10)
+    assert cal.compute.get("chunk_s") == pytest.approx(2e-3, rel=0.05)
+    assert f"land_contention = {cal.land_contention!r}" in profile_toml(
+        cal, load_hw("a100-pcie"), "t")
+
+
+def test_dedicated_devices_fit_no_land_contention(tmp_path):
+    """Without shared cores a landing slows nothing in the model, so none is fitted."""
+    path = tmp_path / "t.jsonl"
+    _simulated_serving_trace(path, None, 2)
+    cal = calibrate([str(path)])
+    assert cal.host_cores is None and "land_contention" not in cal.compute.names
 
 
 def test_calibrate_refuses_host_cores_under_one(tmp_path, capsys):

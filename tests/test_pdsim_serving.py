@@ -435,6 +435,52 @@ def test_processor_sharing_by_hand():
     assert _ends(2, [(0.0, 1.0)] * 3) == [pytest.approx(1.5)] * 3
 
 
+def test_a_landing_slows_the_prefill_running_then_by_hand():
+    """slow_prefill adds work to every running prefill activity, re-timing its end, and to
+    nothing else: a decode step beside it, or an idle host, is untouched."""
+    from pdsim.core.cores import HostCores
+    from pdsim.core.env import Env
+
+    env, ends = Env(), {}
+    host = HostCores(env, 2)
+
+    def done(name):
+        ends[name] = env.now
+
+    env.at(0.0, lambda: host.start(1.0, done, "prefill", prefill=True))
+    env.at(0.0, lambda: host.start(1.0, done, "decode"))
+    env.at(0.5, host.slow_prefill, 0.25)
+    env.at(2.0, host.slow_prefill, 0.25)  # nothing running: nothing to slow
+    env.run()
+    assert ends == {"prefill": pytest.approx(1.25), "decode": pytest.approx(1.0)}
+
+
+def test_land_contention_slows_chunked_prefill_on_shared_cores_only():
+    """With land_contention, chunk mode's chunks (each beside a landing) run longer on
+    shared cores; on dedicated devices, or at 0, the run is the same as without it."""
+    requests = reqs(200, 200, 200, arrivals=[0.0, 0.0, 0.0])
+
+    def wall(costs):
+        run_cfg = serving_config(cfg(costs=costs, output_tokens=8, producers=2), requests,
+                                 concurrency=3)
+        return workload_metrics(simulate(run_cfg, requests))["wall_s"]
+
+    shared = attrs.evolve(COSTS, host_cores=2)
+    assert wall(attrs.evolve(shared, land_contention=1e-7)) > wall(shared)
+    assert wall(attrs.evolve(COSTS, land_contention=1e-7)) == wall(COSTS)
+
+
+def test_land_contention_needs_host_cores():
+    """A profile with land_contention but no host_cores is refused in one line naming the
+    field (it would slow nothing); with host_cores it is taken."""
+    data = {**load_hw_dict(), "compute": {"land_contention": 1e-9}}
+    with pytest.raises(ProfileError, match="land_contention") as e:
+        hw_from_dict(data, "mine", "mine.toml")
+    assert len(str(e.value).splitlines()) == 1
+    data["compute"]["host_cores"] = 2
+    assert hw_from_dict(data, "mine", "mine.toml").compute.land_contention == 1e-9
+
+
 def _shared(cores):
     return cfg(costs=attrs.evolve(COSTS, host_cores=cores), output_tokens=8, stages=True)
 

@@ -6,6 +6,15 @@ device and nothing here runs (`Costs.host_cores` None). With `cores` = c and n a
 running, each progresses at min(1, c / n) of its own speed: a 64-token chunk that takes
 80 ms alone takes 160 ms beside one decode step on one core.
 
+A span's landing slows the prefill running then: on the 2-vCPU host, in six validation
+grids' traces (2026-12-03), prefill chunks beside which the decoder landed spans (chunk and
+layer mode: about one 1 MB span a chunk, two with two producers) ran 3..9% slower than
+whole mode's, alike alone, beside a decode step and beside the other producer's chunk; the
+landing's work (the transport's receive, the write into the slab) is no stage of the trace.
+So each landing adds `land_contention` seconds per byte to every running prefill activity's
+work (`slow_prefill`); decode steps are not slowed (the decoder does the landing itself,
+between its steps).
+
 Exact processor sharing, not an approximation made at an activity's start: each activity
 keeps the work it has left (seconds at full speed); whenever the running set changes, the
 work done since the last change is taken off everyone at the old rate and the earliest
@@ -28,7 +37,7 @@ class HostCores:
 
     def __init__(self, env, cores: float) -> None:
         self.env, self.cores = env, cores
-        self.running: dict[int, list] = {}  # id -> [work left (s), callback, args]
+        self.running: dict[int, list] = {}  # id -> [work left (s), callback, args, prefill]
         self.since = 0.0  # time of the last change of the running set
         self.version = 0  # of the pending end event; older ones are stale
         self.next_id = 0
@@ -38,11 +47,22 @@ class HostCores:
         n = len(self.running)
         return 1.0 if n <= self.cores else self.cores / n
 
-    def start(self, work_s: float, callback: Callable, *args) -> None:
-        """Run `work_s` seconds of compute (alone) now; `callback(*args)` when it is done."""
+    def start(self, work_s: float, callback: Callable, *args, prefill: bool = False) -> None:
+        """Run `work_s` seconds of compute (alone) now; `callback(*args)` when it is done.
+        `prefill`: a producer's chunk or head (what a landing slows, `slow_prefill`)."""
         self._advance()
-        self.running[self.next_id] = [work_s, callback, args]
+        self.running[self.next_id] = [work_s, callback, args, prefill]
         self.next_id += 1
+        self._retime()
+
+    def slow_prefill(self, work_s: float) -> None:
+        """Add `work_s` seconds of work to every running prefill activity (a landing now)."""
+        if not any(item[3] for item in self.running.values()):
+            return
+        self._advance()
+        for item in self.running.values():
+            if item[3]:
+                item[0] += work_s
         self._retime()
 
     def _advance(self) -> None:
@@ -70,5 +90,5 @@ class HostCores:
                 if item[0] <= max(least, DONE_S)]  # at least the one this event was for
         finished = [self.running.pop(key) for key in done]
         self._retime()
-        for _, callback, args in finished:
+        for _, callback, args, _ in finished:
             callback(*args)

@@ -17,7 +17,8 @@ between decode steps the decoder's loop works decode_gap_s, plus land_byte_s per
   values; absent: 0, not modeled)
 While a gather overlaps a compute chunk, the chunk runs slower by `contention` times the
 overlapped time. With `[compute] host_cores` (one host's CPU cores shared by the producers'
-prefill and the decoder's steps), those run processor-shared (pdsim/core/cores.py).
+prefill and the decoder's steps), those run processor-shared, and each span's landing adds
+land_contention * its bytes to the prefill running then (pdsim/core/cores.py).
 `pdsim calibrate` fits these same terms from engine traces.
 """
 
@@ -63,6 +64,8 @@ class Costs:
     # Cores shared by every producer's compute and the decoder's steps (None: dedicated
     # devices, nothing shared; pdsim/core/cores.py)
     host_cores: float | None = None
+    # with host_cores: seconds per byte landed that every prefill running then loses (cores.py)
+    land_contention: float = attrs.field(default=0.0, validator=non_negative)
 
     @property
     def link_byte_s(self) -> float:
@@ -169,6 +172,7 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
         serve_latency_s=over.serve_latency_s or 0.0,
         dense_attention=bool(over.dense_attention),
         host_cores=over.host_cores,
+        land_contention=over.land_contention or 0.0,
     )
 
 

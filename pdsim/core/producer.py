@@ -73,7 +73,8 @@ class Producer:
         self.copier = Copier(self.cfg.costs)
         self.gathers: deque[tuple[float, float]] = deque()
         self.lands: deque[float] = deque()  # land times of spans in flight, in FIFO order
-        self.span_bytes: dict[int, int] = {}  # with land_byte_s: bytes of spans in flight
+        # with land_byte_s or land_contention: bytes of spans in flight
+        self.span_bytes: dict[int, int] = {}
         self.lane_prefix = f"{name}."  # a copy stage's resource: producer.lane
         # fixed for the run, looked up once (every step and span reads them)
         cfg = self.cfg
@@ -83,6 +84,8 @@ class Producer:
         self.compute_lane = f"{name}.compute"
         self.bytes_per_token_layer = cfg.geometry.bytes_per_token_layer
         self.land_byte_s = cfg.costs.land_byte_s
+        # shared host cores: a landing slows the prefill running then (cores.py)
+        self.land_slow = cfg.costs.land_contention if sim.cores is not None else 0.0
         self.queued = cfg.sender == "queued"
         self.emit, self.monitor = sim.emit, sim.monitor  # (every step and span: bound once)
         self.cores = sim.cores  # one host's cores shared with others, or None
@@ -148,7 +151,7 @@ class Producer:
         name = self.compute_name
         if self.cores is not None:  # shared host cores: the stage is known at its end
             self.cores.start(duration, self._shared_end, self._end_step, job.req, name,
-                             self.env.now, job, step)
+                             self.env.now, job, step, prefill=True)
             return
         if self.stages and (duration or not self.cfg.no_compute):  # (Sim.stage inlined)
             now = self.env.now
@@ -192,7 +195,7 @@ class Producer:
         head = self.head_s
         if self.cores is not None:
             self.cores.start(head, self._shared_end, self._head_done, job.req, "head",
-                             self.env.now, job, then)
+                             self.env.now, job, then, prefill=True)
             return
         if self.stages:
             self.sim.stage(self.env.now, job.req, "head", head, None, self.compute_lane)
@@ -257,7 +260,7 @@ class Producer:
         nbytes = self.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0) * (b - a if b > a else 0)
         job.spans_issued += 1
         self.emit(new_row(IssueRow, (now, job.req, span, layers, tokens, nbytes)))
-        if self.land_byte_s:
+        if self.land_byte_s or self.land_slow:
             self.span_bytes[span] = nbytes
         if job.spans_issued == job.spans_total:  # the last: the recurrent state goes too
             nbytes += self.state_bytes  # (steps.copied_bytes inlined)
@@ -277,7 +280,11 @@ class Producer:
     def _land(self, job: Job, span: int) -> None:
         self.emit(new_row(LandRow, (self.env.now, job.req, span)))
         if self.span_bytes:  # the decoder writes the span's bytes into its slab
-            self.sim.decoder.charge(self.land_byte_s * self.span_bytes.pop(span, 0))
+            nbytes = self.span_bytes.pop(span, 0)
+            if self.land_byte_s:
+                self.sim.decoder.charge(self.land_byte_s * nbytes)
+            if self.land_slow:
+                self.cores.slow_prefill(self.land_slow * nbytes)
         self.lands.popleft()
         job.spans_landed += 1
         if job.produced and job.spans_landed >= job.spans_total:  # else no admission yet

@@ -94,6 +94,9 @@ class ComputeOverride:
     # (pdsim/core/cores.py). A finite number >= 1 (calibrate fits an effective, maybe
     # fractional, count). Absent: every device has its own compute (GPUs), nothing is shared.
     host_cores: float | None = None
+    # With host_cores: seconds of work per byte landed that each prefill chunk or head
+    # running then loses (the landing's CPU work beside it, cores.py). Absent: 0.
+    land_contention: float | None = None
 
 
 @attrs.frozen
@@ -159,6 +162,9 @@ def hw_from_dict(data: dict, default_name: str, where: str) -> HwProfile:
                                      f"{value!r}")
             elif value is not None:
                 non_negative(None, attrs.fields_dict(ComputeOverride)[key], value)
+        if compute.land_contention and compute.host_cores is None:
+            raise ValueError("field 'land_contention' needs 'host_cores' (a landing slows "
+                             "prefill on shared host cores only)")
         return HwProfile(**fields, compute=compute)
     except (TypeError, ValueError) as e:
         raise ProfileError(f"{where}: {_short(e)}") from None

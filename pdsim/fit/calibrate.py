@@ -79,6 +79,12 @@ class Calibration:
     serve_latency_samples: int = 0  # the requests serve_latency_s is the median of
 
     @property
+    def land_contention(self) -> float:
+        """Seconds per byte landed that the prefill running then lost (0: not fitted)."""
+        names = self.compute.names
+        return self.compute.get("land_contention") if "land_contention" in names else 0.0
+
+    @property
     def serve_latency_unfitted(self) -> bool:
         """Serving traces (decode steps), yet no request to read the round trip from: each
         found its producer busy or a decode step holding its first token."""
@@ -204,7 +210,9 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         *_decode_lines(cal.decode, cal.decode_gap),
         *([] if cal.host_cores is None else [
             f"host_cores = {cal.host_cores!r}  # effective cores the producers' compute and "
-            "the decoder's steps shared (processor sharing; the terms above: each alone)"]),
+            "the decoder's steps shared (processor sharing; the terms above: each alone)",
+            f"land_contention = {cal.land_contention!r}  # seconds per byte landed that "
+            "the prefill running then lost (pdsim/core/cores.py)"]),
         *([] if not cal.load_slowdown else [
             f"# fitted with each trace's measured host load: the terms above are on an idle "
             f"host; other work holding a share x of its cores left the engine host_cores * "
@@ -281,7 +289,8 @@ def figures(cal: Calibration) -> list[tuple[str, float, str, float]]:
             ("head_s", cal.head_s, "s", 0.0), ("fill_byte_s", cal.fill_byte_s, "s/B", 0.0),
             ("serve_latency_s", cal.serve_latency_s, "s", 0.0)]
     if cal.host_cores is not None:
-        out.append(("host_cores", cal.host_cores, "cores", 0.0))
+        out += [("host_cores", cal.host_cores, "cores", 0.0),
+                ("land_contention", cal.land_contention, "s/B", cal.compute.rms)]
     if cal.decode.samples:
         units = {"decode_s": "s/step", "decode_row_s": "s/row", "decode_kv_token_s": "s/token"}
         out += [(n, cal.decode.get(n), units[n], cal.decode.rms) for n in cal.decode.names]

@@ -49,19 +49,21 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, rounds: int = 3) -> Fit:
-    """Non-negative least squares, refitted without outliers (residual > 5 robust sigmas).
-    No samples: every coefficient 0 and `samples` 0 (e.g. compute terms of export traces)."""
+    """Non-negative least squares, refitted without outliers (residual > 5 robust sigmas)
+    up to `rounds` times (0: every sample kept). No samples: every coefficient 0 and
+    `samples` 0 (e.g. compute terms of export traces)."""
     if not len(y):
         return Fit(names, (0.0,) * len(names), 0, 0, 0.0, 0.0)
     keep = np.ones(len(y), dtype=bool)
+    coef, rank = nonneg_lstsq(x, y)
     for _ in range(rounds):
-        coef, rank = nonneg_lstsq(x[keep], y[keep])
         residual = y - x @ coef
         sigma = 1.4826 * float(np.median(np.abs(residual[keep]))) if keep.any() else 0.0
         outliers = np.abs(residual) > 5 * sigma + 1e-12 * np.abs(y).max(initial=0.0)
         if sigma == 0 or not (outliers & keep).any():
             break
         keep &= ~outliers
+        coef, rank = nonneg_lstsq(x[keep], y[keep])
     residual = (y - x @ coef)[keep]
     rms = float(np.sqrt(np.mean(residual**2))) if keep.any() else 0.0
     return Fit(names, tuple(float(c) for c in coef), int(keep.sum()), rank, rms,
@@ -70,22 +72,32 @@ def fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, rounds: int = 3) -
 
 def fit_compute(samples: list[ComputeSample], dense: bool = False,
                 cores: float | None = None, slowdown: float = 0.0) -> Fit:
-    """duration = f * (chunk_s * chunks + token_s * n + pair_s * pairs) + contention * overlap;
+    """duration = f * (chunk_s * chunks + token_s * n + pair_s * pairs) + contention * overlap
+    (+ land_contention * bytes landed beside it, on shared host cores where spans landed);
     pairs: the causal triangle, or with `dense` the masked rectangle (triangle + masked).
     With `cores` (shared host cores), each duration is first divided by its slowdown (and
     by other work's, `slowdown`: sharing.load_factor)."""
-    x = compute_rows(samples, dense)
-    return fit(("chunk_s", "token_s", "pair_s", "contention"), x,
-               alone(samples, cores, slowdown))
+    landed = cores is not None and any(s.landed for s in samples)
+    names = ("chunk_s", "token_s", "pair_s", "contention", *(("land_contention",) * landed))
+    # On shared host cores the slow tail (work beside a chunk that no stage shows) is part
+    # of serving: every sample is kept, so the terms give the mean chunk, which throughput
+    # and TTFT add up (trimmed, one training run's chunks came out 44.7 ms on average in
+    # the simulator against its own 53.1 ms; 2026-12-03).
+    rounds = 3 if cores is None else 0
+    return fit(names, compute_rows(samples, dense, landed), alone(samples, cores, slowdown),
+               rounds)
 
 
-def compute_rows(samples: list[ComputeSample], dense: bool) -> np.ndarray:
+def compute_rows(samples: list[ComputeSample], dense: bool, landed: bool = False) -> np.ndarray:
+    """`landed`: a last column of the bytes landed beside each (shared host cores only:
+    cores.py)."""
     rows = []
     for s in samples:
         a, b = s.tokens
         pairs = (b * (b + 1) - a * (a + 1)) / 2 + (s.masked if dense else 0.0)
-        rows.append([s.fraction * s.chunks, s.fraction * (b - a), s.fraction * pairs, s.overlap])
-    return np.array(rows, dtype=float).reshape(-1, 4)
+        rows.append([s.fraction * s.chunks, s.fraction * (b - a), s.fraction * pairs, s.overlap,
+                     *((s.landed,) * landed)])
+    return np.array(rows, dtype=float).reshape(-1, 4 + landed)
 
 
 def alone(samples, cores: float | None, slowdown: float = 0.0) -> np.ndarray:
@@ -153,7 +165,8 @@ def sharing_error(computes, decodes, sharing: Sharing) -> float:
     errors, cores, slowdown = [], sharing.cores, sharing.slowdown
     if computes:
         compute, dense = fit_attention(computes, cores, slowdown)
-        predicted = compute_rows(computes, dense) @ np.array(compute.values)
+        landed = "land_contention" in compute.names
+        predicted = compute_rows(computes, dense, landed) @ np.array(compute.values)
         errors.append(log_errors(predicted, alone(computes, cores, slowdown)))
     if decodes:
         decode = fit_decode(decodes, cores, slowdown)

@@ -19,7 +19,9 @@ prefill message's trip to the producer and the first token's back).
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import defaultdict, deque
+from itertools import accumulate
 
 import attrs
 
@@ -43,6 +45,7 @@ class ComputeSample:
     # its stage's span as (seconds, compute activities running, itself included): sharing.py
     running: tuple = ()
     free: float = 1.0  # share of the host's cores other work left its run (sharing.py)
+    landed: int = 0  # bytes of spans (any producer's) the decoder landed meanwhile
 
 
 @attrs.frozen
@@ -107,6 +110,9 @@ class _Reader:
         self.heads: list[HeadSample] = []  # `head` stages (the first token's LM head)
         self.produced: dict[str, float] = {}
         self.decodes: list[DecodeSample] = []
+        self.landings: list[tuple[float, int]] = []  # (land time, bytes)
+        self.land_times: list[float] = []
+        self.land_sums: list[int] | None = None  # bytes landed before each of land_times
 
     def feed(self, e) -> None:
         kind = e.kind
@@ -166,6 +172,7 @@ class _Reader:
     def _land(self, e) -> None:
         issue = self.issues.pop(e.span, None)
         if issue is not None:
+            self.landings.append((e.t, issue.bytes))
             self.copies.append((e.span, CopySample(issue.bytes, issue.t, e.t, ())))
 
     def compute_samples(self) -> list[ComputeSample]:
@@ -178,8 +185,21 @@ class _Reader:
             out.append(ComputeSample(stage.end - stage.t + lead,
                                      length(done.layers) / self.layers,
                                      done.tokens, chunks, overlap, self._masked(n),
-                                     self.running.segments(stage.t, stage.end)))
+                                     self.running.segments(stage.t, stage.end),
+                                     landed=self._landed(stage.t, stage.end)))
         return out
+
+    def _landed(self, a: float, b: float) -> int:
+        """Bytes of the spans the decoder landed while [a, b] ran (not at its ends: a span
+        landing as a chunk starts or ends is not beside it)."""
+        if not self.landings:
+            return 0
+        if self.land_sums is None:  # once, when every land has been read
+            self.landings.sort()
+            self.land_times = [t for t, _ in self.landings]
+            self.land_sums = list(accumulate((n for _, n in self.landings), initial=0))
+        sums, times = self.land_sums, self.land_times
+        return sums[bisect_left(times, b)] - sums[bisect_right(times, a)]  # (a, b): inside
 
     def latencies(self) -> list[float]:
         """Serving traces: per one-life request whose producer was idle when it was reserved

@@ -58,20 +58,20 @@ S = ServePoint
 # ran at once, and three-process sharing was extrapolated from `host_cores` alone.
 SERVE_GRIDS = {
     "default": (
-        (S(1, (64, 256), 16, requests=20), "train"),
-        (S(2, (64, 256), 16, requests=24), "test"),
-        (S(4, (64, 256), 32, mode="whole", requests=24), "test"),
-        (S(4, (128, 512), 16, requests=24), "train"),
-        (S(2, (256, 512), 16, producers=2, requests=20), "test"),
-        (S(2, (128, 512), 32, mode="layer", requests=16), "test"),
-        (S(4, (128, 512), 16, producers=2, requests=24), "train"),
-        (S(4, (128, 512), 16, mode="whole", link_gbps=0.05, requests=24), "test"),
-        (S(1, (256, 512), 32, mode="whole", requests=12), "test"),
-        (S(3, (64, 384), 24, mode="layer", requests=24), "train"),
-        (S(3, (64, 512), 24, producers=2, requests=20), "test"),
-        (S(4, (256, 512), 8, link_gbps=0.05, requests=20), "test"),
-        (S(2, (128, 512), 16, link_gbps=0.05, requests=24), "train"),
-        (S(2, (64, 256), 48, producers=2, mode="whole", requests=16), "test"),
+        (S(1, (64, 256), 16, requests=32), "train"),
+        (S(2, (64, 256), 16, requests=36), "test"),
+        (S(4, (64, 256), 32, mode="whole", requests=36), "test"),
+        (S(4, (128, 512), 16, requests=36), "train"),
+        (S(2, (256, 512), 16, producers=2, requests=32), "test"),
+        (S(2, (128, 512), 32, mode="layer", requests=32), "test"),
+        (S(4, (128, 512), 16, producers=2, requests=36), "train"),
+        (S(4, (128, 512), 16, mode="whole", link_gbps=0.05, requests=36), "test"),
+        (S(1, (256, 512), 32, mode="whole", requests=24), "test"),
+        (S(3, (64, 384), 24, mode="layer", requests=36), "train"),
+        (S(3, (64, 512), 24, producers=2, requests=32), "test"),
+        (S(4, (256, 512), 8, link_gbps=0.05, requests=32), "test"),
+        (S(2, (128, 512), 16, link_gbps=0.05, requests=36), "train"),
+        (S(2, (64, 256), 48, producers=2, mode="whole", requests=32), "test"),
     ),
     "quick": (
         (S(2, (32, 96), 8, requests=4, chunk=32), "train"),
@@ -185,7 +185,7 @@ def serving_setup(spec, profile: str, point: ServePoint, prompts: list[dict],
 
 
 LOADED_TERMS = ("chunk_s", "token_s", "pair_s", "head_s", "decode_s", "decode_row_s",
-                "decode_kv_token_s")  # the terms calibrate fitted with its load_slowdown
+                "decode_kv_token_s", "land_contention")  # fitted with its load_slowdown
 
 
 def under_load(costs: Costs, free: float, slowdown: float) -> Costs:
