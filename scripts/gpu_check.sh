@@ -22,6 +22,8 @@
 #   scripts/gpu_check.sh --dry-run   # no GPU: the same steps on CPU at toy sizes (tiny model,
 #                                    # KB payloads; the CUDA tests only collected), so the
 #                                    # commands and their options are known to work (~1 min)
+# A failed step stops the check, unless KEEP_GOING=1: then every step runs (a first run on a
+# lent GPU gets all it can from one call), failures are listed in failed.txt, and it exits 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,12 +40,19 @@ if [ "$DRY" = 0 ]; then  # before anything is written
 fi
 mkdir -p "$OUT"
 : > "$OUT/timings.txt"
+rm -f "$OUT/failed.txt"
+
+failed() {  # failed NAME: stop, or with KEEP_GOING=1 note it and go on
+    echo "gpu_check: step $1 failed" | tee -a "$OUT/failed.txt" >&2
+    [ "${KEEP_GOING:-0}" = 1 ] || exit 1
+}
 
 step() {  # step SECONDS NAME COMMAND...: run it under a time limit, output to $OUT/NAME.txt
-    local limit=$1 name=$2 start=$SECONDS
+    local limit=$1 name=$2 start=$SECONDS status=0
     shift 2
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt" || status=$?
     echo "$name $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/timings.txt"
+    [ "$status" = 0 ] || failed "$name"
 }
 
 if [ "$DRY" = 1 ]; then
@@ -62,7 +71,7 @@ fi
 no_skips() {  # no_skips NAME: a skipped CUDA test fails the check
     if [ "$DRY" = 0 ] && grep -qi "skipped" "$OUT/$1.txt"; then
         echo "gpu_check: CUDA tests were skipped (see $OUT/$1.txt)" >&2
-        exit 1
+        failed "$1 (skips)"
     fi
 }
 
@@ -82,7 +91,7 @@ no_skips serve_gpu
 echo "== 2. parity, $MODEL geometry, $COMPARE_PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
 step 35 compare "$PY" -m pdgpu compare --model "$MODEL" --prompt "$COMPARE_PROMPT" \
     --chunk "$CHUNK" --device "$DEV" --decoder-device "$DECODER" --trace-dir "$OUT"
-"$PY" -m pdref check "$OUT"/whole.jsonl "$OUT"/chunk.jsonl "$OUT"/layer.jsonl
+"$PY" -m pdref check "$OUT"/whole.jsonl "$OUT"/chunk.jsonl "$OUT"/layer.jsonl || failed "pdref check"
 
 echo "== 3. overlap benchmark, $MODEL, $PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
 step 80 engine_overlap "$PY" bench/engine_overlap.py --model "$MODEL" --prompt "$PROMPT" \
@@ -93,4 +102,7 @@ echo "== 4. export-only curve, $MODEL geometry, whole vs chunk $CHUNK (decoder $
 step 55 export_curve "$PY" bench/engine_overlap.py --model "$MODEL" --chunk "$CHUNK" \
     --export-only --payloads "$PAYLOADS" --device "$DEV" --decoder-device "$DECODER" \
     --link-gbps 0 --repeats "$CURVE_REPEATS" --out "$OUT/export_curve.json"
+if [ -s "$OUT/failed.txt" ]; then
+    echo "gpu_check: FAILED steps, results in $OUT/:"; cat "$OUT/failed.txt"; exit 1
+fi
 echo "gpu_check: done, results in $OUT/"
