@@ -49,9 +49,10 @@ S = ServePoint
 # run, from the first to the second-to-last, so that the host's drifts hit both halves
 # alike (with the 5 training runs first among the 10 first, a grid's last 4 runs were all
 # held out: in one grid those ran 9..19% faster than the training runs had, with no other
-# load measured). 12..24 requests a point (5..13 s of serving on a quiet 2-core box): the
-# median TTFT of 8 requests moved 0.22..0.32 s between identical runs, and a longer run
-# averages the host's bursts (hypervisor steal) over more.
+# load measured). 24..36 requests a point (10..30 s of serving on a quiet 2-core box; 8
+# until the fourth session, 12..24 until 2026-12-03): the median TTFT of 8 requests moved
+# 0.22..0.32 s between identical runs, and a longer run averages the host's bursts
+# (hypervisor steal) over more.
 # The two-producer training run is at concurrency 4: there the two producers' prefill and
 # the decoder's steps run three at once on the two cores, as in the held-out two-producer
 # points at concurrency 3; at concurrency 2 (the training run until 2026-12-03) at most two
