@@ -82,3 +82,23 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert "targets" in json.loads((out / "engine_overlap.json").read_text())
     curve = json.loads((out / "export_curve.json").read_text())["export_curve"]
     assert len(curve) == 5 and all(r["chunk_s"] > 0 and r["whole_s"] > 0 for r in curve)
+
+
+@pytest.mark.parametrize("keep_going", [False, True])
+def test_gpu_check_stops_at_a_failed_step_unless_keep_going(tmp_path, keep_going):
+    """A failing step stops the check (exit 1); with KEEP_GOING=1 every step still runs and
+    each failure is listed in failed.txt, and the check still exits 1."""
+    env = {"PYTHON": "false", **({"KEEP_GOING": "1"} if keep_going else {})}
+    run = _gpu_check(tmp_path, "--dry-run", **env)
+    out = tmp_path / "out"
+    steps = [line.split()[0] for line in (out / "timings.txt").read_text().splitlines()]
+    failed = (out / "failed.txt").read_text().splitlines()
+    assert run.returncode == 1
+    if keep_going:
+        assert steps == ["pytest_gpu", "serve_gpu", "compare", "engine_overlap", "export_curve"]
+        names = ["pytest_gpu", "serve_gpu", "compare", "pdref check", "engine_overlap",
+                 "export_curve"]
+        assert failed == [f"gpu_check: step {name} failed" for name in names]
+        assert "FAILED steps" in run.stdout
+    else:
+        assert steps == ["pytest_gpu"] and failed == ["gpu_check: step pytest_gpu failed"]
