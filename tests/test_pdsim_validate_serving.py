@@ -94,6 +94,31 @@ def test_default_grid_spans_the_serving_axes():
     for axis in ("concurrency", "prompt_range", "output_tokens", "producers", "mode",
                  "link_gbps"):
         assert len({getattr(p, axis) for p in points}) > 1, axis
+    repeats = [i for i, (_, role) in enumerate(grid) if role == "repeat"]
+    assert repeats and repeats == list(range(len(grid) - len(repeats), len(grid)))
+    for i in repeats:  # a held-out point served again at the grid's end
+        assert (grid[i][0], "test") in grid[:repeats[0]]
+
+
+def _served(point: ServePoint, tps: float, ttft: float) -> ServeRun:
+    return ServeRun(point, [], "", {"tokens_per_s": tps, "ttft_p50_s": ttft})
+
+
+def test_repeat_summary_pairs_each_repeat_with_its_points_first_run():
+    """Each repeat against the first run of its point (not another repeat, not another
+    point): |repeat / first - 1| of tokens/s and TTFT p50, worst over the pairs."""
+    a, b = ServePoint(2, (64, 256), 16), ServePoint(4, (64, 256), 32, mode="whole")
+    runs = [(_served(a, 40.0, 0.20), "test"), (_served(b, 100.0, 0.50), "train"),
+            (_served(a, 44.0, 0.19), "repeat"), (_served(b, 90.0, 0.60), "repeat"),
+            (_served(a, 30.0, 0.25), "repeat")]
+    got = vs.repeat_summary(runs)
+    assert got["n"] == 3 and [p["name"] for p in got["pairs"]] == [a.name, b.name, a.name]
+    assert [p["tps_diff_pct"] for p in got["pairs"]] == pytest.approx([10.0, 10.0, 25.0])
+    assert [p["ttft_p50_diff_pct"] for p in got["pairs"]] == pytest.approx([5.0, 20.0, 25.0])
+    assert got["pairs"][1]["tokens_per_s"] == [100.0, 90.0]
+    assert got["worst_tps_diff_pct"] == pytest.approx(25.0)
+    assert got["worst_ttft_p50_diff_pct"] == pytest.approx(25.0)
+    assert vs.repeat_summary(runs[:2]) == {"n": 0}
 
 
 def test_prediction_plays_the_runs_prompts_and_pacing():
@@ -148,6 +173,13 @@ def test_validation_against_a_simulated_engine_is_exact(tmp_path, monkeypatch, c
         if host_cores is None or "tps" in key:
             assert 0 <= out["in_sample"][key] < 10.0, (key, out["in_sample"][key])
     assert out["in_sample"]["n"] == len(out["configs"])
+    # the repeats were served (into folders of their own) and paired: a simulated engine
+    # serves identical work identically
+    repeats = out["repeats"]
+    assert repeats["n"] == sum(r == "repeat" for _, r in vs.SERVE_GRIDS["default"]) > 0
+    assert repeats["worst_tps_diff_pct"] == repeats["worst_ttft_p50_diff_pct"] == 0.0
+    assert all((tmp_path / "v" / "serve" / f"{p['name']}-repeat" / "trace.jsonl").exists()
+               for p in repeats["pairs"])
     assert statistics.median(c["tps_err_pct"] for c in out["configs"]) == pytest.approx(
         out["median_tps_err_pct"])
     assert (tmp_path / "v" / "serving-validation.png").read_bytes()[:4] == b"\x89PNG"

@@ -39,46 +39,11 @@ from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.serving import serving_config, simulate_serving
 from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.fit.predict import paced
-from pdsim.fit.serve_runs import ServePoint, ServeRun, run_serve
+from pdsim.fit.serve_runs import SERVE_GRIDS, ServePoint, ServeRun, run_serve
 from pdsim.fit.sharing import load_factor, run_cores
 from pdsim.options import UsageError
 from pdsim.views.report import write_atomic
 
-S = ServePoint
-# (point, role): "train" feeds calibration, "test" is held out; a training run every third
-# run, from the first to the second-to-last, so that the host's drifts hit both halves
-# alike (with the 5 training runs first among the 10 first, a grid's last 4 runs were all
-# held out: in one grid those ran 9..19% faster than the training runs had, with no other
-# load measured). 24..36 requests a point (10..30 s of serving on a quiet 2-core box; 8
-# until the fourth session, 12..24 until 2026-12-03): the median TTFT of 8 requests moved
-# 0.22..0.32 s between identical runs, and a longer run averages the host's bursts
-# (hypervisor steal) over more.
-# The two-producer training run is at concurrency 4: there the two producers' prefill and
-# the decoder's steps run three at once on the two cores, as in the held-out two-producer
-# points at concurrency 3; at concurrency 2 (the training run until 2026-12-03) at most two
-# ran at once, and three-process sharing was extrapolated from `host_cores` alone.
-SERVE_GRIDS = {
-    "default": (
-        (S(1, (64, 256), 16, requests=32), "train"),
-        (S(2, (64, 256), 16, requests=36), "test"),
-        (S(4, (64, 256), 32, mode="whole", requests=36), "test"),
-        (S(4, (128, 512), 16, requests=36), "train"),
-        (S(2, (256, 512), 16, producers=2, requests=32), "test"),
-        (S(2, (128, 512), 32, mode="layer", requests=32), "test"),
-        (S(4, (128, 512), 16, producers=2, requests=36), "train"),
-        (S(4, (128, 512), 16, mode="whole", link_gbps=0.05, requests=36), "test"),
-        (S(1, (256, 512), 32, mode="whole", requests=24), "test"),
-        (S(3, (64, 384), 24, mode="layer", requests=36), "train"),
-        (S(3, (64, 512), 24, producers=2, requests=32), "test"),
-        (S(4, (256, 512), 8, link_gbps=0.05, requests=32), "test"),
-        (S(2, (128, 512), 16, link_gbps=0.05, requests=36), "train"),
-        (S(2, (64, 256), 48, producers=2, mode="whole", requests=32), "test"),
-    ),
-    "quick": (
-        (S(2, (32, 96), 8, requests=4, chunk=32), "train"),
-        (S(2, (32, 96), 12, requests=4, chunk=32, seed=1), "test"),
-    ),
-}
 SCORED = ("tokens_per_s", "ttft_p50_s")  # what the targets are about
 
 
@@ -114,7 +79,8 @@ def run_serve_grid(grid, model: str, out: Path, device: str | None = None,
     bar = tqdm(grid, desc="serve runs", unit="run", disable=not progress, file=sys.stderr)
     for point, role in bar:
         bar.set_postfix_str(point.name)
-        done.append((run_serve(point, model, vocab, out / "serve" / point.name, device), role))
+        folder = out / "serve" / (point.name + ("-repeat" if role == "repeat" else ""))
+        done.append((run_serve(point, model, vocab, folder, device), role))
     return done
 
 
@@ -221,6 +187,29 @@ def serving_summary(rows: list[ServeRow], role: str = "test") -> dict:
             "worst_ttft_p50_err_pct": max(ttft)}
 
 
+def repeat_summary(runs: list[tuple[ServeRun, str]]) -> dict:
+    """Each `repeat` run against the first run of its point: |repeat / first - 1| of
+    tokens/s and TTFT p50, in percent (identical work, the host's drift between them)."""
+    first = {}
+    for run, role in runs:
+        if role != "repeat":
+            first.setdefault(run.point, run)
+    pairs = [_repeat_pair(first[run.point], run) for run, role in runs
+             if role == "repeat" and run.point in first]
+    if not pairs:
+        return {"n": 0}
+    return {"n": len(pairs), "pairs": pairs,
+            "worst_tps_diff_pct": max(p["tps_diff_pct"] for p in pairs),
+            "worst_ttft_p50_diff_pct": max(p["ttft_p50_diff_pct"] for p in pairs)}
+
+
+def _repeat_pair(first: ServeRun, repeat: ServeRun) -> dict:
+    diff = {key: 100.0 * abs(repeat.summary[key] / first.summary[key] - 1.0) for key in SCORED}
+    return {"name": first.point.name,
+            **{key: [first.summary[key], repeat.summary[key]] for key in SCORED},
+            "tps_diff_pct": diff["tokens_per_s"], "ttft_p50_diff_pct": diff["ttft_p50_s"]}
+
+
 def engine_host_cores(device: str | None) -> int | None:
     """The cores `pdgpu serve`'s processes share on this host: all of them on CPU devices
     (its default), none to share on GPUs (each process its own device)."""
@@ -254,6 +243,7 @@ def validate_serving(model: str, grid_name: str, out: Path, device: str | None =
               "host_load_input": all(run.host_load is not None for run, _ in runs),
               "load_slowdown": fitted.load_slowdown,
               "load_average": [load_before, load_after],  # 1-minute, before and after
+              "repeats": repeat_summary(runs),
               "train": serving_summary(rows, "train"),
               "in_sample": serving_summary(in_sample_rows(runs, model, predictor, host, True)),
               "without_host_load": {
@@ -290,6 +280,11 @@ def format_summary(result: dict) -> str:
                          f"{s['median_tps_err_pct']:.1f}%, worst {s['worst_tps_err_pct']:.1f}%;"
                          f" TTFT p50 error median {s['median_ttft_p50_err_pct']:.1f}%, worst "
                          f"{s['worst_ttft_p50_err_pct']:.1f}%")
+    repeats = result.get("repeats", {})
+    if repeats.get("n"):
+        lines.append(f"the same point and prompts served again later ({repeats['n']} pairs): "
+                     f"tokens/s moved up to {repeats['worst_tps_diff_pct']:.1f}%, TTFT p50 up "
+                     f"to {repeats['worst_ttft_p50_diff_pct']:.1f}% (the host's own drift)")
     return "\n".join(lines)
 
 
