@@ -108,11 +108,18 @@ def _interrupt_after_start() -> Iterator[None]:
 def _remote_cluster(address: str, timeout_s: float) -> Iterator[int]:
     cpus = _probe(address, timeout_s)
     _init(f"cannot connect to a Ray cluster at {address}", address=address,
-          runtime_env={"py_modules": [pdsim, pdref]})
+          runtime_env={"py_modules": [_source_dir(pdsim), _source_dir(pdref)]})
     try:
         yield cpus
     finally:
         ray.shutdown()
+
+
+def _source_dir(package) -> str:
+    """The package's own folder, which Ray ships to the cluster's nodes as is. Not the module:
+    with this host's compiled build current, its `__path__` has two folders (pdref/accel.py),
+    which Ray refuses; the nodes run the Python sources, which compute the same."""
+    return os.path.dirname(package.__file__)
 
 
 def _init(failure: str, **options) -> None:

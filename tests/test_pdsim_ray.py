@@ -124,6 +124,26 @@ def test_missing_ray_package_says_how_to_install(monkeypatch, capsys):
     assert "--ray" in err and "pdhandoff[ray]" in err
 
 
+def test_a_cluster_gets_the_packages_as_single_folders(monkeypatch):
+    """Connecting by address ships pdsim and pdref as their source folders: Ray refuses a
+    package whose `__path__` has two folders, as pdref's has while its compiled build is
+    current (pdref/accel.py)."""
+    import pdref
+    import pdsim
+    from pdsim import ray_sweep
+
+    seen = {}
+    monkeypatch.setattr(ray_sweep, "_probe", lambda address, timeout_s: 2)
+    monkeypatch.setattr(ray_sweep.ray, "init", lambda **options: seen.update(options))
+    monkeypatch.setattr(ray_sweep.ray, "shutdown", lambda: None)
+    with ray_sweep._remote_cluster("127.0.0.1:6379", 1.0) as cpus:
+        assert cpus == 2
+    shipped = seen["runtime_env"]["py_modules"]
+    assert shipped == [os.path.dirname(pdsim.__file__), os.path.dirname(pdref.__file__)]
+    assert all(isinstance(p, str) and os.path.isfile(os.path.join(p, "__init__.py"))
+               for p in shipped)
+
+
 @pytest.mark.slow
 def test_cluster_address_rows_equal_the_process_pool(tmp_path):
     """A cluster started elsewhere, given by address (token auth): same rows; no token: refused."""
@@ -137,7 +157,7 @@ def test_cluster_address_rows_equal_the_process_pool(tmp_path):
         address = head.stdout.readline().strip()
         assert address, "the head did not start"
         csv = [tmp_path / f"{name}.csv" for name in ("pool", "ray")]
-        sweep = ["pdsim", *GRID, "--quiet", "--csv"]
+        sweep = [sys.executable, "-m", "pdsim", *GRID, "--quiet", "--csv"]  # (PATH-free)
         subprocess.run([*sweep, str(csv[0])], check=True, env=env)
         no_token = subprocess.run([*sweep, str(csv[1]), "--ray", address], env=env,
                                   capture_output=True, text=True)
