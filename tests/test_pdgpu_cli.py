@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -182,3 +183,26 @@ def test_tokens_and_tokens_file_together_are_refused(tmp_path, capsys):
     path.write_text("1 2 3")
     assert main(["run", "--tokens", "4,5,6", "--tokens-file", str(path)]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+class _InterruptedImport:
+    """A meta-path finder that raises KeyboardInterrupt for one module, as a Ctrl-C would."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.name:
+            raise KeyboardInterrupt
+        return None
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line_exit_130(monkeypatch, capsys):
+    """A Ctrl-C while `pdgpu` imports its modules (torch) ends with one line and exit 130,
+    not a traceback."""
+    from pdgpu.__main__ import run
+
+    monkeypatch.delitem(sys.modules, "pdgpu.cli")
+    monkeypatch.setattr(sys, "meta_path", [_InterruptedImport("pdgpu.cli"), *sys.meta_path])
+    assert run() == 130
+    assert capsys.readouterr().err.strip() == "pdgpu: interrupted (Ctrl-C) while starting"

@@ -1,9 +1,17 @@
 """Imported once by the forkserver that forks every local producer (launch.START_METHOD):
 torch, the serving modules, and torch's lazily imported meta-device machinery (the first
-meta-device op imports torch._refs, ~2 s), so each producer forks with them loaded."""
+meta-device op imports torch._refs, ~2 s), so each producer forks with them loaded.
 
-import torch
+A Ctrl-C reaches the forkserver too (the terminal signals the whole process group); while it
+loads, it then ends quietly: the command says in one line that it was interrupted."""
 
-import pdgpu.serve.launch  # noqa: F401 - loaded here so that forked producers have it
+import sys
 
-torch.empty(1, device="meta").normal_()
+try:
+    import torch
+
+    import pdgpu.serve.launch  # noqa: F401 - loaded here so that forked producers have it
+
+    torch.empty(1, device="meta").normal_()
+except KeyboardInterrupt:
+    sys.exit(130)
