@@ -56,8 +56,9 @@ class ServeRun:
 
 
 S = ServePoint
-# (point, role): "train" feeds calibration, "test" is held out; a training run every third
-# run, from the first to the second-to-last, so that the host's drifts hit both halves
+# (point, role): "train" feeds calibration, "test" is held out, "repeat" (at the end) is
+# neither; a training run every third run, from the first to the second-to-last of the 14
+# scored, so that the host's drifts hit both halves
 # alike (with the 5 training runs first among the 10 first, a grid's last 4 runs were all
 # held out: in one grid those ran 9..19% faster than the training runs had, with no other
 # load measured). 24..36 requests a point (10..30 s of serving on a quiet 2-core box; 8
