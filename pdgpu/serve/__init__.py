@@ -6,6 +6,7 @@ Modules (one concept each):
   workload   requests drawn or read from a prompts file, arrival times
   digest     compute-time row checksums of KV, checked when a span lands (--verify)
   producer   chunked prefill into the source cache, spans bounded by max_pending
+  bugs       the hand-made copy bugs of --debug, one object a producer calls at fixed hooks
   ledger     the decoder's pool: each resource operation and its pdref event are one call
   decoder    schedule -> run -> postprocess, the continuous decode batch
   launch     processes, handshake, shutdown

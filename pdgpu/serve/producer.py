@@ -12,7 +12,9 @@ the sender says `stopped` between two spans (never between a span's issue and it
 and before any later span of the life, which it then drops unissued), so the decoder knows
 nothing more of that life can arrive. Every issued span keeps its slot until the decoder
 acknowledges it: its bytes arrived, or (a span dropped after its issue) the life stopped.
-Injected faults (faults.py) are asked once per span, in `_send_span`.
+Injected faults (faults.py) are asked once per span, in `_send_span`. A hand-made bug
+(`--debug`, bugs.py) is one object given at construction and called at fixed hooks; the
+default, `NO_BUG`, changes nothing, so no debug switch lives in the compute or copy path.
 A heartbeat thread sends `beat` every `beat_s` seconds.
 """
 
@@ -28,6 +30,7 @@ import attrs
 import torch
 
 from pdgpu.generate import first_token
+from pdgpu.serve.bugs import NO_BUG, NoBug
 from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.digest import BITS, DigestingKV
 from pdgpu.serve.faults import Fate
@@ -60,8 +63,10 @@ class Job:
 
 
 class Producer:
-    def __init__(self, transport: Transport, config: ServeConfig, model, name: str) -> None:
+    def __init__(self, transport: Transport, config: ServeConfig, model, name: str,
+                 bugs: NoBug = NO_BUG) -> None:
         self.transport, self.config, self.model, self.name = transport, config, model, name
+        self.bugs = bugs  # a hand-made bug's hooks (bugs.py); NO_BUG: none
         self.geometry = model.spec.geometry(config.page_tokens)
         self.device = model.inv_freq.device
         dtype = model.model.embed_tokens.weight.dtype
@@ -72,7 +77,6 @@ class Producer:
         self.waiting: deque[Job | dict] = deque()
         self.active: Job | None = None
         self.jobs: dict[str, Job] = {}
-        self.deferred: list = []  # debug early-reuse: spans whose copy starts late
         self.slots = threading.Semaphore(config.max_pending)
         self.outbox: queue.Queue = queue.Queue()
         self.stopping: deque[str] = deque()  # cancelled lives the sender must say `stopped`
@@ -155,7 +159,7 @@ class Producer:
         job = self.active
         if job.steps:
             self._compute(job)
-            self._flush_deferred()  # debug early-reuse: a copy starts after the next compute
+            self._flush_deferred()  # a copy held back (debug early-reuse) starts here
         else:
             self._produce(job)
             self.active = None
@@ -183,11 +187,7 @@ class Producer:
     def _compute(self, job: Job) -> None:
         start = self.now()
         step = job.steps.pop(0)
-        if self.config.debug == "issue-early" and self.config.mode is not Mode.WHOLE:
-            region = Region((step, step + 1), (job.prefix, job.prompt)) \
-                if self.config.mode is Mode.LAYER else Region((0, self.geometry.layers), step)
-            self._send("issue", handle=job.handle, sid=next(self.sids), layers=region.layers,
-                       tokens=region.tokens, bytes=region.bytes(self.geometry))
+        self.bugs.before_compute(self, job, step)
         if self.config.mode is Mode.LAYER:
             chunks = plan_chunks(job.prompt, job.prefix, self.config.chunk)
             job.hidden = [self.model.run_layer(step, h, a, job.kv)
@@ -211,20 +211,13 @@ class Producer:
             for region in plan_spans(Mode.WHOLE, self.geometry, job.prompt, job.prefix,
                                      self.config.chunk):
                 self._queue_span(job, region)
-        if self.config.debug == "early-reuse":  # the seed's bug: pages freed under a copy
-            self.cache.pool = self.cache.pool.give_back(job.pages)
-            job.pages = ()
+        self.bugs.after_produced(self, job)
 
     def _queue_span(self, job: Job, region: Region) -> None:
-        if self.config.debug == "early-reuse":
-            self.deferred.append((job, region))  # the copy starts after the next compute
-        else:
-            self.outbox.put((job, region))
+        self.bugs.queue(self.outbox, (job, region))
 
     def _flush_deferred(self) -> None:
-        for item in self.deferred:
-            self.outbox.put(item)
-        self.deferred = []
+        self.bugs.flush(self.outbox)
 
     def _cancel(self, handle: str) -> None:
         """Stop a life: no more compute or spans; `stopped` once the sender passed it."""
@@ -288,8 +281,7 @@ class Producer:
             return
         index = job.kv.inner.slots[region.tokens[0]:region.tokens[1]]  # [nt]
         kv = self.cache.kv[region.layers[0]:region.layers[1]].index_select(2, index)
-        if self.config.debug == "drop-last-row" and kv.shape[2]:
-            kv[:, :, -1] = 0  # [nl, 2, KVH, D]: the copy loses the span's last token row
+        self.bugs.after_gather(kv)  # [nl, 2, nt, KVH, D]
         if fate is Fate.CORRUPT and kv.numel():
             kv.view(BITS[kv.dtype]).view(-1)[0] ^= 1  # one bit of one element, in transit
         gathered = self.now()

@@ -16,6 +16,7 @@ import sys
 import attrs
 import torch
 
+from pdgpu.serve.bugs import bug_for
 from pdgpu.serve.config import ServeConfig, producer_capabilities
 from pdgpu.serve.devices import use_device
 from pdgpu.serve.models import load_served_model, model_spec
@@ -59,7 +60,7 @@ def run_producer(endpoint: Endpoint, rank: int, generation: int, opts: ProducerO
             return 2
         torch.set_num_threads(config.threads)
         model = load_served_model(config.model, config.seed, config.dtype, opts.device)
-        producer = Producer(transport, config, model, f"p{rank}")
+        producer = Producer(transport, config, model, f"p{rank}", bug_for(config.debug))
         transport.send(0, "ready", {"now": producer.now()})
         producer.run()
         return 0
