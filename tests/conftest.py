@@ -1,8 +1,20 @@
 """Hypothesis runs without its per-example deadline: CI machines are shared and noisy, and a
-slow example says nothing about correctness (speed is measured by bench/, side by side)."""
+slow example says nothing about correctness (speed is measured by bench/, side by side).
+Every test has a timeout (pytest-timeout, pyproject.toml): a stuck one fails with its stack."""
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("noisy-machine", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("noisy-machine")
+
+
+SLOW_TIMEOUT_S = 900  # a slow test's own bound (the default, pyproject's `timeout`, is 120 s)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """A slow test without a timeout of its own gets SLOW_TIMEOUT_S: stuck still fails."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
