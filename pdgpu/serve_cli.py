@@ -180,7 +180,7 @@ def _progress(args, total: int):
 
 
 def _serve(args, config, policy, workload, producers, endpoint, run: ServeRun) -> None:
-    opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout)
+    opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout, args.kv_lane)
     bar = _progress(args, len(workload.requests))
     try:
         if args.role == "decoder":
@@ -198,7 +198,7 @@ def _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar
                         eos, trace) -> None:
     use_device(opts.device)  # with --role decoder, --device is this process's
     store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)
-    transport = open_transport(store, 0, opts.device, opts.connect_timeout_s)
+    transport = open_transport(store, 0, opts.device, opts.connect_timeout_s, opts.kv_lane)
     try:
         connect_producers(transport, producers)
         run_decoder(transport, config, workload, policy, opts.connect_timeout_s, progress=bar,
@@ -226,7 +226,7 @@ def _write_outputs(args, run: ServeRun) -> None:
 def _producer_role(args, endpoint: Endpoint) -> None:
     """This process is one producer rank; it ends here (os._exit: its receiving thread may
     still block in gloo, and an interpreter exit would abort on it)."""
-    opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout)
+    opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout, args.kv_lane)
     code = 1
     try:
         code = run_producer(endpoint, args.rank, 0, opts)

@@ -226,6 +226,18 @@ class Ring:
         return sum(b.numel() * b.element_size() for b in bufs.values())
 
 
+def pin_host(memory: torch.Tensor) -> None:
+    """Page-lock host memory torch did not allocate (a shared mapping), so copies between it
+    and a GPU run at pinned-copy speed (DMA, no bounce through a pageable staging buffer)."""
+    nbytes = memory.numel() * memory.element_size()
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), nbytes, 0))
+
+
+def unpin_host(memory: torch.Tensor) -> None:
+    """Undo pin_host before the mapping goes."""
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(memory.data_ptr()))
+
+
 STAGES = (("gather", "producer"), ("d2h", "link.d2h"), ("h2d", "link.h2d"))
 
 

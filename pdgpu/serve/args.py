@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from pdgpu.cli_types import int_at_least as _int
 from pdgpu.cli_types import positive_float as _positive
 from pdgpu.serve.config import DEBUG_BUGS
@@ -58,8 +60,12 @@ def _serve_args(p) -> None:
     p.add_argument("--results", help="write one JSON line per request here")
     p.add_argument("--trace", help="write the run's version-2 trace here")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.add_argument("--verify", action="store_true",
-                   help="check each landed span against compute-time checksums")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="check each landed span against compute-time checksums (default: on; "
+                   "--no-verify: off)")
+    p.add_argument("--kv-lane", choices=("shm", "gloo"), default="shm",
+                   help="how KV crosses between processes on one machine: shm (shared "
+                   "memory; page-locked on one GPU) or gloo (TCP); two GPUs: NCCL either way")
     tries = p.add_mutually_exclusive_group()
     tries.add_argument("--max-attempts", type=_int(1), help="lives per request before it is "
                        "failed (a cancel is not retried; default 3)")
@@ -91,7 +97,7 @@ def _fault_args(p) -> None:
     g.add_argument("--stall-rate", type=float, default=0.0, help="chance a span's writer "
                    "hangs until its deadline (needs --span-timeout)")
     g.add_argument("--corrupt-rate", type=float, default=0.0, help="chance a span's bytes "
-                   "are altered in transit (needs --verify, which fails the span)")
+                   "are altered in transit (refused with --no-verify: --verify fails the span)")
     g.add_argument("--cancel-rate", type=float, default=0.0, help="chance a request is "
                    "cancelled, after a drawn number of its steps (any phase)")
     g.add_argument("--kill-producer", action="append", default=[], metavar="I@SECONDS",

@@ -37,7 +37,7 @@ class ServeConfig:
     page_tokens: int = 16
     pool_pages: int = 0
     link_gbps: float | None = None
-    verify: bool = False
+    verify: bool = True  # `--no-verify` turns it off (it costs little: bench/serve.py)
     debug: str | None = None
     prefix_tokens: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     source_pages: int = 0  # per producer: room for two of the longest requests

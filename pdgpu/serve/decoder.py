@@ -133,6 +133,12 @@ class Decoder(Recovery):
             self._handle(msg)
 
     def _handle(self, msg: Message) -> None:
+        try:
+            self._take(msg)
+        finally:  # its tensors were copied out (or dropped): shared slots go back
+            self.members.transport.done(msg)
+
+    def _take(self, msg: Message) -> None:
         self.last_progress = time.perf_counter()
         self.members.seen(msg.src)
         if msg.op in HANDSHAKE:

@@ -260,7 +260,7 @@ def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: P
         on_start(procs.pids)
     import pdgpu.serve.preload  # noqa: F401 - torch's lazy imports, while producers start
     run = run if run is not None else ServeRun()
-    transport = open_transport(store, 0, decoder_device, opts.connect_timeout_s)
+    transport = open_transport(store, 0, decoder_device, opts.connect_timeout_s, opts.kv_lane)
     try:
         connect_producers(transport, producers, alive=procs.check)
         run_decoder(transport, config, workload, policy or FaultPolicy(),

@@ -31,6 +31,7 @@ class ProducerOptions:
     kv_progress: bool = True
     device: str = "cpu"  # this producer's (checked: devices.check_device)
     connect_timeout_s: float = 60.0
+    kv_lane: str = "shm"  # offer shared memory to a decoder on this machine, or "gloo"
 
 
 def expect(transport, ops: tuple[str, ...], timeout_s: float):
@@ -47,7 +48,7 @@ def run_producer(endpoint: Endpoint, rank: int, generation: int, opts: ProducerO
     decoder says shutdown; its exit code."""
     use_device(opts.device)
     store = open_store(endpoint, rank, None, opts.connect_timeout_s)
-    transport = open_transport(store, rank, opts.device, opts.connect_timeout_s)
+    transport = open_transport(store, rank, opts.device, opts.connect_timeout_s, opts.kv_lane)
     transport.connect(0, generation)
     producer = None
     try:

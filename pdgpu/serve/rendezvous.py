@@ -2,10 +2,14 @@
 
 The rendezvous is a TCPStore (the decoder, rank 0, serves it). Each link's two processes
 publish a device descriptor under the link's store prefix and read the other's, so both pick
-the same *lane* for its tensors without asking anyone: `gloo` (both on CPU), `nccl` (both on
-CUDA, on distinct GPUs) or `gloo-staged` (a CUDA process at either end but no NCCL possible:
-the same GPU, which NCCL refuses to join twice, or a CPU peer, which the handshake then
-refuses as mixed devices; CUDA tensors cross through host memory).
+the same *lane* for its tensors without asking anyone: `shm` (both on CPU, on one machine,
+both offering shared memory: transport_shm.py), `gloo` (both on CPU otherwise), `nccl` (both
+on CUDA, on distinct GPUs), `shm-pinned` (both on one GPU, on one machine, both offering
+shared memory: page-locked shared host memory, d2h then h2d) or `gloo-staged` (a CUDA process
+at either end but neither NCCL nor shared memory: the same GPU, which NCCL refuses to join
+twice, or a CPU peer, which the handshake then refuses as mixed devices; CUDA tensors cross
+through host memory over gloo). A descriptor without `host`/`shm` (an older peer, or
+`--kv-lane gloo`) never gets a shared-memory lane.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import orjson
 import torch.distributed as dist
 
 GLOO, NCCL, STAGED = "gloo", "nccl", "gloo-staged"
+SHM, SHM_PINNED = "shm", "shm-pinned"
+SHARED = (SHM, SHM_PINNED)  # the shared-memory lanes
 
 
 class TransportError(RuntimeError):
@@ -51,14 +57,22 @@ def open_store(endpoint: Endpoint, rank: int, world_size: int, timeout_s: float)
 
 
 def choose_lane(mine: dict, theirs: dict) -> str:
-    """The lane of a link from both ends' descriptors {"device", "gpu"} (symmetric, so both
-    ends agree): NCCL needs two CUDA processes on two distinct GPUs."""
+    """The lane of a link from both ends' descriptors {"device", "gpu", "host", "shm"}
+    (symmetric, so both ends agree): NCCL needs two CUDA processes on two distinct GPUs,
+    shared memory two processes on one machine that both offer it."""
     devices = (mine["device"], theirs["device"])
     if all(d == "cpu" for d in devices):
-        return GLOO
-    if "cpu" in devices or mine["gpu"] == theirs["gpu"]:
+        return SHM if _share_memory(mine, theirs) else GLOO
+    if "cpu" in devices:
         return STAGED
+    if mine["gpu"] == theirs["gpu"]:
+        return SHM_PINNED if _share_memory(mine, theirs) else STAGED
     return NCCL
+
+
+def _share_memory(mine: dict, theirs: dict) -> bool:
+    """Both ends offer shared memory (a segment name stem) on the same machine."""
+    return bool(mine.get("shm") and theirs.get("shm")) and mine.get("host") == theirs.get("host")
 
 
 def exchange_descriptors(store, me: int, mine: dict) -> dict:

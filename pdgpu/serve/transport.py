@@ -13,8 +13,10 @@ reading, and gloo's send then waits for it). A receiving thread per link does th
 blocking `recv`s and queues whole messages: the owner polls the queue (gloo's `irecv` cannot
 be polled for completion). A broken link (the peer died: gloo sees its socket close) is
 reported once as a message `lost` from that peer. KV payloads travel as tensors through the
-same channel; at connect both ends agree on the link's lane (rendezvous.py), and a subclass may
-carry some of its tensors another way (transport_nccl.py: CUDA tensors over NCCL).
+same channel; at connect both ends agree on the link's lane (rendezvous.py): on one machine the
+producer's tensors cross through shared memory (transport_shm.py; the owner calls `done(msg)`
+once it copied them out), and a subclass may carry some of its tensors another way
+(transport_nccl.py: CUDA tensors over NCCL).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import suppress
 from datetime import timedelta
 from typing import Protocol
 
@@ -32,6 +35,9 @@ import torch.distributed as dist
 
 from pdgpu.serve.rendezvous import (  # noqa: F401 - Endpoint, open_store...: imported from here
     GLOO,
+    SHARED,
+    SHM,
+    SHM_PINNED,
     Endpoint,
     TransportError,
     choose_lane,
@@ -42,6 +48,8 @@ from pdgpu.serve.rendezvous import (  # noqa: F401 - Endpoint, open_store...: im
     parse_init_method,
     peer_name,
 )
+from pdgpu.serve.transport_shm import FREE, ReaderViews, SlotError, WriterRing, host_id, place
+from pdgpu.serve.transport_shm import shm_token as _shm_token
 
 HEADER_LEN = 2  # [json bytes, number of tensors]
 DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
@@ -56,6 +64,7 @@ class Message:
     body: dict
     tensors: tuple[torch.Tensor, ...] = ()
     generation: int = 0  # of the link it came over
+    slots: tuple[int, ...] = ()  # shared-memory slots its tensors sit in (until `done`)
 
 
 class Transport(Protocol):
@@ -73,6 +82,8 @@ class Transport(Protocol):
 
     def send(self, dst: int, op: str, body: dict | None = None, tensors=()) -> None: ...
 
+    def done(self, msg: Message) -> None: ...
+
     def get(self, timeout: float | None) -> Message | None: ...
 
     def close(self) -> None: ...
@@ -87,6 +98,8 @@ class Link:
         self.pg, self.me, self.peer, self.generation = pg, me, peer, generation
         self.lane = lane
         self.data = None  # a tensor lane's own process group (transport_nccl.py)
+        self.ring: WriterRing | None = None  # shared-memory lane, the sending end
+        self.views: ReaderViews | None = None  # shared-memory lane, the receiving end
         self.aborted = threading.Event()  # its data group was aborted: stop waiting on it
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # frames to send; None: stop
         self.error: str | None = None  # the link broke
@@ -102,10 +115,12 @@ class GlooTransport:
     """torch.distributed point-to-point over gloo, one two-rank group per link.
 
     Sends wait at most the connect timeout (a live peer's receiving thread always waits for
-    the next message); receives wait up to IDLE_WAIT (a producer may idle a long time)."""
+    the next message); receives wait up to IDLE_WAIT (a producer may idle a long time).
+    `shm`: offer shared memory to a peer on this machine (transport_shm.py)."""
 
-    def __init__(self, store, rank: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, store, rank: int, timeout_s: float = 60.0, shm: bool = False) -> None:
         self.store, self.rank, self.timeout_s = store, rank, timeout_s
+        self.token = _shm_token(shm)  # names the segments of the links this end reads
         self.links: dict[int, Link] = {}
         self.generations: dict[int, int] = {}  # peer -> its current link's generation
         self.dropped: list[Link] = []  # kept: a group is not destroyed under a blocked recv
@@ -146,8 +161,15 @@ class GlooTransport:
     def _open(self, store, me: int, peer: int, generation: int) -> Link:
         """The gloo group, the lane both ends agree on, and that lane's own group if any."""
         pg = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=self.timeout_s))
-        theirs = exchange_descriptors(store, me, self.descriptor())
-        link = Link(pg, me, peer, generation, choose_lane(self.descriptor(), theirs))
+        mine = {**self.descriptor(), "host": host_id(), "shm": self.token}
+        theirs = exchange_descriptors(store, me, mine)
+        link = Link(pg, me, peer, generation, choose_lane(mine, theirs))
+        if link.lane in SHARED:  # the reader's (rank 0's) stem names the link's segments
+            prefix = f"{(mine, theirs)[me]['shm']}-{min(self.rank, peer)}-{max(self.rank, peer)}" \
+                     f"-{generation}"
+            pinned = link.lane == SHM_PINNED
+            link.ring, link.views = (WriterRing(prefix, pinned), None) if me == 1 else \
+                (None, ReaderViews(prefix, pinned))
         self._open_data(link, store)
         return link
 
@@ -178,6 +200,7 @@ class GlooTransport:
         if link is not None:
             link.outbox.put(None)
             self._abort_data(link)  # a receive waiting on a dead peer's tensor gives up
+            _close_shared(link)  # a dead writer's slots: unmapped, its unread files removed
             self.dropped.append(link)
 
     def send(self, dst: int, op: str, body: dict | None = None, tensors=()) -> None:
@@ -192,18 +215,42 @@ class GlooTransport:
         meta = {"op": op, "body": body or {},
                 "tensors": [[str(t.dtype), list(t.shape), via]
                             for t, via in zip(tensors, vias, strict=True)]}
+        fill = None
+        if SHM in vias:  # waits for a free slot: the caller is held, not the link
+            meta["shm"], fill = self._place(link, [t for t, v in zip(tensors, vias,
+                                                                     strict=True) if v == SHM])
         raw = torch.frombuffer(bytearray(orjson.dumps(meta)), dtype=torch.uint8)  # [n]
         header = torch.tensor([raw.numel(), len(tensors)], dtype=torch.int64)  # [2]
-        link.outbox.put((header, raw, tuple(zip(tensors, vias, strict=True))))
+        link.outbox.put((header, raw, tuple((t, v) for t, v in zip(tensors, vias, strict=True)
+                                            if v != SHM), fill))
+
+    def _place(self, link: Link, tensors):
+        def broken() -> str | None:
+            gone = self.closing.is_set() or self.links.get(link.peer) is not link
+            return link.error or ("the link was dropped" if gone else None)
+        try:
+            return place(link.ring, tensors, broken)
+        except SlotError as e:
+            raise TransportError(f"send to {peer_name(link.peer)} failed: {e}") from None
 
     def _via(self, link: Link, tensor: torch.Tensor) -> str | None:
-        """How a tensor travels: None over the gloo group (a CUDA one through host memory)."""
-        return None
+        """How a tensor travels: through shared memory when this end writes a shared lane,
+        else None over the gloo group (a CUDA one through host memory)."""
+        return SHM if link.ring is not None and tensor.numel() else None
+
+    def done(self, msg: Message) -> None:
+        """The owner copied `msg`'s tensors out: the shared slots they sit in go back to
+        the writer (before this they are never written again). Nothing for other lanes."""
+        if msg.slots and self.generations.get(msg.src) == msg.generation:
+            with suppress(TransportError):  # a writer that is gone needs no slot back
+                self.send(msg.src, FREE, {"slots": list(msg.slots)})
 
     def _send_loop(self, link: Link) -> None:
         try:
             while (frames := link.outbox.get()) is not None:
-                header, raw, payload = frames
+                header, raw, payload, fill = frames
+                if fill is not None:  # the bytes are in the shared slot before it is named
+                    fill()
                 for t in (header, raw):
                     link.pg.send([t], link.other, 0).wait()
                 for t, via in payload:
@@ -248,12 +295,17 @@ class GlooTransport:
         quiet = not any(link.thread.is_alive() for link in links)
         for link in links + self.dropped:
             self._abort_data(link)
+            _close_shared(link)
         return quiet
 
     def _receive(self, link: Link) -> None:
         try:
             while True:
-                self.inbox.put(self._receive_one(link))
+                msg = self._receive_one(link)
+                if msg.op == FREE and link.ring is not None:  # the transport's own
+                    link.ring.release(msg.body["slots"])
+                else:
+                    self.inbox.put(msg)
         except Exception as e:  # noqa: BLE001 - the link broke: tell the owner once
             if not self.closing.is_set():
                 self.inbox.put(Message(link.peer, "lost", {
@@ -266,9 +318,13 @@ class GlooTransport:
         raw = torch.empty(int(header[0]), dtype=torch.uint8)  # [n]
         self._recv(link, raw)
         meta = orjson.loads(raw.numpy().tobytes())
-        tensors = [self._recv_payload(link, DTYPES[dtype], shape, via[0] if via else None)
+        shared = meta.get("shm")
+        offsets = iter(shared["offsets"] if shared else ())
+        tensors = [link.views.view(shared, next(offsets), DTYPES[dtype], shape) if via == [SHM]
+                   else self._recv_payload(link, DTYPES[dtype], shape, via[0] if via else None)
                    for dtype, shape, *via in meta["tensors"]]
-        return Message(link.peer, meta["op"], meta["body"], tuple(tensors), link.generation)
+        return Message(link.peer, meta["op"], meta["body"], tuple(tensors), link.generation,
+                       (shared["slot"],) if shared else ())
 
     def _recv_payload(self, link: Link, dtype: torch.dtype, shape, via: str | None):
         """One tensor of a message; over gloo it arrives in host memory."""
@@ -284,3 +340,9 @@ class GlooTransport:
             work.wait()
         else:
             work.wait(wait)
+
+
+def _close_shared(link: Link) -> None:
+    for end in (link.ring, link.views):
+        if end is not None:
+            end.close()

@@ -22,7 +22,9 @@ two groups per link and not NCCL alone:
   The process must not die with it, so NCCL's watchdog is told not to tear the process down
   (TORCH_NCCL_ASYNC_ERROR_HANDLING=0 unless set: the transport aborts groups itself).
 - NCCL cannot join two processes on one GPU; such a link (same GPU UUID at both ends) is
-  `gloo-staged`: its CUDA tensors cross through host memory (rendezvous.choose_lane).
+  `shm-pinned` on one machine (the producer's CUDA tensors d2h into page-locked shared memory,
+  the decoder h2d out of it: transport_shm.py), else `gloo-staged` (they cross through host
+  memory over gloo; rendezvous.choose_lane).
 Each process sets its CUDA device before any NCCL group is made (and in each thread that
 posts NCCL work). Only the lanes are new: framing, generations, `lost` are GlooTransport's.
 """
@@ -51,11 +53,14 @@ def backend_for(device: str) -> str:
     return "gloo" if kind(device) == "cpu" else "nccl"
 
 
-def open_transport(store, rank: int, device: str, timeout_s: float = 60.0) -> GlooTransport:
-    """This process's transport for its device."""
+def open_transport(store, rank: int, device: str, timeout_s: float = 60.0,
+                   kv_lane: str = "gloo") -> GlooTransport:
+    """This process's transport for its device; `kv_lane` "shm" offers shared memory to
+    peers on this machine (a link takes it when both ends offer it)."""
+    shm = kv_lane == "shm"
     if backend_for(device) == "gloo":
-        return GlooTransport(store, rank, timeout_s)
-    return NcclTransport(store, rank, device, timeout_s)
+        return GlooTransport(store, rank, timeout_s, shm)
+    return NcclTransport(store, rank, device, timeout_s, shm)
 
 
 def gpu_identity(device: torch.device) -> str:
@@ -76,8 +81,9 @@ def nccl_group(store, me: int, timeout_s: float, name: str):
 
 
 class NcclTransport(GlooTransport):
-    def __init__(self, store, rank: int, device: str, timeout_s: float = 60.0) -> None:
-        super().__init__(store, rank, timeout_s)
+    def __init__(self, store, rank: int, device: str, timeout_s: float = 60.0,
+                 shm: bool = False) -> None:
+        super().__init__(store, rank, timeout_s, shm)
         self.device = torch.device(device)
         self._check_backend()
         self._on_device()
@@ -127,9 +133,11 @@ class NcclTransport(GlooTransport):
                                      f"exchange carried {probe.item()}, not 1")
 
     def _via(self, link: Link, tensor: torch.Tensor) -> str | None:
-        """NCCL for a CUDA tensor the higher rank sends on an NCCL link; else gloo."""
-        return NCCL if link.lane == NCCL and link.me == 1 and self._in_device_memory(tensor) \
-            else None
+        """NCCL for a CUDA tensor the higher rank sends on an NCCL link; else as GlooTransport
+        (shared memory, or gloo)."""
+        if link.lane == NCCL and link.me == 1 and self._in_device_memory(tensor):
+            return NCCL
+        return super()._via(link, tensor)
 
     def _send_payload(self, link: Link, tensor: torch.Tensor, via: str | None) -> None:
         if via != NCCL:

@@ -1,0 +1,234 @@
+"""KV between two processes on one host through shared memory (lanes `shm` and `shm-pinned`).
+
+Why: over gloo a span's bytes cross loopback TCP (framed, copied through the kernel on both
+sides); through a shared mapping they cross with one memcpy on each side. Only the bytes move
+here: every message's header and JSON stay on the link's gloo group (order, `lost`).
+- The writer (the link's higher rank: the producer) owns a ring of slots, each a file in
+  /dev/shm mapped by both processes. A message with tensors takes one free slot (a new one
+  while fewer than MAX_SLOTS exist, else it waits for one), its tensors are copied in by the
+  link's sending thread before the header goes out, and its JSON names slot, file and offsets.
+- The reader maps a slot's file the first time it sees it and unlinks it at once: from then on
+  the memory lives only as long as the two mappings (a killed process's goes with it). The
+  message's tensors are views of the mapping; the owner copies them out (into its pool) and
+  calls `done(msg)`, and only then is the slot handed back (an internal `shm-free` message):
+  bytes the reader has not consumed are never overwritten.
+- A slot too small for a message is replaced by a larger file (a new name).
+- Files a reader never mapped (a writer killed between making and announcing one) are swept by
+  name: the reader removes its link's prefix when it drops the link or closes, the writer its
+  own files when it closes.
+- On one GPU (`shm-pinned`) both mappings are page-locked (streams.pin_host): the producer's
+  d2h and the decoder's h2d run at pinned-copy speed, the seed's d2h -> h2d path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import secrets
+import socket
+import threading
+from contextlib import suppress
+from pathlib import Path
+
+import attrs
+import torch
+
+from pdgpu.streams import pin_host, unpin_host
+
+SHM_DIR = Path("/dev/shm")
+MAX_SLOTS = 8  # a link's slots at most (the producer's max_pending bounds it in practice)
+GRAIN = 1 << 20  # slot sizes are powers of two of at least this many bytes
+ALIGN = 64  # each tensor's offset in a slot (any dtype's view is aligned)
+FREE = "shm-free"  # transport-internal: the reader consumed these slots
+WAIT_S = 0.05  # between looks at the link while a writer waits for a slot
+
+
+class SlotError(RuntimeError):
+    """A slot cannot be had: the link broke while waiting, or the reader named a bad one."""
+
+
+def shm_token(enabled: bool) -> str | None:
+    """This process's name stem for the segments of the links it reads; None when shared
+    memory is not wanted or this machine has no /dev/shm."""
+    if not enabled or not SHM_DIR.is_dir():
+        return None
+    return f"pdgpu-kv-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def host_id() -> str:
+    """Equal at both ends of a link only when they share a machine (and its /dev/shm)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def map_segment(path: Path, nbytes: int, create: bool) -> torch.Tensor:
+    """uint8 [nbytes] over a shared mapping of `path` (made first when `create`)."""
+    if create:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def sweep(prefix: str) -> int:
+    """Remove the segment files of `prefix` still in /dev/shm; how many there were."""
+    removed = 0
+    for path in SHM_DIR.glob(f"{prefix}-*"):
+        with suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+    return removed
+
+
+def layout(tensors) -> tuple[list[int], int]:
+    """Byte offsets of `tensors` packed in one slot, and the bytes they need."""
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return offsets, end
+
+
+def in_slot(memory: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The tensor of `dtype` and `shape` at byte `offset` of a slot's memory (a view)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return memory[offset:offset + nbytes].view(dtype).view(shape)
+
+
+@attrs.define
+class Slot:
+    index: int
+    name: str  # its file in SHM_DIR
+    memory: torch.Tensor  # uint8 [capacity], the shared mapping
+
+
+class WriterRing:
+    """The writer's slots of one link. A slot is out from `acquire` until the reader's
+    `release` of it: never handed out twice, never written while out."""
+
+    def __init__(self, prefix: str, pinned: bool) -> None:
+        self.prefix, self.pinned = prefix, pinned
+        self.slots: list[Slot] = []
+        self.out: set[int] = set()  # slots acquired and not yet released by the reader
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        self.serial = itertools.count()
+        self.made: list[Path] = []
+        self.lock = threading.Lock()
+
+    def acquire(self, nbytes: int, broken) -> Slot:
+        """A slot of at least `nbytes`, waiting for the reader to hand one back while
+        MAX_SLOTS are out; SlotError naming `broken()` (the reason, or None) if it says the
+        link cannot carry it any more."""
+        while (slot := self._take(nbytes)) is None:
+            why = broken()
+            if why is not None:
+                raise SlotError(f"no shared-memory slot: {why}")
+        with self.lock:
+            self.out.add(slot.index)
+            if slot.memory.numel() < nbytes:
+                slot = self._replace(slot, nbytes)
+        return slot
+
+    def _take(self, nbytes: int) -> Slot | None:
+        with self.lock:
+            if self.free.empty() and len(self.slots) < MAX_SLOTS:
+                self.slots.append(self._new(len(self.slots), nbytes))
+                return self.slots[-1]
+        try:
+            return self.free.get(timeout=WAIT_S)
+        except queue.Empty:
+            return None
+
+    def _new(self, index: int, nbytes: int) -> Slot:
+        path = SHM_DIR / f"{self.prefix}-{next(self.serial)}"
+        self.made.append(path)
+        memory = map_segment(path, max(GRAIN, 1 << (nbytes - 1).bit_length()), create=True)
+        if self.pinned:
+            pin_host(memory)
+        return Slot(index, path.name, memory)
+
+    def _replace(self, slot: Slot, nbytes: int) -> Slot:
+        """A larger file for the slot (the reader maps it on sight; the old one goes)."""
+        self._forget(slot)
+        self.slots[slot.index] = self._new(slot.index, nbytes)
+        return self.slots[slot.index]
+
+    def _forget(self, slot: Slot) -> None:
+        if self.pinned:
+            unpin_host(slot.memory)
+        with suppress(FileNotFoundError):
+            (SHM_DIR / slot.name).unlink()
+
+    def release(self, indices) -> None:
+        """The reader consumed these slots; an index not out is ignored (never freed twice)."""
+        with self.lock:
+            for index in indices:
+                if index in self.out:
+                    self.out.discard(index)
+                    self.free.put(self.slots[index])
+
+    def close(self) -> None:
+        with self.lock:
+            for slot in self.slots:
+                self._forget(slot)
+            self.slots, self.out = [], set()
+            for path in self.made:
+                with suppress(FileNotFoundError):
+                    path.unlink()
+
+
+class ReaderViews:
+    """The reader's mappings of one link's slots, by slot index."""
+
+    def __init__(self, prefix: str, pinned: bool) -> None:
+        self.prefix, self.pinned = prefix, pinned
+        self.mapped: dict[int, Slot] = {}
+
+    def view(self, shm: dict, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        """A tensor the writer placed in slot shm["slot"] (file shm["name"])."""
+        slot = self.mapped.get(shm["slot"])
+        if slot is None or slot.name != shm["name"]:
+            slot = self._map(shm["slot"], shm["name"], shm["size"])
+        return in_slot(slot.memory, offset, dtype, shape)
+
+    def _map(self, index: int, name: str, size: int) -> Slot:
+        if not name.startswith(f"{self.prefix}-") or "/" in name:
+            raise SlotError(f"shared-memory slot {name!r} is not this link's")
+        path = SHM_DIR / name
+        memory = map_segment(path, size, create=False)
+        path.unlink(missing_ok=True)  # only the two mappings hold it now
+        if self.pinned:
+            pin_host(memory)
+        self._unmap(index)
+        self.mapped[index] = Slot(index, name, memory)
+        return self.mapped[index]
+
+    def _unmap(self, index: int) -> None:
+        old = self.mapped.pop(index, None)
+        if old is not None and self.pinned:
+            unpin_host(old.memory)
+
+    def close(self) -> None:
+        for index in list(self.mapped):
+            self._unmap(index)
+        sweep(self.prefix)
+
+
+def place(ring: WriterRing, tensors, broken):
+    """Put `tensors` (numel > 0 each) in one slot: (the JSON naming slot, file and offsets,
+    the copy to run before the message's header is sent)."""
+    offsets, nbytes = layout(tensors)
+    slot = ring.acquire(nbytes, broken)
+
+    def fill() -> None:
+        for t, offset in zip(tensors, offsets, strict=True):
+            in_slot(slot.memory, offset, t.dtype, t.shape).copy_(t)
+
+    return {"slot": slot.index, "name": slot.name, "size": slot.memory.numel(),
+            "offsets": offsets}, fill
