@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from pdgpu import serve_cli
+from pdgpu.audit import Disagreement
 from pdgpu.checkpoint import CheckpointError, inspect_checkpoint, load_checkpoint
 from pdgpu.cli_types import int_at_least, positive_float
 from pdgpu.compare import compare_modes, compare_table
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     except Violation as e:
         print(f"pdgpu: violation: {e.code} {e.message}", file=sys.stderr)
         return 1
-    except EngineError as e:
+    except (EngineError, Disagreement) as e:  # Disagreement: the audit and the mirror differ
         print(f"pdgpu: engine error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # e.g. the trace cannot be written: nothing half-written stays

@@ -94,7 +94,17 @@ class Engine:
         plan = setup_check(self.model.spec, self.config, requests)  # before any allocation
         host.keep_freed_memory()
         rec = Recorder(self._header(plan.pool_pages))
-        self._allocate(plan, rec)
+        try:
+            self._allocate(plan, rec)
+            outcomes, wall = self._serve_checked(rec, requests)
+        finally:
+            rec.stop()  # (after close: a no-op) a run that raised leaves no audit thread
+        return RunResult(rec.header, tuple(rec.trace()), outcomes,
+                         engine_metrics(rec, wall, self._extra_metrics()))
+
+    def _serve_checked(self, rec: Recorder, requests: list[Request]):
+        """Serve, stop the copier, surface its errors, then the end-of-run checks: the
+        mirror's at once, then the audit's (the only wait for it)."""
         try:
             with compute_threads(self.config.device, self.config.threads):
                 self.threads_used = torch.get_num_threads()
@@ -105,9 +115,8 @@ class Engine:
         finally:
             self.copier.close()
         self._raise_copy_errors()
-        rec.monitor.close()
-        return RunResult(rec.header, tuple(rec.trace()), outcomes,
-                         engine_metrics(rec, wall, self._extra_metrics()))
+        rec.close()
+        return outcomes, wall
 
     def _allocate(self, plan: Plan, rec: Recorder) -> None:
         """Every buffer of the run, once: source cache, decoder pool, the copier's ring."""

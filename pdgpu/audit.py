@@ -1,0 +1,121 @@
+"""The full specification behind the engine's fast mirror, off the critical path.
+
+The engine decides and gets its verdict on each event from pdref's `FastMonitor` (the
+mutable mirror) on its own thread; every accepted event, and every answer the mirror gave to
+a query the engine decided with, is also put on a queue that one audit thread replays into
+the specification's `Monitor` (`apply`). A refusal there (the same Violation, code and
+message, the synchronous check would have raised) or an answer that differs from the
+mirror's (`Disagreement`) is kept in `error`; the Recorder raises it at the engine's next
+call into pdref, so nothing more is freed, written or admitted once it is found.
+
+Bounded delay: the backlog never exceeds `bound` items (past it, the emitting thread waits
+for the audit to catch up), so at most `bound` events go out after the one the audit refuses.
+A thread, not a process: the audit's work per event is tens of microseconds, most of it
+while the engine thread is inside torch with the GIL released; pickling every event to
+another process would cost the engine thread about as much as the mirror's check itself.
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import threading
+import time
+
+from pdref.monitor import Monitor
+from pdref.violations import Violation
+
+BOUND = 256  # most items waiting for the audit; past it the engine waits (backpressure)
+DRAIN_S = 60.0  # longest wait for the audit at the end of a run
+_STOP = None
+
+
+class Disagreement(RuntimeError):
+    """The fast mirror and the specification answered differently: the run stops."""
+
+
+class Audit:
+    """The audit thread, its Monitor, its queue, the lag of every item and the first error."""
+
+    def __init__(self, header, monitor_cls=Monitor, bound: int = BOUND) -> None:
+        self.monitor = monitor_cls(header)  # no sink: the trace is the fast mirror's
+        self.bound = bound
+        self.error: Exception | None = None
+        self.lags: list[float] = []  # seconds from each item's emission to its audit
+        self.busy_s = 0.0  # audit-thread seconds inside the Monitor
+        self.waits = 0  # times an emitting thread waited for the backlog to shrink
+        self.drain_s = 0.0  # seconds the end of the run waited for the audit
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pdref-audit", daemon=True)
+        self._thread.start()
+
+    def put(self, name: str, args: tuple, answer, emitted: float) -> None:
+        """The mirror answered `answer` to `name(*args)` at perf time `emitted` (an accepted
+        event: `emit` answered None); the Monitor must answer the same."""
+        self._queue.put((name, args, answer, emitted))
+        if self._queue.qsize() > self.bound:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Wait (polling: rare) until half the backlog is audited, or raise what it found."""
+        self.waits += 1
+        while self._queue.qsize() > self.bound // 2 and self.error is None:
+            time.sleep(0.0005)
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not _STOP:
+            if self.error is None:  # after the first error: only drain (nobody waits long)
+                self._audit(*item)
+
+    def _audit(self, name: str, args: tuple, answer, emitted: float) -> None:
+        start = time.perf_counter()
+        try:
+            got = self._ask(name, args)
+            if not _same(got, answer):
+                raise Disagreement(f"pdref's Monitor answers {name}{args!r} with {got!r}, the "
+                                   f"fast mirror answered {answer!r}")
+        except (Violation, Disagreement) as e:
+            self.error = e
+        except Exception as e:  # noqa: BLE001 - any other failure of the audit stops the run too
+            self.error = Disagreement(f"the audit of {name}{args!r} failed: {e!r}")
+        end = time.perf_counter()
+        self.busy_s += end - start
+        self.lags.append(end - emitted)
+
+    def _ask(self, name: str, args: tuple):
+        if name == "state":  # the end of the run: the whole state, compared once
+            return self.monitor.state
+        return getattr(self.monitor, name)(*args)
+
+    def finish(self, timeout: float = DRAIN_S) -> None:
+        """Wait (at most `timeout`) until every item is audited, then raise what was found."""
+        start = time.perf_counter()
+        self.stop()
+        self._thread.join(timeout)
+        self.drain_s = time.perf_counter() - start
+        if self._thread.is_alive():
+            raise Disagreement(f"the audit did not finish within {timeout} s of the run's end")
+        self.raise_error()
+
+    def stop(self) -> None:
+        """Let the thread end once it reaches this point of the queue (idempotent)."""
+        self._queue.put(_STOP)
+
+    def metrics(self) -> dict:
+        lags = self.lags
+        return {"audit_s": self.busy_s, "audit_items": len(lags),
+                "audit_lag_max_s": max(lags, default=0.0),
+                "audit_lag_p50_s": statistics.median(lags) if lags else 0.0,
+                "audit_waits": self.waits, "audit_drain_s": self.drain_s}
+
+
+def _same(got, answer) -> bool:
+    """Equal answers; page and span id tuples as sets (each side lists them in its order)."""
+    if type(got) is tuple and type(answer) is tuple:  # (a state is a tuple subclass)
+        return sorted(got) == sorted(answer)
+    return got == answer
