@@ -34,6 +34,7 @@ def test_overlap_bench_reports_ratios_and_targets(capsys, tmp_path):
     assert result["copy_bandwidth"]["d2h_gbps"] > 0
     fracs = [m["check_frac"] for m in result["median"].values()]
     assert result["ratios"]["live_check_frac"] == max(fracs) > 0  # the worst configuration
+    assert result["ratios"]["audit_lag_max_s"] >= result["ratios"]["audit_lag_p50_s"] > 0
 
 
 def test_export_curve_reports_whole_and_chunked_per_payload(capsys):
