@@ -215,14 +215,13 @@ class GlooTransport:
         meta = {"op": op, "body": body or {},
                 "tensors": [[str(t.dtype), list(t.shape), via]
                             for t, via in zip(tensors, vias, strict=True)]}
-        fill = None
-        if SHM in vias:  # waits for a free slot: the caller is held, not the link
-            meta["shm"], fill = self._place(link, [t for t, v in zip(tensors, vias,
-                                                                     strict=True) if v == SHM])
+        if SHM in vias:  # waits for a free slot and copies in: the caller is held, not the link
+            meta["shm"] = self._place(link, [t for t, v in zip(tensors, vias, strict=True)
+                                             if v == SHM])
         raw = torch.frombuffer(bytearray(orjson.dumps(meta)), dtype=torch.uint8)  # [n]
         header = torch.tensor([raw.numel(), len(tensors)], dtype=torch.int64)  # [2]
         link.outbox.put((header, raw, tuple((t, v) for t, v in zip(tensors, vias, strict=True)
-                                            if v != SHM), fill))
+                                            if v != SHM)))
 
     def _place(self, link: Link, tensors):
         def broken() -> str | None:
@@ -248,9 +247,7 @@ class GlooTransport:
     def _send_loop(self, link: Link) -> None:
         try:
             while (frames := link.outbox.get()) is not None:
-                header, raw, payload, fill = frames
-                if fill is not None:  # the bytes are in the shared slot before it is named
-                    fill()
+                header, raw, payload = frames
                 for t in (header, raw):
                     link.pg.send([t], link.other, 0).wait()
                 for t, via in payload:

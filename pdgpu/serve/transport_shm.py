@@ -6,7 +6,7 @@ here: every message's header and JSON stay on the link's gloo group (order, `los
 - The writer (the link's higher rank: the producer) owns a ring of slots, each a file in
   /dev/shm mapped by both processes. A message with tensors takes one free slot (a new one
   while fewer than MAX_SLOTS exist, else it waits for one), its tensors are copied in by the
-  link's sending thread before the header goes out, and its JSON names slot, file and offsets.
+  sender's thread before the message is queued, and its JSON names slot, file and offsets.
 - The reader maps a slot's file the first time it sees it and unlinks it at once: from then on
   the memory lives only as long as the two mappings (a killed process's goes with it). The
   message's tensors are views of the mapping; the owner copies them out (into its pool) and
@@ -220,15 +220,13 @@ class ReaderViews:
         sweep(self.prefix)
 
 
-def place(ring: WriterRing, tensors, broken):
-    """Put `tensors` (numel > 0 each) in one slot: (the JSON naming slot, file and offsets,
-    the copy to run before the message's header is sent)."""
+def place(ring: WriterRing, tensors, broken) -> dict:
+    """Copy `tensors` (numel > 0 each) into one slot, on the caller's thread (so the link's
+    sending thread sends the previous message's header meanwhile); the JSON naming slot,
+    file and offsets."""
     offsets, nbytes = layout(tensors)
     slot = ring.acquire(nbytes, broken)
-
-    def fill() -> None:
-        for t, offset in zip(tensors, offsets, strict=True):
-            in_slot(slot.memory, offset, t.dtype, t.shape).copy_(t)
-
+    for t, offset in zip(tensors, offsets, strict=True):
+        in_slot(slot.memory, offset, t.dtype, t.shape).copy_(t)
     return {"slot": slot.index, "name": slot.name, "size": slot.memory.numel(),
-            "offsets": offsets}, fill
+            "offsets": offsets}
