@@ -32,8 +32,10 @@ from pdgpu.serve.launch import ProducerOptions, serve_local
 from pdgpu.serve.report import summary
 from pdgpu.serve.transport import Endpoint
 from pdgpu.serve.workload import Workload, draw_requests
+from pdref.events import Stage
 from pdref.metrics import life_metrics
 from pdref.models import load_model
+from pdref.trace import read_trace
 
 MODES = ("whole", "chunk", "layer")
 
@@ -85,14 +87,16 @@ def one_run(args, mode: str, lane: str = "shm", verify: bool = True) -> dict:
     opts = ProducerOptions(device=args.device, kv_lane=lane)
     run = serve_local(config, workload, args.producers, opts, Endpoint("127.0.0.1", 0),
                       decoder_device=args.device)
+    run.ledger.log.close()  # the trace is written while the run goes: read back
     out = summary(run.decoder, run.ledger, run.wall_s)
-    lives, _ = life_metrics(run.ledger.protocol)
+    lives, _ = life_metrics(run.ledger.log.protocol())
     out["tail_p50_s"] = statistics.median(life.ready_t - life.produced_t for life in lives)
     out["e2e_p50_s"] = statistics.median(t.done_t - t.arrival
                                          for t in run.decoder.tracked.values())
-    stages = run.ledger.stages
-    for name in ("compute", "link", "decode"):
-        out[f"{name}_total_s"] = sum(s.end - s.t for s in stages if s.name == name)
+    stages = [e for _, e in read_trace(run.ledger.log.path) if type(e) is Stage]
+    for stage in ("compute", "link", "decode"):
+        out[f"{stage}_total_s"] = sum(s.end - s.t for s in stages if s.name == stage)
+    run.ledger.log.discard()
     return out
 
 
