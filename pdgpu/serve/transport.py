@@ -24,7 +24,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from contextlib import suppress
 from datetime import timedelta
 from typing import Protocol
 
@@ -48,7 +47,7 @@ from pdgpu.serve.rendezvous import (  # noqa: F401 - Endpoint, open_store...: im
     parse_init_method,
     peer_name,
 )
-from pdgpu.serve.transport_shm import FREE, ReaderViews, SlotError, WriterRing, host_id, place
+from pdgpu.serve.transport_shm import ReaderViews, SlotError, WriterRing, host_id, place
 from pdgpu.serve.transport_shm import shm_token as _shm_token
 
 HEADER_LEN = 2  # [json bytes, number of tensors]
@@ -240,9 +239,9 @@ class GlooTransport:
     def done(self, msg: Message) -> None:
         """The owner copied `msg`'s tensors out: the shared slots they sit in go back to
         the writer (before this they are never written again). Nothing for other lanes."""
-        if msg.slots and self.generations.get(msg.src) == msg.generation:
-            with suppress(TransportError):  # a writer that is gone needs no slot back
-                self.send(msg.src, FREE, {"slots": list(msg.slots)})
+        link = self.links.get(msg.src)
+        if msg.slots and link is not None and link.generation == msg.generation:
+            link.views.release(msg.slots)
 
     def _send_loop(self, link: Link) -> None:
         try:
@@ -298,11 +297,7 @@ class GlooTransport:
     def _receive(self, link: Link) -> None:
         try:
             while True:
-                msg = self._receive_one(link)
-                if msg.op == FREE and link.ring is not None:  # the transport's own
-                    link.ring.release(msg.body["slots"])
-                else:
-                    self.inbox.put(msg)
+                self.inbox.put(self._receive_one(link))
         except Exception as e:  # noqa: BLE001 - the link broke: tell the owner once
             if not self.closing.is_set():
                 self.inbox.put(Message(link.peer, "lost", {
