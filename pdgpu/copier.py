@@ -163,10 +163,11 @@ class Copier:
         with self._cond:
             self._cond.wait_for(lambda: self.completions > seen or not self._in_flight, timeout)
 
-    def drain(self) -> None:
-        """Block until every span submitted was reported."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until every span submitted was reported (True), or `timeout` s passed
+        (False: spans are still in flight)."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._in_flight)
+            return self._cond.wait_for(lambda: not self._in_flight, timeout)
 
     def wait(self) -> CopyResult:
         """The next result, when no `on_done` was given (tests, benchmarks)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 
@@ -152,22 +153,69 @@ def test_link_pacing_holds_each_direction():
         assert stage.end - stage.start >= floor, name
 
 
+class Traced:
+    """Wraps a copier's lanes: each stage's start and end go into one ordered log as
+    (lane, span, "start" | "end"), and a stage may be held until an event is set (at most
+    30 s, then its span fails), so a test forces an interleaving and reads the order."""
+
+    def __init__(self, copier: Copier) -> None:
+        self.log, self.lock = [], threading.Lock()
+        self.holds: dict[tuple, threading.Event] = {}
+        self.reached: dict[tuple, threading.Event] = {}
+        for lane in copier.backend.lanes.values():
+            self._wrap(lane)
+
+    def event(self, lane: str, span: int, what: str) -> threading.Event:
+        """Set once `lane` started or ended (`what`) span `span`'s stage."""
+        return self.reached.setdefault((lane, span, what), threading.Event())
+
+    def before(self, first: tuple, second: tuple) -> bool:
+        return self.log.index(first) < self.log.index(second)
+
+    def _wrap(self, lane) -> None:
+        run, spans = lane.run, itertools.count()
+
+        def traced(after, work, nbytes):
+            key = (lane.name, next(spans))  # a lane runs its spans in issue order
+            return run(after, lambda: self._stage(key, work), nbytes)
+        lane.run = traced
+
+    def _stage(self, key: tuple, work) -> None:
+        self._note(*key, "start")
+        hold = self.holds.get(key)
+        if hold is not None and not hold.wait(30):
+            raise RuntimeError(f"{key} held: what it waited for never happened")
+        work()
+        self._note(*key, "end")
+
+    def _note(self, lane: str, span: int, what: str) -> None:
+        with self.lock:
+            self.log.append((lane, span, what))
+        self.event(lane, span, what).set()
+
+
 def test_spans_pipeline_d2h_of_the_next_overlaps_h2d_of_the_previous():
-    """Stages of different spans overlap: span k+1's d2h runs while span k's h2d does, so
-    n spans take about (n + 1) link times, not 2n."""
-    copier, _, request, pool = _copier(slots=2, link=0.0005)
+    """Span 1's d2h runs while span 0's h2d does: span 1's d2h is held until span 0's h2d
+    started, and that h2d until span 1's d2h ended (a copier running one span at a time
+    would never get there: a span fails). Each direction carries one span at a time, and a
+    span's stages run in order."""
+    copier, _, request, pool = _copier(slots=2)
+    traced = Traced(copier)
+    traced.holds["d2h", 1] = traced.event("h2d", 0, "start")
+    traced.holds["h2d", 0] = traced.event("d2h", 1, "end")
     slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8)))
         copier.submit(_job(copier, request, slab, 1, (8, 16)))
-        first, second = copier.wait(), copier.wait()
+        results = [copier.wait(), copier.wait()]
     finally:
         copier.close()
-    stage = {(r.job.span, s.name): s for r in (first, second) for s in r.stages}
-    assert stage[1, "d2h"].start < stage[0, "h2d"].end
-    assert stage[1, "d2h"].start >= stage[0, "d2h"].end  # one direction: one at a time
-    assert stage[1, "h2d"].start >= stage[0, "h2d"].end
-    assert stage[0, "h2d"].start >= stage[0, "d2h"].end  # a span's stages in order
+    assert [r.error for r in results] == [None, None]
+    assert traced.before(("h2d", 0, "start"), ("d2h", 1, "end"))
+    assert traced.before(("d2h", 1, "end"), ("h2d", 0, "end"))
+    assert traced.before(("d2h", 0, "end"), ("d2h", 1, "start"))
+    assert traced.before(("h2d", 0, "end"), ("h2d", 1, "start"))
+    assert traced.before(("d2h", 0, "end"), ("h2d", 0, "start"))
 
 
 def test_gather_waits_for_the_readiness_mark():
@@ -201,28 +249,42 @@ def test_copy_bandwidth_probe_reports_both_directions():
 
 
 # -- the CUDA path's structure on a fake device: streams log what is enqueued, events
-#    complete only when the test lets the fake device run ------------------------------------
+#    complete only once the test starts the fake device ---------------------------------------
 
 
 class FakeDevice:
-    """Events recorded on fake streams complete when `run()` is called (in record order)."""
+    """Events recorded on fake streams complete once the test starts the device (`run`): those
+    recorded before at once, every later one as it is recorded, as a real device's streams
+    keep running. (A `run` that completed only what was recorded by then hung the watcher
+    forever on an event a late lane thread recorded after it; see
+    test_an_event_recorded_after_the_device_started_still_completes.)"""
 
     def __init__(self) -> None:
-        self.recorded, self.syncs, self.lock = [], [], threading.Lock()
+        self.recorded, self.syncs, self.running = [], [], False
+        self.changed = threading.Condition()
 
-    def run_until(self, stop: threading.Event) -> None:
-        """Complete whatever was recorded, every millisecond, until `stop`."""
-        while not stop.wait(0.001):
-            with self.lock:
-                for event in self.recorded:
-                    event.complete()
-
-    def run(self) -> float:
-        time.sleep(0.02)  # let the lanes enqueue what they can
-        with self.lock:
+    def run(self) -> None:
+        with self.changed:
+            self.running = True
             for event in self.recorded:
                 event.complete()
-        return time.perf_counter()
+
+    def on_record(self, event) -> None:
+        with self.changed:
+            self.recorded.append(event)
+            if self.running:
+                event.complete()
+            self.changed.notify_all()
+
+    def on_sync(self) -> None:
+        with self.changed:
+            self.syncs.append(threading.current_thread().name)
+            self.changed.notify_all()
+
+    def wait_until(self, predicate) -> None:
+        """Block (at most 30 s) until `predicate()` holds: the lanes or the watcher got there."""
+        with self.changed:
+            assert self.changed.wait_for(predicate, timeout=30), (self.recorded, self.syncs)
 
 
 class FakeEvent:
@@ -233,8 +295,7 @@ class FakeEvent:
 
     def record(self, stream) -> None:
         stream.log.append(("record", self, threading.current_thread().name))
-        with self.device.lock:
-            self.device.recorded.append(self)
+        self.device.on_record(self)
 
     def complete(self) -> None:
         if not self.done.is_set():
@@ -245,7 +306,7 @@ class FakeEvent:
         return self.done.is_set()
 
     def synchronize(self) -> None:
-        self.device.syncs.append(threading.current_thread().name)
+        self.device.on_sync()
         self.done.wait()
 
     def elapsed_time(self, other) -> float:
@@ -294,6 +355,16 @@ def fake_cuda(monkeypatch):
     return device
 
 
+# Events two spans record: 2 readiness marks, then a start and an end per stage per span.
+ALL_RECORDED = 2 + 2 * 3 * 2
+
+
+def _blocked_before_the_device_ran(device: FakeDevice) -> None:
+    """Wait until the lanes enqueued both spans and the watcher waits on an event: from
+    here on nothing can be reported before the device runs."""
+    device.wait_until(lambda: len(device.recorded) == ALL_RECORDED and device.syncs)
+
+
 def test_cuda_lanes_chain_events_and_report_only_after_the_device_ran(fake_cuda):
     """On the CUDA path the lanes only enqueue: each stage waits the previous stage's event
     on its stream (gather waits the readiness event), nothing is reported and no slot comes
@@ -306,10 +377,10 @@ def test_cuda_lanes_chain_events_and_report_only_after_the_device_ran(fake_cuda)
         readies = [copier.mark_ready(), copier.mark_ready()]
         for span, tokens in ((0, (0, 8)), (1, (8, 16))):
             copier.submit(_job(copier, request, slab, span, tokens, ready=readies[span]))
-        time.sleep(0.05)
+        _blocked_before_the_device_ran(fake_cuda)
         assert reports == [] and copier.free_slots == 0 and copier.in_flight == 2
         fake_cuda.run()
-        copier.drain()
+        assert copier.drain(timeout=30)
     finally:
         copier.close()
     log = backend.lanes["gather"].stream.log + backend.lanes["h2d"].stream.log
@@ -332,13 +403,11 @@ def test_cuda_link_pacing_holds_each_direction_and_orders_the_next_on_the_host(f
     backend = FakeCudaBackend(_clock(), fake_cuda, link_gbps=0.001)
     copier, _, request, pool = _copier(backend=backend)
     slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
-    stop = threading.Event()
-    threading.Thread(target=fake_cuda.run_until, args=(stop,), daemon=True).start()
+    fake_cuda.run()
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8)))
         result = copier.wait()
     finally:
-        stop.set()
         copier.close()
     stage = {s.name: s for s in result.stages}
     floor = 3 * 2 * 8 * 2 * 4 * 4 / 1e6 * 0.95
@@ -360,10 +429,10 @@ def test_cuda_failed_span_is_reported_after_the_device_ran_and_the_next_span_sti
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8), fail=True))
         copier.submit(_job(copier, request, slab, 1, (8, 16)))
-        time.sleep(0.05)
+        _blocked_before_the_device_ran(fake_cuda)
         assert reports == [] and copier.free_slots == 0
         fake_cuda.run()
-        copier.drain()
+        assert copier.drain(timeout=30)
     finally:
         copier.close()
     failed, ok = reports
@@ -372,3 +441,28 @@ def test_cuda_failed_span_is_reported_after_the_device_ran_and_the_next_span_sti
     assert failed.done_t >= max(s.end for s in failed.stages)
     assert torch.equal(pool.read_slab(slab)[:, :, 8:16], source.kv[:, :, request.slots[8:16]])
     assert copier.free_slots == 2
+
+
+def test_an_event_recorded_after_the_device_started_still_completes(fake_cuda):
+    """The interleaving that hung the failed-span test (issue 27), forced: the h2d lane is
+    late and enqueues its stages only after the device started. Every span still lands
+    (a device that completed only what was recorded when it started left drain waiting)."""
+    reports = []
+    backend = FakeCudaBackend(_clock(), fake_cuda)
+    copier, source, request, pool = _copier(slots=2, on_done=reports.append, backend=backend)
+    slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
+    late = threading.Event()
+    backend.lanes["h2d"].put(late.wait)  # the h2d lane's thread, not yet scheduled
+    try:
+        copier.submit(_job(copier, request, slab, 0, (0, 8), fail=True))
+        copier.submit(_job(copier, request, slab, 1, (8, 16)))
+        fake_cuda.wait_until(lambda: len(fake_cuda.recorded) == ALL_RECORDED - 4)  # no h2d
+        fake_cuda.run()
+        late.set()
+        assert copier.drain(timeout=30), f"{copier.in_flight} spans never reported"
+    finally:
+        late.set()
+        fake_cuda.run()  # whatever is still pending completes, so close() can join
+        copier.close()
+    assert [r.job.span for r in reports] == [0, 1] and reports[1].error is None
+    assert torch.equal(pool.read_slab(slab)[:, :, 8:16], source.kv[:, :, request.slots[8:16]])
