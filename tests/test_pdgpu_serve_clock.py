@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -28,29 +28,35 @@ def test_the_shortest_round_trip_wins():
 
 
 class SkewedProducer:
-    """A transport to one producer whose clock reads the decoder's minus `skew`, whose first
-    answer waits `first_delay` (queued behind something) and the others about a millisecond."""
+    """A transport to one producer whose clock reads the decoder's minus `skew`, on a fake
+    decoder clock (`now`) that each message advances by its delay: a probe takes 0.4 ms out
+    and 0.6 ms back, except the first answer, held `first_delay` on its way back (queued
+    behind something)."""
 
     def __init__(self, skew: float, first_delay: float) -> None:
-        self.skew, self.delays, self.pending = skew, [first_delay], []
+        self.skew, self.delays, self.pending, self.t = skew, [first_delay], [], 1000.0
+
+    def now(self) -> float:
+        return self.t
 
     def send(self, rank, op, body, tensors=()):
         assert op == "clock"
-        delay = self.delays.pop() if self.delays else 0.001
-        self.pending.append(Message(rank, "clock", {"now": time.perf_counter() - self.skew}, ()))
-        time.sleep(delay)  # the answer waits on its way back
+        self.t += 0.0004  # the probe on its way
+        self.pending.append(Message(rank, "clock", {"now": self.t - self.skew}, ()))
+        self.t += self.delays.pop() if self.delays else 0.0006  # the answer on its way back
 
     def get(self, timeout):
         return self.pending.pop(0) if self.pending else None
 
 
-def test_a_queued_answer_does_not_skew_the_offset():
+def test_a_queued_answer_does_not_skew_the_offset(monkeypatch):
     """The first answer held 0.3 s on its way back (as a `ready` read late was): the estimate
-    stays within a few milliseconds of the true skew, where that probe alone would put it
-    0.15 s off and a one-way reading 0.3 s."""
+    is the true skew to within 0.1 ms (half the 0.2 ms asymmetry of the fast probes), where
+    that probe alone would put it 0.15 s off and a one-way reading 0.3 s."""
     transport = SkewedProducer(skew=123.0, first_delay=0.3)
+    monkeypatch.setattr(clock, "time", SimpleNamespace(perf_counter=transport.now))
     offset = measure_offset(transport, 1, timeout_s=5.0, check_peers=lambda: None)
-    assert offset == pytest.approx(123.0, abs=0.005)
+    assert offset == pytest.approx(123.0001, abs=1e-9)
 
 
 def test_a_rejoined_producer_keeps_its_best_round_trip():
