@@ -88,8 +88,10 @@ def test_unreachable_address_is_one_line_exit_2(tmp_path, capsys):
     assert not csv.exists()
 
 
-def test_silent_listener_is_refused_within_the_timeout(capsys):
-    """Something that accepts connections but never answers as Ray: exit 2 after --ray-timeout."""
+@pytest.mark.timeout(60)  # a refusal that never comes fails here, not a clock comparison
+def test_silent_listener_is_refused_after_the_timeout(capsys):
+    """Something that accepts connections but never answers as Ray: exit 2, not before
+    --ray-timeout."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(8)  # the kernel completes handshakes; nobody ever speaks
@@ -97,7 +99,7 @@ def test_silent_listener_is_refused_within_the_timeout(capsys):
         err = _refused(capsys, [*GRID, "--ray", f"127.0.0.1:{s.getsockname()[1]}",
                                 "--ray-timeout", "1.5"])
         elapsed = time.monotonic() - start
-    assert "--ray" in err and "1.5 s" in err and 1.5 <= elapsed < 10
+    assert "--ray" in err and "1.5 s" in err and elapsed >= 1.5
 
 
 @pytest.mark.parametrize("address, words", [
