@@ -14,6 +14,7 @@ from pdgpu.cli import main
 from pdgpu.generate import generate
 from pdgpu.model import build_model
 from pdgpu.serve.models import load_served_model
+from pdgpu.serve.transport_shm import SHM_DIR
 from pdref.check import check_lines
 from pdref.models import load_model
 
@@ -64,9 +65,16 @@ def kill(pids) -> None:
             pass
 
 
+def shm_segments() -> list[str]:
+    """Shared-memory KV segments of links this process reads (transport_shm.py) still in
+    /dev/shm: none once a run ended, however its producers ended."""
+    return sorted(p.name for p in SHM_DIR.glob(f"pdgpu-kv-{os.getpid()}-*"))
+
+
 def serve(tmp_path: Path, *args: str) -> tuple[int, list[dict], list[bytes]]:
     """`pdgpu serve ARGS` in this process: (exit code, results lines, trace lines). Asserts
-    that no producer outlives the run (killing any that does)."""
+    that no producer outlives the run (killing any that does) and that no shared-memory
+    segment of its links is left."""
     results, trace = tmp_path / "results.jsonl", tmp_path / "trace.jsonl"
     try:
         code = main(["serve", "--results", str(results), "--trace", str(trace),
@@ -75,6 +83,7 @@ def serve(tmp_path: Path, *args: str) -> tuple[int, list[dict], list[bytes]]:
         left = producers_alive()
         kill(left)
     assert not left, f"producer processes left behind: {left}"
+    assert not shm_segments(), f"shared-memory segments left behind: {shm_segments()}"
     lines = [json.loads(x) for x in results.read_text().splitlines()] if results.exists() else []
     events = trace.read_bytes().splitlines() if trace.exists() else []
     return code, lines, events

@@ -16,8 +16,6 @@ from serve_helpers import (
     write_sensitive_checkpoint,
 )
 
-from pdgpu.decode_kv import DecodeBatch, SequenceKV
-from pdgpu.model import build_model
 from pdgpu.serve.config import Capabilities, producer_capabilities, refusal
 from pdgpu.serve.digest import first_mismatch, row_digests
 from pdref.events import Mode
@@ -39,15 +37,18 @@ def _assert_parity(model: str, prompts: list[dict], results: list[dict], prefix:
         assert result["output"] == want, (line["req"], result["output"], want)
 
 
-@pytest.mark.parametrize(("mode", "producers"), [("whole", 1), ("chunk", 2), ("layer", 3)])
-def test_served_tokens_equal_generate_in_every_mode(tmp_path, checkpoint, mode, producers):
-    """An HF checkpoint, a shared prefix, N producers: every request's tokens equal generate."""
+@pytest.mark.parametrize(("mode", "producers", "lane"),
+                         [("whole", 1, "gloo"), ("chunk", 2, "shm"), ("layer", 3, "shm")])
+def test_served_tokens_equal_generate_in_every_mode(tmp_path, checkpoint, mode, producers,
+                                                    lane):
+    """An HF checkpoint, a shared prefix, N producers, KV over gloo or shared memory: every
+    request's tokens equal generate."""
     prompts = drawn_prompts(tmp_path / "p.jsonl", 4, [37, 64, 50, 81], 256, PREFIX, 6)
     code, results, trace = serve(
         tmp_path, "--model", checkpoint, "--mode", mode, "--producers", str(producers),
         "--prompts", str(tmp_path / "p.jsonl"), "--prefix", str(PREFIX), "--chunk", str(CHUNK),
-        "--verify")
-    assert code == 0
+        "--kv-lane", lane)
+    assert code == 0 and json.loads(trace[0])["transport"] == lane
     _assert_parity(checkpoint, prompts, results, PREFIX)
     trace_ok(trace)
     used = {e["producer"] for e in events_of(trace, "reserve")}
@@ -136,11 +137,13 @@ def test_eos_ends_a_request_like_generate(tmp_path, checkpoint):
 
 
 def test_verify_turns_a_dropped_last_row_into_fail(tmp_path, checkpoint):
-    """A copy that drops each span's last token row: every span fails, no wrong answer."""
+    """A copy that drops each span's last token row, --verify on by default: every span
+    fails, no wrong answer, and the trace header says verify was on."""
     drawn_prompts(tmp_path / "p.jsonl", 2, [40, 50], 256, 0, 3)
     code, results, trace = serve(
         tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
-        "--chunk", str(CHUNK), "--verify", "--debug", "drop-last-row", "--retries", "1")
+        "--chunk", str(CHUNK), "--debug", "drop-last-row", "--retries", "1")
+    assert json.loads(trace[0])["verify"] is True
     assert code == 1
     assert [r["status"] for r in results] == ["failed", "failed"]
     assert all(r["output"] == [] and r["attempts"] == 2 for r in results)
@@ -151,11 +154,12 @@ def test_verify_turns_a_dropped_last_row_into_fail(tmp_path, checkpoint):
 
 
 def test_without_verify_a_dropped_row_is_a_wrong_answer(tmp_path, checkpoint):
-    """The same bug without --verify passes every live check but changes the tokens."""
+    """The same bug with --no-verify passes every live check but changes the tokens."""
     prompts = drawn_prompts(tmp_path / "p.jsonl", 2, [40, 50], 256, 0, 6)
     code, results, trace = serve(
         tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
-        "--chunk", str(CHUNK), "--debug", "drop-last-row")
+        "--chunk", str(CHUNK), "--debug", "drop-last-row", "--no-verify")
+    assert json.loads(trace[0])["verify"] is False
     assert code == 0 and all(r["status"] == "ok" for r in results)
     trace_ok(trace)
     wrong = [r for line, r in zip(prompts, results, strict=True)
@@ -189,23 +193,6 @@ def test_a_protocol_break_in_a_producer_stops_the_run_with_its_code(tmp_path, ca
     assert len(err) == 1 and "COPY-1" in err[0], err
     assert {r["status"] for r in results} == {"cancelled"}
     trace_ok(trace)
-
-
-def test_decode_step_is_batch_invariant():
-    """A request's logits are bit-identical alone and in a batch with others."""
-    torch.set_num_threads(1)
-    model = build_model(load_model("small"), seed=0)
-    spec = model.spec
-    contexts = [torch.randn(spec.layers, 2, n, spec.kv_heads, spec.head_dim) for n in (5, 9, 3)]
-    tokens = torch.tensor([7, 11, 13])
-
-    def step(indices):
-        batch = DecodeBatch([SequenceKV(contexts[i], 20) for i in indices])
-        return model.decode_step(tokens[indices], batch.positions("cpu"), batch)
-
-    together = step([0, 1, 2])
-    for i in range(3):
-        assert torch.equal(step([i])[0], together[i])
 
 
 def test_row_digest_sees_one_ulp_and_names_the_row():

@@ -44,7 +44,9 @@ def _one_line_exit_2(capsys, argv) -> str:
     (["--cancel-rate", "-0.1"], "cancel-rate"),
     (["--corrupt-rate", "nan", "--verify"], "corrupt-rate"),
     (["--stall-rate", "0.1"], "stall-rate"),  # without --span-timeout: never ends
-    (["--corrupt-rate", "0.1"], "corrupt-rate"),  # without --verify: wrong tokens
+    (["--corrupt-rate", "0.1", "--no-verify"], "corrupt-rate"),  # unchecked: wrong tokens
+    (["--kv-lane", "tcp"], "--kv-lane"),
+    (["--kv-lane", ""], "--kv-lane"),
     (["--span-timeout", "0"], "span-timeout"),
     (["--span-timeout", "-2"], "span-timeout"),
     (["--heartbeat-timeout", "inf"], "heartbeat-timeout"),

@@ -150,11 +150,12 @@ def test_both_ends_agree_on_the_lane_and_messages_cross(gpus, lane):
 
 
 def test_a_served_cpu_run_names_its_transport(tmp_path, capsys):
-    """--device cpu serves over gloo: the summary and the trace header say so."""
+    """--device cpu serves through shared memory by default: the summary and the trace
+    header say so."""
     code, results, trace = serve(tmp_path, "--model", "tiny", "--requests", "2",
                                  "--prompt-range", "20:40", "--output-tokens", "3", "--json",
                                  "--verify", "--device", "cpu")
     assert code == 0 and [r["status"] for r in results] == ["ok", "ok"]
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["transport"] == "gloo"
-    assert json.loads(trace[0])["transport"] == "gloo"
+    assert summary["transport"] == "shm"
+    assert json.loads(trace[0])["transport"] == "shm"
