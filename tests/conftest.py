@@ -1,6 +1,12 @@
 """Hypothesis runs without its per-example deadline: CI machines are shared and noisy, and a
 slow example says nothing about correctness (speed is measured by bench/, side by side).
-Every test has a timeout (pytest-timeout, pyproject.toml): a stuck one fails with its stack."""
+Every test has a timeout (pytest-timeout, pyproject.toml): a stuck one fails with its stack.
+Shared helpers live in this folder's *_helpers.py modules, imported by their plain names: this
+folder is put on sys.path here, so any test file collects alone (`pytest tests/FILE.py`), from
+any directory, under any import mode."""
+
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -8,6 +14,9 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("noisy-machine", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("noisy-machine")
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
 
 
 SLOW_TIMEOUT_S = 900  # a slow test's own bound (the default, pyproject's `timeout`, is 120 s)

@@ -6,6 +6,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trace_helpers import header, mutate, run, traces
 
 from pdref import events as ev
 from pdref.fast_monitor import FastMonitor
@@ -13,7 +14,6 @@ from pdref.metrics import life_metrics
 from pdref.monitor import Monitor
 from pdref.rows import EVENT_OF_ROW, as_event, new_row
 from pdref.violations import Violation
-from tests.test_pdref_fast_monitor import header, mutate, run, traces
 
 ROW_OF_EVENT = {event: row for row, event in EVENT_OF_ROW.items()}
 
