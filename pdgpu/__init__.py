@@ -10,7 +10,9 @@ Modules (one concept each):
                 only modules that know streams, events and pinned memory)
   streams       lanes (a CUDA stream, or a CPU thread), readiness marks, staging rings
   workload      engine settings, requests, and every check made before allocating
-  recorder      the live pdref Monitor, the run clock, stage events, live-check cost, metrics
+  recorder      the live checks (pdref's FastMonitor in line), the run clock, stage events,
+                live-check cost, metrics
+  audit         the full pdref Monitor behind the mirror, on its own thread: lag, first error
   ledger        every resource operation of a run, each one call with the event it emits
   faults        fault injection: a failing span, the protocol-breaking debug switches
   payload       export only: the known payload written and checked byte-exact

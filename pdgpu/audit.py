@@ -25,6 +25,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from array import array
 from collections import deque
 
 from pdref.monitor import Monitor
@@ -47,7 +48,7 @@ class Audit:
         self.monitor = monitor_cls(header)  # no sink: the trace is the fast mirror's
         self.bound = bound
         self.error: Exception | None = None
-        self.lags: list[float] = []  # seconds from each item's emission to its audit
+        self.lags = array("d")  # seconds from each item's emission to its audit (8 B each)
         self.busy_s = 0.0  # audit-thread seconds inside the Monitor
         self.waits = 0  # times an emitting thread waited for the backlog to shrink
         self.drain_s = 0.0  # seconds the end of the run waited for the audit
