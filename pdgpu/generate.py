@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, SequenceKV, decode_tokens
+from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
 from pdgpu.model import Transformer
 from pdgpu.source_cache import SourceCache
 from pdref.plan import plan_chunks
@@ -44,7 +44,7 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
         hidden = model.prefill_chunk(ids[a:b], a, kv)[-1:]  # [1, E]
     out = [first_token(model, hidden)]
     context = kv.kv.index_select(2, kv.slots)  # [L, 2, prompt, KVH, D]
-    batch = DecodeBatch([SequenceKV(context, len(tokens) + output_tokens)])
+    seq = DecodeCache.for_model(model).add(context)
     while len(out) < output_tokens and out[-1] != eos:
-        out.append(decode_tokens(model, batch, [out[-1]])[0])
+        out.append(decode_tokens(model, DecodeBatch([seq]), [out[-1]])[0])
     return out

@@ -6,11 +6,12 @@ float32, rotate-half RoPE (with Llama 3.1 frequency scaling), grouped-query atte
 Qwen3's per-head q/k RMSNorm before RoPE, SwiGLU MLP, tied or untied embeddings.
 
 The KV cache is not owned by the model: every attention call hands its new K/V to a `KVStore`
-(the producer's paged source cache) and gets back K/V of every earlier token of the request.
-`decode_step` runs one new token for each of a batch of requests (a `DecodeKV` keeps each
-request's K/V); its matrix products always see at least DECODE_MIN_ROWS rows (padding), so a
-request's logits are bit-identical whatever else is in the batch (CPU GEMM kernels pick a
-different reduction for 1..3 rows), and attention runs per request over its own length.
+(the producer's paged source cache) and gets back K/V of every earlier token of the request,
+a contiguous view the attention kernels read in place (attention.py). `decode_step` runs one
+new token for each of a batch of requests (a `DecodeKV` keeps each request's K/V and runs the
+batch's attention in one call per group of equal width); its matrix products always see at
+least DECODE_MIN_ROWS rows (padding), so a request's logits are bit-identical whatever else is
+in the batch (CPU GEMM kernels pick a different reduction for 1..3 rows).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pdgpu.attention import prefill_attention
 from pdref.models import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,7 +32,8 @@ DECODE_MIN_ROWS = 8
 
 
 class KVStore(Protocol):
-    """Where attention keeps K/V: store this chunk's, return the request's K/V up to its end."""
+    """Where attention keeps K/V: store this chunk's, return the request's K/V up to its end
+    ([KVH, start + n, D] each, the last dimension contiguous)."""
 
     def append(
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
@@ -38,11 +41,11 @@ class KVStore(Protocol):
 
 
 class DecodeKV(Protocol):
-    """Per-request K/V of a decode batch: store each row's new K/V, return its whole K/V."""
+    """K/V of a decode batch: store row i's new k/v at its request's next position and
+    return the attention of its query over its request's keys."""
 
-    def append_rows(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -94,24 +97,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal GQA attention of queries at positions [start, start+n) over keys [0, c).
-
-    q [n, H, D], k/v [c, KVH, D] -> [n, H, D]. Query head h reads KV head h // (H / KVH).
-    """
-    n, heads, _ = q.shape
-    groups = heads // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)  # [c, H, D]
-    v = v.repeat_interleave(groups, dim=1)  # [c, H, D]
-    qpos = torch.arange(start, start + n, device=q.device)[:, None]  # [n, 1]
-    kpos = torch.arange(k.shape[0], device=q.device)[None, :]  # [1, c]
-    mask = kpos <= qpos  # [n, c]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
-    )  # [H, n, D]
-    return out.transpose(0, 1)  # [n, H, D]
-
-
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -133,8 +118,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = kv.append(layer, start, k, v)  # [start+n, KVH, D] each
-        out = attend(q, keys, values, start)  # [n, H, D]
+        keys, values = kv.append(layer, start, k, v)  # [KVH, start+n, D] each
+        out = prefill_attention(q, keys, values, start)  # [n, H, D]
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
 
     def decode(self, x, cos, sin, kv: DecodeKV, layer: int, count: int) -> torch.Tensor:
@@ -147,9 +132,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.zeros_like(q)  # [R, H, D]
-        contexts = kv.append_rows(layer, k[:count], v[:count])  # [c_i, KVH, D] pairs
-        for i, (keys, values) in enumerate(contexts):
-            out[i] = attend(q[i:i + 1], keys, values, keys.shape[0] - 1)[0]  # [H, D]
+        out[:count] = kv.attend(layer, q[:count], k[:count], v[:count])  # [B, H, D]
         return self.o_proj(out.reshape(rows, self.heads * self.head_dim))
 
 

@@ -4,6 +4,14 @@ One tensor holds every layer's K and V for `pages * page_tokens` token slots; a 
 pages listed in its page table, and token t of the request lives in slot
 `pages[t // page_tokens] * page_tokens + t % page_tokens`. Page ids come from pdref's
 immutable `Pool`, the same allocator the decoder uses.
+
+Attention does not read the pages. The request being prefilled also keeps its K/V in a
+contiguous *workspace* ([L, 2, KVH, tokens, D], reused by the next request), so a chunk
+attends over a view of it (attention.py) instead of gathering its whole context out of the
+pages: a chunk's extra memory traffic is its own rows (pages and workspace), whatever the
+context. One request is prefilled at a time per cache (the engine and a serving producer
+both work so). Rows [0, prefix) of the workspace are written by the prefix's own prefill and
+by no request after it (each writes [prefix, prompt)), so they stay valid across requests.
 """
 
 from __future__ import annotations
@@ -35,18 +43,20 @@ def token_slots(pages: tuple[int, ...], page_tokens: int, tokens: int, device) -
 class RequestKV:
     """One request's view of the source cache: the KVStore the model writes through."""
 
-    kv: torch.Tensor  # [L, 2, slots, KVH, D]
+    kv: torch.Tensor  # [L, 2, slots, KVH, D] the pages: every span's copy source
     slots: torch.Tensor  # [prompt] flat slot per position
     pages: tuple[int, ...]
+    work: torch.Tensor  # [L, 2, KVH, >= prompt, D] the workspace attention reads
 
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k/v [n, KVH, D] at positions [start, start+n); K/V [start+n, KVH, D] back."""
+        """Store k/v [n, KVH, D] at positions [start, start+n); K/V [KVH, start+n, D] back."""
         end = start + k.shape[0]
         new = self.slots[start:end]  # [n]
         self.kv[layer, 0].index_copy_(0, new, k)
         self.kv[layer, 1].index_copy_(0, new, v)
-        ctx = self.slots[:end]  # [start+n]
-        return self.kv[layer, 0].index_select(0, ctx), self.kv[layer, 1].index_select(0, ctx)
+        self.work[layer, 0, :, start:end] = k.transpose(0, 1)  # [KVH, n, D]
+        self.work[layer, 1, :, start:end] = v.transpose(0, 1)
+        return self.work[layer, 0, :, :end], self.work[layer, 1, :, :end]  # views
 
 
 class SourceCache:
@@ -56,6 +66,7 @@ class SourceCache:
         self.geometry = geometry
         self.device = torch.device(device)
         self.kv = paged_kv(geometry, pages, self.device, dtype)  # [L, 2, S, KVH, D]
+        self.work = self._workspace(0)  # [L, 2, KVH, tokens, D], grown on demand
         self.pool = Pool(pages)
 
     @property
@@ -66,7 +77,21 @@ class SourceCache:
         """Allocate pages for a request of `prompt` tokens (lowest free ids first)."""
         self.pool, pages = self.pool.allocate(self.geometry.pages_for(prompt))
         slots = token_slots(pages, self.geometry.page_tokens, prompt, self.device)
-        return RequestKV(self.kv, slots, pages)
+        return self.view(slots, pages)
+
+    def view(self, slots: torch.Tensor, pages: tuple[int, ...]) -> RequestKV:
+        """The KVStore of a request laid out over `pages` (slots [prompt]), workspace grown
+        to its length (earlier rows kept: the prefix's stay valid)."""
+        if self.work.shape[3] < len(slots):
+            grown = self._workspace(len(slots))
+            grown[:, :, :, :self.work.shape[3]] = self.work
+            self.work = grown
+        return RequestKV(self.kv, slots, pages, self.work)
+
+    def _workspace(self, tokens: int) -> torch.Tensor:
+        g = self.geometry
+        return torch.zeros((g.layers, 2, g.kv_heads, tokens, g.head_dim), dtype=self.kv.dtype,
+                           device=self.device)
 
     def close(self, request: RequestKV) -> None:
         """Give the request's pages back: the next request may overwrite them at once."""

@@ -12,6 +12,7 @@ import torch
 
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine import Engine, EngineError, _Loop, _Pending
+from pdgpu.generate import prefill_chunks
 from pdgpu.ledger import Ledger
 from pdgpu.model import build_model
 from pdgpu.payload import fill_payload, payload_matches, payload_values
@@ -48,11 +49,14 @@ def _check(result, open_trace=False):
     return check_lines(lines, open_trace=open_trace)
 
 
-def _reference_kv(model, tokens, prefix):
-    """K/V [L, 2, suffix, KVH, D] of a plain one-shot prefill: what the decoder must hold."""
+def _reference_kv(model, tokens, prefix, chunk):
+    """K/V [L, 2, suffix, KVH, D] of a plain prefill in the engine's chunks (the prefix's,
+    then the suffix's): what the decoder must hold."""
     cache = SourceCache(model.spec.geometry(16), 64, "cpu", torch.float32)
     request = cache.open(len(tokens))
-    model.prefill_chunk(torch.tensor(tokens), 0, request)
+    ids = torch.tensor(tokens)
+    for a, b in prefill_chunks(len(tokens), prefix, chunk):
+        model.prefill_chunk(ids[a:b], a, request)
     return cache.kv[:, :, request.slots[prefix:]]
 
 
@@ -85,7 +89,7 @@ def test_whole_handoff_carries_the_models_kv():
     """What lands in the decoder is the model's K/V of the suffix (not just equal garbage)."""
     tokens = _tokens(90, seed=3)
     result = _run("whole", [Request("r", tokens, 32)], chunk=90)
-    assert torch.equal(result.outcomes[0].kv, _reference_kv(MODELS["qwen3"], tokens, 32))
+    assert torch.equal(result.outcomes[0].kv, _reference_kv(MODELS["qwen3"], tokens, 32, 90))
 
 
 def test_failed_span_aborts_returns_pages_and_retry_is_exact():

@@ -19,7 +19,7 @@ from collections import deque
 
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, SequenceKV, decode_tokens
+from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
 from pdgpu.serve.faults import FaultPolicy, FaultSpec
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.lives import Life, Status, Tracked
@@ -46,6 +46,7 @@ class Decoder(Recovery):
         self.future = deque(workload.requests)  # not yet arrived
         self.waiting: deque[Tracked] = deque()
         self.running: list[Tracked] = []
+        self.decode_cache = DecodeCache.for_model(model)  # the running requests' K/V
         self.lives: dict[str, Life] = {}  # handle -> a life its producer may still send for
         self.deadlines: dict[int, tuple[float, Life]] = {}  # span -> (deadline, its life)
         self.kills = sorted(policy.kills, key=lambda k: k.t)
@@ -230,7 +231,7 @@ class Decoder(Recovery):
         del self.lives[life.handle]
         self.members.send(life.producer, "reuse", {"handle": life.handle})
         context = self.ledger.admit(t.req, self.prefix_kv)  # [L, 2, prompt, KVH, D]
-        t.seq = SequenceKV(context, t.request.prompt + t.request.output_tokens)
+        t.seq = self.decode_cache.add(context)
         t.output = [life.token]
         t.token_t = [life.produced_t]
         t.status, t.life = Status.RUNNING, None
@@ -263,6 +264,7 @@ class Decoder(Recovery):
     def _release(self, t: Tracked) -> None:
         self.ledger.release(t.req)
         self.running.remove(t)
+        self.decode_cache.remove(t.seq)
         t.seq = None
         self._finish(t, Status.OK)
 

@@ -35,7 +35,7 @@ from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.digest import BITS, DigestingKV
 from pdgpu.serve.faults import Fate
 from pdgpu.serve.transport import Transport
-from pdgpu.source_cache import RequestKV, SourceCache, token_slots
+from pdgpu.source_cache import SourceCache, token_slots
 from pdref.events import Mode
 from pdref.plan import Region, plan_chunks, plan_spans
 
@@ -100,7 +100,7 @@ class Producer:
         if not prefix:
             return None
         slots = token_slots(self.prefix_pages, self.geometry.page_tokens, prefix, self.device)
-        kv = RequestKV(self.cache.kv, slots, self.prefix_pages)
+        kv = self.cache.view(slots, self.prefix_pages)
         ids = torch.tensor(self.config.prefix_tokens, dtype=torch.int64, device=self.device)
         last = None
         for a, b in plan_chunks(prefix, 0, self.config.chunk):
@@ -173,7 +173,7 @@ class Producer:
             self.geometry.pages_for(prompt) - len(self.prefix_pages))
         pages = self.prefix_pages + own
         slots = token_slots(pages, self.geometry.page_tokens, prompt, self.device)
-        kv = DigestingKV(RequestKV(self.cache.kv, slots, pages), self.geometry.layers, prompt,
+        kv = DigestingKV(self.cache.view(slots, pages), self.geometry.layers, prompt,
                          self.device)
         chunks = plan_chunks(prompt, prefix, self.config.chunk)
         steps = list(range(self.geometry.layers)) if self.config.mode is Mode.LAYER and chunks \

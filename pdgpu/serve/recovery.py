@@ -88,6 +88,7 @@ class Recovery:
         elif t.status is Status.RUNNING:
             self.ledger.abort(t.req, "cancelled")
             self.running.remove(t)
+            self.decode_cache.remove(t.seq)
             t.seq = None
         else:
             self._abort_life(t.life, "cancelled")

@@ -1,0 +1,229 @@
+"""The engine's compute against plain transformers on the same geometry, device and threads.
+(Not named kernels.py: transformers imports a package `kernels`, and a script's own folder
+comes first on sys.path.)
+
+    python bench/kernel_speed.py                  # CPU: `small`, 2048 tokens, float32 (~1 min)
+    python bench/kernel_speed.py --device cuda    # GPU: qwen3-0.6b, 8192 tokens, bf16
+    python bench/kernel_speed.py --json
+
+Both sides get the same weights (our random init, saved as a checkpoint and loaded by
+transformers' `AutoModelForCausalLM`, sdpa attention) and the same torch threads (the
+engine's: `compute_threads`). Each round times every side once, the order rotating; a ratio
+is the median over rounds of the ratio within a round (a shared machine drifts slowly).
+  prefill, one chunk       pdgpu `prefill_chunk` over the whole prompt into a paged source
+                           cache + the head on the last position, vs one transformers forward
+                           (`logits_to_keep=1`, its KV cache on)
+  prefill, chunks of 256   the same prompt in chunks, vs the same one forward
+  decode step              pdgpu `decode_step` for `--batch` requests of `--contexts` tokens
+                           (drawn, seeded) vs transformers' padded batched decode (a
+                           DynamicCache of the same K/V, left-padded, with its attention mask)
+Targets (issue 24): CPU one chunk <= 1.10x, chunks <= 1.35x; GPU one chunk <= 1.0x,
+chunks <= 1.3x, decode step <= 8 ms at batch 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from pdgpu.checkpoint import save_checkpoint
+from pdgpu.decode_kv import DecodeBatch, DecodeCache
+from pdgpu.model import build_model
+from pdgpu.source_cache import SourceCache
+from pdgpu.streams import compute_threads
+from pdref.models import load_model
+
+CPU_TARGETS = {"prefill_one_chunk": 1.10, "prefill_chunked": 1.35}
+GPU_TARGETS = {"prefill_one_chunk": 1.0, "prefill_chunked": 1.3}
+GPU_DECODE_TARGET_S = 0.008
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", help="preset (default: small on CPU, qwen3-0.6b on CUDA)")
+    p.add_argument("--dtype", help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--prompt", type=int, help="default: 2048 on CPU, 8192 on CUDA")
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--contexts", default="1024:4096", help="LO:HI decode context lengths")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    cuda = torch.device(args.device).type == "cuda"
+    args.model = args.model or ("qwen3-0.6b" if cuda else "small")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.prompt = args.prompt or (8192 if cuda else 2048)
+    lo, hi = (int(x) for x in args.contexts.split(":"))
+    if not 1 <= lo <= hi or args.prompt < 1 or args.chunk < 1 or args.batch < 1:
+        p.error("--prompt, --chunk, --batch >= 1 and --contexts LO:HI with 1 <= LO <= HI")
+    args.context_range = (lo, hi)
+    return args
+
+
+def _clock(device):
+    def now():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return now
+
+
+def _transformers_model(model, device, dtype):
+    import transformers
+    with tempfile.TemporaryDirectory() as folder:
+        save_checkpoint(model, folder)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation="sdpa")
+    return hf.to(device).eval()
+
+
+def _ours_prefill(model, ids, chunk, geometry, dtype):
+    """Prefill into a source cache allocated once (as a serving producer's is)."""
+    cache = SourceCache(geometry, geometry.pages_for(len(ids)), ids.device, dtype)
+    cache.close(cache.open(len(ids)))  # the workspace too
+
+    def prefill():
+        kv = cache.open(len(ids))
+        hidden = None
+        for a in range(0, len(ids), chunk):
+            hidden = model.prefill_chunk(ids[a:a + chunk], a, kv)[-1:]  # [1, E]
+        cache.close(kv)
+        return model.logits(hidden)
+    return prefill
+
+
+def _decode_contexts(spec, args, device, dtype):
+    gen = torch.Generator().manual_seed(0)
+    lo, hi = args.context_range
+    lengths = torch.randint(lo, hi + 1, (args.batch,), generator=gen).tolist()
+    return [torch.randn(spec.layers, 2, n, spec.kv_heads, spec.head_dim, generator=gen)
+            .to(device, dtype) for n in lengths]
+
+
+def _ours_decode(model, contexts, device):
+    cache = DecodeCache.for_model(model)
+    seqs = [cache.add(c) for c in contexts]
+    tokens = torch.arange(len(seqs), device=device)
+
+    def step():
+        batch = DecodeBatch(seqs)  # no advance: every step decodes the same positions
+        return model.decode_step(tokens, batch.positions(device), batch)
+    return step
+
+
+def _hf_decode(hf, contexts, device):
+    """Left-padded DynamicCache of the same K/V and its attention mask."""
+    from transformers import DynamicCache
+    longest = max(c.shape[2] for c in contexts)
+    cache = DynamicCache(config=hf.config)
+    for layer in range(contexts[0].shape[0]):
+        k = torch.stack([_left_pad(c[layer, 0], longest) for c in contexts])  # [B, KVH, T, D]
+        v = torch.stack([_left_pad(c[layer, 1], longest) for c in contexts])
+        cache.update(k, v, layer)
+    mask = torch.zeros(len(contexts), longest + 1, dtype=torch.int64, device=device)
+    for i, c in enumerate(contexts):
+        mask[i, longest - c.shape[2]:] = 1
+    ids = torch.arange(len(contexts), device=device)[:, None]  # [B, 1]
+    positions = torch.tensor([[c.shape[2]] for c in contexts], device=device)  # [B, 1]
+
+    def step():
+        out = hf(input_ids=ids, attention_mask=mask, position_ids=positions,
+                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.crop(-1)  # drop the token just appended: the next step decodes the same
+        return out.logits
+    return step
+
+
+def _left_pad(kv, length):
+    """kv [c, KVH, D] -> [KVH, length, D], zeros first."""
+    out = kv.new_zeros(kv.shape[1], length, kv.shape[2])
+    out[:, length - kv.shape[0]:] = kv.transpose(0, 1)
+    return out
+
+
+def measure(args) -> dict:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    spec = load_model(args.model)
+    model = build_model(spec, device, seed=0).to(dtype)
+    hf = _transformers_model(model, device, dtype)
+    geometry = spec.geometry(16)
+    ids = torch.randint(0, spec.vocab, (args.prompt,), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    contexts = _decode_contexts(spec, args, device, dtype)
+    sides = {
+        "ours_one_chunk": _ours_prefill(model, ids, args.prompt, geometry, dtype),
+        "ours_chunked": _ours_prefill(model, ids, args.chunk, geometry, dtype),
+        "hf_forward": lambda: hf(input_ids=ids[None], logits_to_keep=1, use_cache=True).logits,
+        "ours_decode": _ours_decode(model, contexts, device),
+        "hf_decode": _hf_decode(hf, contexts, device),
+    }
+    return _rounds(sides, args.repeats, _clock(device))
+
+
+def _rounds(sides: dict, repeats: int, now) -> dict:
+    names = list(sides)
+    times = {n: [] for n in names}
+    with torch.no_grad():
+        for n in names:  # warm-up
+            sides[n]()
+        for r in range(repeats):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                start = now()
+                sides[n]()
+                times[n].append(now() - start)
+    return times
+
+
+def summary(times: dict, args, threads: int) -> dict:
+    def ratio(a, b):
+        return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+    out = {f"{n}_s": statistics.median(v) for n, v in times.items()}
+    out.update(prefill_one_chunk=ratio("ours_one_chunk", "hf_forward"),
+               prefill_chunked=ratio("ours_chunked", "hf_forward"),
+               decode_step=ratio("ours_decode", "hf_decode"),
+               model=args.model, device=args.device, dtype=args.dtype, prompt=args.prompt,
+               chunk=args.chunk, batch=args.batch, contexts=args.contexts, threads=threads,
+               repeats=args.repeats)
+    return out
+
+
+def _report(out: dict, cuda: bool) -> list[str]:
+    targets = GPU_TARGETS if cuda else CPU_TARGETS
+    lines = [f"{out['model']} {out['dtype']} on {out['device']}, {out['threads']} threads, "
+             f"prompt {out['prompt']}, chunk {out['chunk']}, decode batch {out['batch']} "
+             f"of {out['contexts']} tokens, median of {out['repeats']} rounds"]
+    for key in ("prefill_one_chunk", "prefill_chunked"):
+        ok = "ok" if out[key] <= targets[key] else "MISSED"
+        lines.append(f"  {key:18s} pdgpu / transformers {out[key]:.3f}x "
+                     f"(target <= {targets[key]}x: {ok})")
+    lines.append(f"  {'decode_step':18s} pdgpu / transformers {out['decode_step']:.3f}x "
+                 f"(pdgpu {out['ours_decode_s'] * 1e3:.1f} ms, transformers "
+                 f"{out['hf_decode_s'] * 1e3:.1f} ms)")
+    if cuda:
+        ok = "ok" if out["ours_decode_s"] <= GPU_DECODE_TARGET_S else "MISSED"
+        lines.append(f"  decode step {out['ours_decode_s'] * 1e3:.2f} ms "
+                     f"(target <= {GPU_DECODE_TARGET_S * 1e3:.0f} ms: {ok})")
+    for name in ("ours_one_chunk", "ours_chunked", "hf_forward"):
+        lines.append(f"  {name:18s} {out[name + '_s'] * 1e3:9.1f} ms")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    with compute_threads(args.device, args.threads):
+        out = summary(measure(args), args, torch.get_num_threads())
+    cuda = torch.device(args.device).type == "cuda"
+    print(json.dumps(out, indent=1) if args.json else "\n".join(_report(out, cuda)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The engine's attention kernels: prefill over a request's contiguous K/V, decode in buckets.
+
+Prefill. A chunk of n queries at positions [start, start + n) attends keys [0, start + n):
+every earlier key, and the chunk's own keys causally (a *lower-right* causal mask). No mask
+tensor is built and K/V are never repeated for GQA (`enable_gqa`):
+  start == 0  torch SDPA with `is_causal` (flash on CUDA and on CPU)
+  CUDA        torch SDPA with `causal_lower_right` (flash's causal is lower-right)
+  CPU         two flash calls, the earlier keys unmasked and the chunk's own keys causal
+              (square: upper-left = lower-right), merged by their log-sum-exp. torch's CPU
+              SDPA has no lower-right flash path: it would build the [n, start + n] mask
+              and run the math kernel (3x slower at 2048 tokens in chunks of 256).
+
+Decode. One query per request over its own length. A batch is split into groups whose K/V
+rows all have the same width (a power of two, decode_kv.py); each group is one batched
+matmul over [b, KVH, G, D] x [b, KVH, D, W], a length mask, softmax, and one more matmul.
+A request's arithmetic depends only on its own width, never on who else is in the batch:
+the same bits alone (`pdgpu generate`) as in any batch (tests/test_pdgpu_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      start: int) -> torch.Tensor:
+    """q [n, H, D] at positions [start, start + n); k/v [KVH, start + n, D] -> [n, H, D]."""
+    n = q.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, n, D], [1, KVH, c, D]
+    if start == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    elif q.device.type == "cpu":
+        out = _split_causal_cpu(qh, kh, vh, start)
+    else:
+        bias = causal_lower_right(n, k.shape[1])
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [n, H, D]
+
+
+def _split_causal_cpu(q, k, v, start: int) -> torch.Tensor:
+    """q [1, H, n, D] over k/v [1, KVH, start + n, D]: earlier keys in full, own keys causal."""
+    own, own_lse = _cpu_flash(q, k[:, :, start:], v[:, :, start:], 0.0, True)[:2]
+    old, old_lse = _cpu_flash(q, k[:, :, :start], v[:, :, :start], 0.0, False)[:2]
+    top = torch.maximum(own_lse, old_lse)  # [1, H, n] float32
+    w_own, w_old = (own_lse - top).exp(), (old_lse - top).exp()
+    total = w_own + w_old
+    merged = own.float() * (w_own / total)[..., None] + old.float() * (w_old / total)[..., None]
+    return merged.to(q.dtype)  # [1, H, n, D]
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor:
+    """q [b, H, D]; k/v [b, KVH, W, D] whose first lengths[i] keys are row i's -> [b, H, D].
+
+    Keys past a row's length must be finite (they are masked, then multiplied by 0)."""
+    b, heads, head_dim = q.shape
+    kv_heads, width = k.shape[1], k.shape[2]
+    qg = (q * head_dim ** -0.5).view(b, kv_heads, heads // kv_heads, head_dim)  # [b, KVH, G, D]
+    scores = qg @ k.transpose(-1, -2)  # [b, KVH, G, W]
+    pad = torch.arange(width, device=q.device)[None, :] >= lengths[:, None]  # [b, W]
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [b, KVH, G, W]
+    return (probs @ v).view(b, heads, head_dim)  # [b, H, D]

@@ -1,0 +1,115 @@
+"""The decode cache: rows in buckets hold exactly each request's K/V; steps are batch-invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from pdgpu.decode_kv import MIN_WIDTH, DecodeBatch, DecodeCache, width_for
+from pdgpu.model import build_model
+from pdref.models import load_model
+
+
+def test_width_is_the_power_of_two_that_holds_the_tokens():
+    """Widths: MIN_WIDTH up to it, then the next power of two."""
+    assert [width_for(n) for n in (1, MIN_WIDTH, MIN_WIDTH + 1, 1000, 1024, 1025)] == \
+        [MIN_WIDTH, MIN_WIDTH, 2 * MIN_WIDTH, 1024, 1024, 2048]
+
+
+def test_decode_step_is_batch_invariant_across_buckets():
+    """A request's logits are bit-identical alone and in a batch whose others sit in other
+    buckets, including one that moves to a wider bucket in this very step."""
+    torch.set_num_threads(1)
+    model = build_model(load_model("small"), seed=0)
+    spec = model.spec
+    gen = torch.Generator().manual_seed(0)
+    lengths = (5, MIN_WIDTH, 300, 700)  # MIN_WIDTH: its next token needs the next bucket
+    contexts = [torch.randn(spec.layers, 2, n, spec.kv_heads, spec.head_dim, generator=gen)
+                for n in lengths]
+    tokens = torch.tensor([7, 11, 13, 17])
+
+    def step(indices):
+        cache = DecodeCache.for_model(model)
+        batch = DecodeBatch([cache.add(contexts[i]) for i in indices])
+        with torch.no_grad():
+            return model.decode_step(tokens[indices], batch.positions("cpu"), batch)
+
+    together = step([3, 0, 2, 1])
+    for place, i in enumerate([3, 0, 2, 1]):
+        assert torch.equal(step([i])[0], together[place])
+
+
+def test_a_batch_must_hold_every_request_of_its_cache_once():
+    """A partial or repeated batch is refused: its buckets' rows would not match it."""
+    cache = DecodeCache(1, 1, 4, "cpu", torch.float32)
+    a, b = cache.add(torch.randn(1, 2, 3, 1, 4)), cache.add(torch.randn(1, 2, 9, 1, 4))
+    for seqs in ([a], [a, a], [a, b, b]):
+        with pytest.raises(ValueError, match="every request of one decode cache"):
+            DecodeBatch(seqs)
+    cache.remove(b)
+    DecodeBatch([a])
+    with pytest.raises(ValueError, match="not in the cache"):
+        cache.remove(b)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Adds, removals and steps against a plain list of each request's K/V."""
+
+    seqs = Bundle("seqs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = DecodeCache(2, 1, 2, "cpu", torch.float32)
+        self.expected: dict[int, tuple] = {}  # id -> (seq, K/V [L, 2, c, KVH, D])
+        self.values = torch.Generator().manual_seed(0)
+
+    def _kv(self, tokens: int) -> torch.Tensor:
+        return torch.randn(2, 2, tokens, 1, 2, generator=self.values)
+
+    @rule(target=seqs, tokens=st.integers(1, 3 * MIN_WIDTH))
+    def add(self, tokens):
+        context = self._kv(tokens)
+        seq = self.cache.add(context)
+        self.expected[id(seq)] = (seq, context)
+        return seq
+
+    @rule(seq=consumes(seqs))
+    def remove(self, seq):
+        self.cache.remove(seq)
+        del self.expected[id(seq)]
+
+    @precondition(lambda self: self.expected)
+    @rule(grow=st.integers(1, MIN_WIDTH))
+    def steps(self, grow):
+        for _ in range(grow):
+            seqs = [s for s, _ in self.expected.values()]
+            DecodeBatch(seqs)  # moves a request that needs a wider row
+            for seq in seqs:
+                row = self._kv(1)  # [L, 2, 1, KVH, D]
+                seq.bucket.kv[:, :, seq.row, :, seq.length] = row[:, :, 0]
+                self.expected[id(seq)] = (seq, torch.cat([self.expected[id(seq)][1], row], 2))
+                seq.length += 1
+
+    @invariant()
+    def rows_hold_each_requests_kv(self):
+        for seq, context in self.expected.values():
+            assert seq.bucket.seqs[seq.row] is seq
+            assert seq.bucket.width >= seq.length
+            held = seq.bucket.kv[:, :, seq.row, :, :seq.length].transpose(2, 3)
+            assert torch.equal(held, context)
+        assert self.cache.count == len(self.expected)
+        assert all(b.seqs for b in self.cache.buckets.values())  # empty buckets are freed
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
