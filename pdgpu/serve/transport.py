@@ -32,6 +32,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from pdgpu.serve import transport_shm as shared
 from pdgpu.serve.rendezvous import (  # noqa: F401 - Endpoint, open_store...: imported from here
     GLOO,
     SHARED,
@@ -47,8 +48,6 @@ from pdgpu.serve.rendezvous import (  # noqa: F401 - Endpoint, open_store...: im
     parse_init_method,
     peer_name,
 )
-from pdgpu.serve.transport_shm import ReaderViews, SlotError, WriterRing, host_id, place
-from pdgpu.serve.transport_shm import shm_token as _shm_token
 
 HEADER_LEN = 2  # [json bytes, number of tensors]
 DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
@@ -97,8 +96,8 @@ class Link:
         self.pg, self.me, self.peer, self.generation = pg, me, peer, generation
         self.lane = lane
         self.data = None  # a tensor lane's own process group (transport_nccl.py)
-        self.ring: WriterRing | None = None  # shared-memory lane, the sending end
-        self.views: ReaderViews | None = None  # shared-memory lane, the receiving end
+        self.ring: shared.WriterRing | None = None  # shared-memory lane, the sending end
+        self.views: shared.ReaderViews | None = None  # shared-memory lane, the receiving end
         self.aborted = threading.Event()  # its data group was aborted: stop waiting on it
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # frames to send; None: stop
         self.error: str | None = None  # the link broke
@@ -119,7 +118,7 @@ class GlooTransport:
 
     def __init__(self, store, rank: int, timeout_s: float = 60.0, shm: bool = False) -> None:
         self.store, self.rank, self.timeout_s = store, rank, timeout_s
-        self.token = _shm_token(shm)  # names the segments of the links this end reads
+        self.token = shared.shm_token(shm)  # names the segments of the links this end reads
         self.links: dict[int, Link] = {}
         self.generations: dict[int, int] = {}  # peer -> its current link's generation
         self.dropped: list[Link] = []  # kept: a group is not destroyed under a blocked recv
@@ -160,15 +159,14 @@ class GlooTransport:
     def _open(self, store, me: int, peer: int, generation: int) -> Link:
         """The gloo group, the lane both ends agree on, and that lane's own group if any."""
         pg = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=self.timeout_s))
-        mine = {**self.descriptor(), "host": host_id(), "shm": self.token}
+        mine = {**self.descriptor(), "host": shared.host_id(), "shm": self.token}
         theirs = exchange_descriptors(store, me, mine)
         link = Link(pg, me, peer, generation, choose_lane(mine, theirs))
         if link.lane in SHARED:  # the reader's (rank 0's) stem names the link's segments
-            prefix = f"{(mine, theirs)[me]['shm']}-{min(self.rank, peer)}-{max(self.rank, peer)}" \
-                     f"-{generation}"
-            pinned = link.lane == SHM_PINNED
-            link.ring, link.views = (WriterRing(prefix, pinned), None) if me == 1 else \
-                (None, ReaderViews(prefix, pinned))
+            stem = (mine, theirs)[me]["shm"]
+            link.ring, link.views = shared.shared_ends(link.lane == SHM_PINNED, me, f"{stem}-"
+                                                f"{min(self.rank, peer)}-{max(self.rank, peer)}"
+                                                f"-{generation}")
         self._open_data(link, store)
         return link
 
@@ -199,7 +197,7 @@ class GlooTransport:
         if link is not None:
             link.outbox.put(None)
             self._abort_data(link)  # a receive waiting on a dead peer's tensor gives up
-            _close_shared(link)  # a dead writer's slots: unmapped, its unread files removed
+            shared.close_ends(link.ring, link.views)  # a dead writer's slots: unmapped, swept
             self.dropped.append(link)
 
     def send(self, dst: int, op: str, body: dict | None = None, tensors=()) -> None:
@@ -227,8 +225,8 @@ class GlooTransport:
             gone = self.closing.is_set() or self.links.get(link.peer) is not link
             return link.error or ("the link was dropped" if gone else None)
         try:
-            return place(link.ring, tensors, broken)
-        except SlotError as e:
+            return shared.place(link.ring, tensors, broken)
+        except shared.SlotError as e:
             raise TransportError(f"send to {peer_name(link.peer)} failed: {e}") from None
 
     def _via(self, link: Link, tensor: torch.Tensor) -> str | None:
@@ -291,7 +289,7 @@ class GlooTransport:
         quiet = not any(link.thread.is_alive() for link in links)
         for link in links + self.dropped:
             self._abort_data(link)
-            _close_shared(link)
+            shared.close_ends(link.ring, link.views)
         return quiet
 
     def _receive(self, link: Link) -> None:
@@ -332,9 +330,3 @@ class GlooTransport:
             work.wait()
         else:
             work.wait(wait)
-
-
-def _close_shared(link: Link) -> None:
-    for end in (link.ring, link.views):
-        if end is not None:
-            end.close()

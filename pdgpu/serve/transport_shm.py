@@ -229,6 +229,18 @@ class ReaderViews:
         sweep(self.prefix)
 
 
+def shared_ends(pinned: bool, me: int, prefix: str):
+    """(writer ring, reader views) of this end of a shared lane: rank 1 of a link writes
+    (the producer: only its tensors take the lane), rank 0 reads."""
+    return (WriterRing(prefix, pinned), None) if me == 1 else (None, ReaderViews(prefix, pinned))
+
+
+def close_ends(ring: WriterRing | None, views: ReaderViews | None) -> None:
+    for end in (ring, views):
+        if end is not None:
+            end.close()
+
+
 def place(ring: WriterRing, tensors, broken) -> dict:
     """Copy `tensors` (numel > 0 each) into one slot, on the caller's thread (so the link's
     sending thread sends the previous message's header meanwhile); the JSON naming slot,
