@@ -18,6 +18,13 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2
     "${PIP[@]}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "torch==2.13.0"
 fi
 "${PIP[@]}" -e ".[dev]"
-# the simulator's hot modules, compiled with Cython when a C compiler is here (pdref/accel.py);
-# without one, or when it fails, they run as Python and compute the same
-"$PY" scripts/build_compiled.py || true
+# the simulator's hot modules, compiled with Cython (pdref/accel.py). A failed compile fails
+# set-up: passed over, it would leave every run slower and the compiled-equals-Python tests
+# with nothing to compare. PD_PURE_PYTHON=1 asks for pure Python: no compile at all.
+if [ -n "${PD_PURE_PYTHON:-}" ]; then
+    echo "setup: PD_PURE_PYTHON is set: the simulator's modules run as Python (no compile)"
+elif ! "$PY" scripts/build_compiled.py; then
+    echo "setup: FAILED to compile the simulator's modules (the reason is above). Install a C" \
+         "compiler (and Python's headers), or set PD_PURE_PYTHON=1 to run them as Python." >&2
+    exit 1
+fi
