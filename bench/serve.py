@@ -51,7 +51,8 @@ def _args():
     p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--link-gbps", type=float, default=0.02, help="0: unpaced")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--modes", default=",".join(MODES), help="comma separated")
+    p.add_argument("--modes", default=",".join(MODES), help="comma separated ('': the lane "
+                   "probe only)")
     p.add_argument("--lanes", default="shm", help="gloo,shm: both, side by side")
     p.add_argument("--verify", default="on", help="on,off: both, side by side")
     p.add_argument("--device", default="cpu", help="producers' and decoder's device")
@@ -59,7 +60,8 @@ def _args():
     p.add_argument("--lane-messages", type=int, default=60)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    args.modes, args.lanes = args.modes.split(","), args.lanes.split(",")
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.lanes = args.lanes.split(",")
     args.verify = [v == "on" for v in args.verify.split(",")]
     return args
 

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# GPU check (issues 4, 9 and 11), under 5 minutes on one GPU (each step has its own time
-# limit; together they are 295 s):
+# GPU check (issues 4, 9, 11 and 24), about 5 minutes on one GPU (each step has its own time
+# limit; together they are 320 s):
 #   1. the CUDA tests (pytest -m gpu): every one must run, a skipped one fails the check
 #   1b. pdgpu serve on CUDA (tests/test_pdgpu_serve_gpu.py, pytest -m gpu): served tokens
 #      equal pdgpu generate on cuda:0 in whole/chunk/layer with 1 and 2 producers, --verify;
 #      a killed producer does not hang the decoder. With two GPUs the decoder is on cuda:1
 #      and KV crosses over NCCL; with one, NCCL cannot join two processes on one GPU, so the
-#      KV is staged through host memory over gloo (the NCCL path is then NOT checked; the
-#      step prints which lane ran, and the tests assert it)
+#      KV crosses through page-locked shared host memory (lane shm-pinned: the NCCL path is
+#      then NOT checked; the step prints which lane ran, and the tests assert it); and
+#      tests/test_pdgpu_serve_shm.py's GPU test: one GPU serves through shm-pinned
 #   2. pdgpu compare with qwen3-0.6b geometry (random weights, bf16): parity of chunk and
 #      layer with whole, traces checked by pdref
 #   3. bench/engine_overlap.py with qwen3-0.6b at 8192 tokens / chunk 256, no link pacing,
 #      plus the measured pinned copy bandwidth, in the same run.
 #   4. the export-only curve (no compute, `pdgpu run --no-compute`): 0.1, 0.5, 1, 2 GB of
 #      qwen3-0.6b KV, whole vs chunked (256-token spans), interleaved, median of ratios.
+#   5. KV bytes/s between two processes on cuda:0 (bench/serve.py's lane probe, 64 MB
+#      messages): shm-pinned (d2h into page-locked shared memory, h2d out of it) and
+#      gloo-staged, each against the pinned copy bandwidth of the same bytes (target >= 0.5).
 # Results go to $OUT_DIR (default gpu_check_out/, or gpu_check_out/dry-run/), with each
 # step's seconds in timings.txt.
 # Decoder: cuda:1 with two GPUs, else the same GPU (a host-staged round trip through pinned
@@ -57,14 +61,14 @@ step() {  # step SECONDS NAME COMMAND...: run it under a time limit, output to $
 
 if [ "$DRY" = 1 ]; then
     DEV=cpu DECODER=cpu MODEL=tiny PROMPT=256 CHUNK=32 COMPARE_PROMPT=128
-    PAYLOADS=2e4,5e4,1e5,2e5,4e5 REPEATS=1 CURVE_REPEATS=1
+    PAYLOADS=2e4,5e4,1e5,2e5,4e5 REPEATS=1 CURVE_REPEATS=1 LANE_MB=4 LANE_ROUNDS=1
     TESTS=(--collect-only)
     echo "device: cpu (dry run: toy sizes, nothing measured)" | tee "$OUT/device.txt"
 else
     "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| GPUs:', torch.cuda.device_count())" | tee "$OUT/device.txt"
     DEV=cuda:0 MODEL=qwen3-0.6b PROMPT=8192 CHUNK=256 COMPARE_PROMPT=2048
     DECODER=$("$PY" -c "import torch; print('cuda:1' if torch.cuda.device_count() > 1 else 'cuda:0')")
-    PAYLOADS=1e8,5e8,1e9,2e9 REPEATS=3 CURVE_REPEATS=2
+    PAYLOADS=1e8,5e8,1e9,2e9 REPEATS=3 CURVE_REPEATS=2 LANE_MB=64 LANE_ROUNDS=2
     TESTS=(-rs)
 fi
 
@@ -85,7 +89,8 @@ case "$DRY:$DECODER" in
     *) LANE="one GPU: KV staged through host memory, the NCCL path NOT checked" ;;
 esac
 echo "== 1b. pdgpu serve on CUDA ($LANE)"
-step 75 serve_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" tests/test_pdgpu_serve_gpu.py
+step 75 serve_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" \
+    tests/test_pdgpu_serve_gpu.py tests/test_pdgpu_serve_shm.py
 no_skips serve_gpu
 
 echo "== 2. parity, $MODEL geometry, $COMPARE_PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
@@ -102,6 +107,10 @@ echo "== 4. export-only curve, $MODEL geometry, whole vs chunk $CHUNK (decoder $
 step 55 export_curve "$PY" bench/engine_overlap.py --model "$MODEL" --chunk "$CHUNK" \
     --export-only --payloads "$PAYLOADS" --device "$DEV" --decoder-device "$DECODER" \
     --link-gbps 0 --repeats "$CURVE_REPEATS" --out "$OUT/export_curve.json"
+
+echo "== 5. KV between processes on $DEV: shm vs gloo lanes, against a same-size copy"
+step 25 kv_lane "$PY" bench/serve.py --modes "" --lanes gloo,shm --device "$DEV" \
+    --lane-mb "$LANE_MB" --lane-messages 20 --rounds "$LANE_ROUNDS"
 if [ -s "$OUT/failed.txt" ]; then
     echo "gpu_check: FAILED steps, results in $OUT/:"; cat "$OUT/failed.txt"; exit 1
 fi

@@ -156,13 +156,14 @@ def served_lines(served: dict) -> list[str]:
     verdict = "ok" if p["ok"] else "FAILED"
     return ["## Served run (`pdgpu serve`)", "",
             f"A decoder and {cfg['producers']} producer processes over torch.distributed "
-            f"(gloo), model `{cfg['model']}`, {count(cfg['requests'], 'request')} of "
+            "(control over gloo, KV through shared memory; NCCL between GPUs), model "
+            f"`{cfg['model']}`, {count(cfg['requests'], 'request')} of "
             f"{cfg['prompt_range'][0]}..{cfg['prompt_range'][1]} prompt tokens and "
             f"{cfg['output_tokens']} output tokens, concurrency {cfg['concurrency']}, chunk "
             f"{cfg['chunk']}; every landed span checked against a checksum taken when its KV "
-            "was computed (`--verify`). The tokens are the decoder's, decoded from the KV it "
-            f"received. Parity: {verdict} (every request ok: {p['all_ok']}; whole and chunk "
-            f"give the same tokens: {p['modes_agree']}; equal to `pdgpu generate`, no handoff, "
-            f"for {', '.join(p['reference_requests'])}: {p['reference_ok']}). Timings on a "
-            "shared CPU are noisy: these are one run each, not a mode comparison "
-            "(`bench/serve.py` is).", "", _markdown(rows), ""]
+            "was computed (`--verify`, on by default). The tokens are the decoder's, decoded "
+            f"from the KV it received. Parity: {verdict} (every request ok: {p['all_ok']}; "
+            f"whole and chunk give the same tokens: {p['modes_agree']}; equal to `pdgpu "
+            f"generate`, no handoff, for {', '.join(p['reference_requests'])}: "
+            f"{p['reference_ok']}). Timings on a shared CPU are noisy: these are one run "
+            "each, not a mode comparison (`bench/serve.py` is).", "", _markdown(rows), ""]
