@@ -117,3 +117,33 @@ def test_a_decode_step_calls_attention_once_per_bucket_not_per_request():
         return sum("bmm" in op for op in seen.ops)
 
     assert bmm_calls(8) == bmm_calls(1) == 2 * spec.layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("start", "n"), [(0, 256), (256, 256), (7936, 256), (300, 5)])
+def test_cuda_prefill_attention_equals_masked_attention(dtype, start, n):
+    """On CUDA (flash for bf16): a chunk at any start equals the lower-right masked answer."""
+    gen = torch.Generator().manual_seed(start + n)
+    q = torch.randn(n, 16, 128, generator=gen)
+    k, v = (torch.randn(8, start + n, 128, generator=gen) for _ in range(2))
+    got = prefill_attention(q.cuda().to(dtype), k.cuda().to(dtype), v.cuda().to(dtype), start)
+    tol = 2e-2 if dtype is torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float().cpu(), masked_reference(q, k, v, start),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_attention_equals_each_request_alone():
+    """On CUDA in bf16: each row attends its own first `length` keys."""
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([1, 300, 1024, 77])
+    q = torch.randn(4, 16, 128, generator=gen)
+    k, v = (torch.randn(4, 8, 1024, 128, generator=gen) for _ in range(2))
+    got = decode_attention(q.cuda().bfloat16(), k.cuda().bfloat16(), v.cuda().bfloat16(),
+                           lengths.cuda())
+    for i, c in enumerate(lengths.tolist()):
+        expected = masked_reference(q[i:i + 1], k[i, :, :c], v[i, :, :c], c - 1)[0]
+        torch.testing.assert_close(got[i].float().cpu(), expected, atol=2e-2, rtol=2e-2)
