@@ -48,7 +48,8 @@ class Recorder:
         self.stages: list[ev.Stage] = []
         self.audit = Audit(header, audit_monitor, audit_bound)
         weakref.finalize(self, self.audit.stop)  # a run that raised never closes
-        self.monitor = FastMonitor(header, sink=self._accepted, stage_sink=self._staged)
+        accepted, staged = _sinks(self.protocol, self.stages, self.audit)
+        self.monitor = FastMonitor(header, sink=accepted, stage_sink=staged)
         self.check_s = 0.0  # wall seconds in calls into the live check
         self.checks = 0  # calls into the live check
         self._spans = itertools.count()
@@ -66,15 +67,6 @@ class Recorder:
 
     def next_span(self) -> int:
         return next(self._spans)
-
-    def _accepted(self, event) -> None:
-        """The mirror accepted a protocol event: into the trace, and to the audit."""
-        self.protocol.append(event)
-        self.audit.put("emit", (event,), None, time.perf_counter())
-
-    def _staged(self, event: ev.Stage) -> None:
-        self.stages.append(event)
-        self.audit.put("stage", (event,), None, time.perf_counter())
 
     def _check(self, name: str, *args, audited: bool = False):
         """`name(*args)` on the fast mirror, under the lock, timed as live-check cost;
@@ -138,6 +130,23 @@ class Recorder:
     def trace(self) -> list:
         """Every event in time order (stable: protocol order is kept among equal times)."""
         return sorted(self.protocol + self.stages, key=lambda e: e.t)
+
+
+def _sinks(protocol: list, stages: list, audit: Audit):
+    """The mirror's sinks: each accepted event into the trace, and to the audit. Closures,
+    not methods of the Recorder: no reference cycle through it, so a Recorder dropped
+    without `close` (a test's) is freed at once and its finalizer ends the audit thread."""
+    put, clock = audit.put, time.perf_counter
+
+    def accepted(event) -> None:
+        protocol.append(event)
+        put("emit", (event,), None, clock())
+
+    def staged(event: ev.Stage) -> None:
+        stages.append(event)
+        put("stage", (event,), None, clock())
+
+    return accepted, staged
 
 
 def stage_means(stages: list[ev.Stage]) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import attrs
@@ -170,3 +171,17 @@ def test_a_run_that_raises_leaves_no_audit_thread_running():
                               for t in threading.enumerate()))
     assert not any(t.name == "pdref-audit" for t in threading.enumerate())
     assert threading.active_count() <= before
+
+
+def test_a_recorder_dropped_without_close_ends_its_audit_thread():
+    """A Recorder nobody closes (set up by hand, as tests do) is freed as soon as it is
+    dropped, and its audit thread ends with it: no thread left waking in the background."""
+    gc.disable()  # freed by reference counting alone, not by a later collection
+    try:
+        rec = Recorder(_header())
+        thread = rec.audit._thread
+        del rec
+        _wait_for(lambda: not thread.is_alive(), polls=2000)
+    finally:
+        gc.enable()
+    assert not thread.is_alive()
