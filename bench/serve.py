@@ -10,9 +10,11 @@ compute and link time per request (why overlap can or cannot help here).
 
 Side by side in the same run (issue 24): each `--lanes` (how KV crosses between processes:
 gloo over TCP, or shared memory) and each `--verify` setting, ratios per round: shm/gloo
-tokens/s and ITL p50, verify on/off tokens/s and TTFT p50. And the lane itself: KV bytes/s
-between two processes (`--lane-mb` MB messages, the reader copying each out like the decoder
-into its pool) against a same-size memcpy in one process (CUDA: the pinned copy bandwidth).
+tokens/s and ITL p50, verify on/off tokens/s and TTFT p50; and the decoder's own time checking
+landed bytes as a share of the run's wall (what --verify adds to the serving loop). And the
+lane itself: KV bytes/s between two processes (`--lane-mb` MB messages, the reader copying
+each out like the decoder into its pool) against a same-size memcpy in one process (CUDA: the
+pinned copy bandwidth).
 
     python bench/serve.py                      # small, 1024 tokens, 32 out, conc 4, 2 producers
     python bench/serve.py --rounds 5 --link-gbps 0.05 --json
@@ -99,6 +101,7 @@ def one_run(args, mode: str, lane: str = "shm", verify: bool = True) -> dict:
     for stage in ("compute", "link", "decode"):
         out[f"{stage}_total_s"] = sum(s.end - s.t for s in stages if s.name == stage)
     run.ledger.log.discard()
+    out["verify_pct"] = 100 * out["verify_s"] / out["wall_s"]  # the decoder's loop, checking
     return out
 
 
@@ -156,12 +159,12 @@ def main() -> None:
           f"({wall:.0f} s)")
     _print_lanes(args, lanes)
     print("| run | tokens/s | TTFT p50 s | ITL p50 s | e2e p50 s | handoff tail p50 s | "
-          "compute s | link s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "compute s | link s | verify % of wall |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for variant, rows in runs.items():
         cells = [_spread([x[k] for x in rows]) for k in (
             "tokens_per_s", "ttft_p50_s", "itl_p50_s", "e2e_p50_s", "tail_p50_s",
-            "compute_total_s", "link_total_s")]
+            "compute_total_s", "link_total_s", "verify_pct")]
         print(f"| {name(variant)} | " + " | ".join(cells) + " |")
     print("| ratio (per round) | tokens/s | TTFT p50 | ITL p50 |")
     print("|---|---|---|---|")

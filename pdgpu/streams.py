@@ -230,7 +230,10 @@ def pin_host(memory: torch.Tensor) -> None:
     """Page-lock host memory torch did not allocate (a shared mapping), so copies between it
     and a GPU run at pinned-copy speed (DMA, no bounce through a pageable staging buffer)."""
     nbytes = memory.numel() * memory.element_size()
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), nbytes, 0))
+    portable = 1  # cudaHostRegisterPortable: pinned for every device's context, not only the
+    # calling thread's current one (a transport's receiving thread may not have set it)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), nbytes,
+                                                                portable))
 
 
 def unpin_host(memory: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ and on a GPU `pdgpu serve` on one device takes it (scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -196,3 +197,20 @@ def test_one_gpu_serves_through_pinned_shared_memory(tmp_path, capsys):
     assert header["transport"] == SHM_PINNED and header["verify"] is True
     for line, r in zip(prompts, results, strict=True):
         assert r["output"] == reference("tiny", line["tokens"], 4, 16, 0, device="cuda:0")
+
+
+def test_a_full_dev_shm_sends_the_message_over_gloo(monkeypatch):
+    """/dev/shm without room for a slot (its pages cannot be allocated): that message crosses
+    over gloo, equal, and no half-made file is left."""
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transport_shm.os, "posix_fallocate", full)
+    reader, writer = _pair()
+    try:
+        writer.send(0, "span", {"sid": 1}, (torch.arange(10.0),))
+        msg = reader.get(timeout=20)
+        assert torch.equal(msg.tensors[0], torch.arange(10.0)) and msg.slots == ()
+        assert shm_segments() == []
+    finally:
+        _close([reader, writer])

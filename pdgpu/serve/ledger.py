@@ -36,6 +36,7 @@ class Ledger:
         self.kv = paged_kv(self.geometry, header.pool_pages, device, dtype)  # [L, 2, S, KVH, D]
         self.slots: dict[str, torch.Tensor] = {}  # req -> [prompt - prefix] pool slot per token
         self.peak_pages = 0
+        self.verify_s = 0.0  # spent checking landed bytes against their checksums
         self._spans = itertools.count()
         self.t0 = time.perf_counter()
 
@@ -110,7 +111,9 @@ class Ledger:
         index = self.slots[req][a - prefix:b - prefix]  # [nt]
         self.kv[l0:l1].index_copy_(2, index, kv.to(self.kv.device))
         if digests is not None:
+            start = time.perf_counter()
             bad = first_mismatch(self.kv[l0:l1].index_select(2, index), digests.to(index.device))
+            self.verify_s += time.perf_counter() - start  # --verify's cost, in the loop
             if bad is not None:
                 return self._fail(req, span, f"checksum mismatch at layer {l0 + bad[0]} "
                                              f"token {a + bad[1]}")

@@ -75,7 +75,8 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "failed_spans": sum(life.failed_spans for life in lives),
         "lives": len(lives),
         "stages_clamped": ledger.log.stages_clamped,
-        "transport": dict(ledger.header.extra).get("transport"),  # gloo, nccl, gloo-staged
+        "transport": dict(ledger.header.extra).get("transport"),  # shm, gloo, nccl, ...
+        "verify_s": ledger.verify_s,  # the decoder's seconds checking landed bytes
     }
 
 

@@ -209,12 +209,16 @@ class GlooTransport:
                                  f"{'no link' if link is None else link.error}")
         tensors = [t.contiguous() for t in tensors]
         vias = [self._via(link, t) for t in tensors]
+        placed = None
+        if SHM in vias:  # waits for a free slot and copies in: the caller is held, not the link
+            placed = self._place(link, [t for t, v in zip(tensors, vias, strict=True)
+                                        if v == SHM])
+            vias = vias if placed else [None if v == SHM else v for v in vias]
         meta = {"op": op, "body": body or {},
                 "tensors": [[str(t.dtype), list(t.shape), via]
                             for t, via in zip(tensors, vias, strict=True)]}
-        if SHM in vias:  # waits for a free slot and copies in: the caller is held, not the link
-            meta["shm"] = self._place(link, [t for t, v in zip(tensors, vias, strict=True)
-                                             if v == SHM])
+        if placed:
+            meta["shm"] = placed
         raw = torch.frombuffer(bytearray(orjson.dumps(meta)), dtype=torch.uint8)  # [n]
         header = torch.tensor([raw.numel(), len(tensors)], dtype=torch.int64)  # [2]
         link.outbox.put((header, raw, tuple((t, v) for t, v in zip(tensors, vias, strict=True)
@@ -226,6 +230,8 @@ class GlooTransport:
             return link.error or ("the link was dropped" if gone else None)
         try:
             return shared.place(link.ring, tensors, broken)
+        except shared.NoRoom:
+            return None  # /dev/shm is full: this message goes over gloo
         except shared.SlotError as e:
             raise TransportError(f"send to {peer_name(link.peer)} failed: {e}") from None
 

@@ -70,12 +70,21 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+class NoRoom(SlotError):
+    """/dev/shm cannot hold another slot of that size: the message goes over gloo instead."""
+
+
 def map_segment(path: Path, nbytes: int, create: bool) -> torch.Tensor:
-    """uint8 [nbytes] over a shared mapping of `path` (made first when `create`)."""
+    """uint8 [nbytes] over a shared mapping of `path` (made first when `create`: its pages
+    are allocated now, so a full /dev/shm is NoRoom here, not a SIGBUS at the first write
+    into a sparse file)."""
     if create:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            raise NoRoom(f"{SHM_DIR} cannot hold {nbytes} more bytes ({e.strerror})") from None
         finally:
             os.close(fd)
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
@@ -164,10 +173,12 @@ class WriterRing:
         return Slot(index, path.name, memory)
 
     def _replace(self, slot: Slot, nbytes: int) -> Slot:
-        """A larger file for the slot (the reader maps it on sight; the old one goes)."""
+        """A larger file for the slot (the reader maps it on sight; the old one goes, once
+        the new one could be made)."""
+        new = self._new(slot.index, nbytes)
         self._forget(slot)
-        self.slots[slot.index] = self._new(slot.index, nbytes)
-        return self.slots[slot.index]
+        self.slots[slot.index] = new
+        return new
 
     def _forget(self, slot: Slot) -> None:
         if self.pinned:
