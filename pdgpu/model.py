@@ -81,20 +81,21 @@ def inv_frequencies(spec: ModelSpec) -> torch.Tensor:
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [n, D] for the given positions [n], computed in float32 then cast."""
+    """cos and signed sin [n, 1, D] for positions [n], computed in float32 then cast.
+
+    The sin table's first half carries rotate-half's minus sign, so `apply_rope` rotates
+    with one `roll` instead of two slices, a negation and a cat (the same bits: -a*b is
+    a*-b exactly)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()  # [n, D/2] each
+    cos = torch.cat((cos, cos), dim=-1)  # [n, D]
+    signed = torch.cat((-sin, sin), dim=-1)  # [n, D]
+    return cos.to(dtype)[:, None, :], signed.to(dtype)[:, None, :]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [n, H, D] rotated by position."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [n, H, D] rotated by position (tables [n, 1, D] from rope_tables)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -191,10 +192,14 @@ class Transformer(nn.Module):
         """tokens [n] -> hidden [n, E]."""
         return self.model.embed_tokens(tokens)
 
+    def rope(self, start: int, n: int, dtype: torch.dtype):
+        """RoPE tables [n, 1, D] of positions [start, start+n)."""
+        positions = torch.arange(start, start + n, device=self.inv_freq.device)  # [n]
+        return rope_tables(self.inv_freq, positions, dtype)
+
     def run_layer(self, layer: int, h: torch.Tensor, start: int, kv: KVStore) -> torch.Tensor:
         """One layer over hidden states h [n, E] of positions [start, start+n)."""
-        positions = torch.arange(start, start + h.shape[0], device=h.device)  # [n]
-        cos, sin = rope_tables(self.inv_freq, positions, h.dtype)  # [n, D] each
+        cos, sin = self.rope(start, h.shape[0], h.dtype)
         return self.model.layers[layer](h, cos, sin, kv, layer, start)
 
     def prefill_chunk(
@@ -209,8 +214,9 @@ class Transformer(nn.Module):
         `on_layer(l)` runs as soon as layer l's K/V of this chunk is in the store.
         """
         h = self.embed(tokens)  # [n, E]
-        for layer in range(self.num_layers):
-            h = self.run_layer(layer, h, start, kv)
+        cos, sin = self.rope(start, h.shape[0], h.dtype)  # once for every layer
+        for layer, block in enumerate(self.model.layers):
+            h = block(h, cos, sin, kv, layer, start)
             if on_layer is not None:
                 on_layer(layer)
         return h
@@ -225,7 +231,7 @@ class Transformer(nn.Module):
         places = torch.zeros(rows, dtype=positions.dtype, device=positions.device)  # [R]
         places[:count] = positions
         h = self.embed(padded)  # [R, E]
-        cos, sin = rope_tables(self.inv_freq, places, h.dtype)  # [R, D] each
+        cos, sin = rope_tables(self.inv_freq, places, h.dtype)  # [R, 1, D] each
         for layer, block in enumerate(self.model.layers):
             h = block.decode(h, cos, sin, kv, layer, count)  # [R, E]
         return self.logits(h)[:count]  # [B, V]
