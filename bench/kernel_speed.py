@@ -24,6 +24,7 @@ chunks <= 1.3x, decode step <= 8 ms at batch 16.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import sys
@@ -101,11 +102,13 @@ def _ours_prefill(model, ids, chunk, geometry, dtype):
 
 
 def _decode_contexts(spec, args, device, dtype):
-    gen = torch.Generator().manual_seed(0)
+    """Seeded K/V [L, 2, n, KVH, D] per request, drawn on the device (GBs on a GPU)."""
     lo, hi = args.context_range
-    lengths = torch.randint(lo, hi + 1, (args.batch,), generator=gen).tolist()
-    return [torch.randn(spec.layers, 2, n, spec.kv_heads, spec.head_dim, generator=gen)
-            .to(device, dtype) for n in lengths]
+    lengths = torch.randint(lo, hi + 1, (args.batch,),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [torch.randn(spec.layers, 2, n, spec.kv_heads, spec.head_dim, generator=gen,
+                        device=device, dtype=dtype) for n in lengths]
 
 
 def _ours_decode(model, contexts, device):
@@ -134,9 +137,12 @@ def _hf_decode(hf, contexts, device):
     ids = torch.arange(len(contexts), device=device)[:, None]  # [B, 1]
     positions = torch.tensor([[c.shape[2]] for c in contexts], device=device)  # [B, 1]
 
+    names = inspect.signature(hf.forward).parameters
+    given = {"cache" if "cache" in names else "past_key_values": cache}  # transformers 5.2x: cache
+
     def step():
-        out = hf(input_ids=ids, attention_mask=mask, position_ids=positions,
-                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = hf(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                 logits_to_keep=1, **given)
         cache.crop(-1)  # drop the token just appended: the next step decodes the same
         return out.logits
     return step
