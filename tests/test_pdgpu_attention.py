@@ -147,3 +147,17 @@ def test_cuda_decode_attention_equals_each_request_alone():
     for i, c in enumerate(lengths.tolist()):
         expected = masked_reference(q[i:i + 1], k[i, :, :c], v[i, :, :c], c - 1)[0]
         torch.testing.assert_close(got[i].float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("start", [0, 256])
+def test_cuda_bf16_prefill_runs_on_the_flash_backend(start):
+    """With every SDPA backend but flash disabled, a bf16 chunk still runs: no silent fallback
+    to the math kernel (a mask, repeated K/V, float32 scores)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(256, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(8, start + 256, 128, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        assert prefill_attention(q, k, v, start).shape == q.shape
