@@ -75,8 +75,8 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     out = tmp_path / "out"
     steps = [line.split()[0] for line in (out / "timings.txt").read_text().splitlines()]
-    assert steps == ["pytest_gpu", "serve_gpu", "compare", "engine_overlap", "export_curve",
-                     "kv_lane"]
+    assert steps == ["pytest_gpu", "serve_gpu", "compare", "kernels", "engine_overlap",
+                     "export_curve", "kv_lane"]
     collected = (out / "pytest_gpu.txt").read_text().split("test_pdgpu_gpu.py: ")[1]
     assert int(collected.split()[0]) >= 10  # the CUDA tests, collected
     served = (out / "serve_gpu.txt").read_text().split("test_pdgpu_serve_gpu.py: ")[1]
@@ -85,6 +85,8 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert "targets" in json.loads((out / "engine_overlap.json").read_text())
     curve = json.loads((out / "export_curve.json").read_text())["export_curve"]
     assert len(curve) == 5 and all(r["chunk_s"] > 0 and r["whole_s"] > 0 for r in curve)
+    kernels = (out / "kernels.txt").read_text()
+    assert "prefill_one_chunk" in kernels and "decode_step" in kernels
     lanes = (out / "kv_lane.txt").read_text()
     assert "| shm |" in lanes and "| gloo |" in lanes and "of memcpy" in lanes
 
@@ -100,10 +102,10 @@ def test_gpu_check_stops_at_a_failed_step_unless_keep_going(tmp_path, keep_going
     failed = (out / "failed.txt").read_text().splitlines()
     assert run.returncode == 1
     if keep_going:
-        assert steps == ["pytest_gpu", "serve_gpu", "compare", "engine_overlap", "export_curve",
-                         "kv_lane"]
-        names = ["pytest_gpu", "serve_gpu", "compare", "pdref check", "engine_overlap",
-                 "export_curve", "kv_lane"]
+        assert steps == ["pytest_gpu", "serve_gpu", "compare", "kernels", "engine_overlap",
+                         "export_curve", "kv_lane"]
+        names = ["pytest_gpu", "serve_gpu", "compare", "pdref check", "kernels",
+                 "engine_overlap", "export_curve", "kv_lane"]
         assert failed == [f"gpu_check: step {name} failed" for name in names]
         assert "FAILED steps" in run.stdout
     else:
