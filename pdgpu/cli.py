@@ -25,7 +25,7 @@ from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, s
 from pdref.check import check_lines
 from pdref.cli_format import DefaultsFormatter, format_metrics
 from pdref.events import event_to_json, header_to_json
-from pdref.models import ModelSpec, ProfileError, load_model
+from pdref.models import ModelSpec, ProfileError, context_error, load_model
 from pdref.trace import TraceWriter, dumps
 from pdref.violations import Violation
 
@@ -207,6 +207,7 @@ def _prepare(args):
     device, decoder = _devices(args)
     spec = _spec(args)
     tokens = _tokens(args, spec)
+    _check_context(args, spec, len(tokens))
     for mode in _modes(args, spec):
         setup_check(spec, _config(args, mode, device, decoder), _requests(args, tokens))
     if spec.arch not in ("qwen3", "llama"):
@@ -214,6 +215,14 @@ def _prepare(args):
     if Path(args.model).is_dir():
         return load_checkpoint(args.model, device, args.dtype), tokens, device, decoder
     return build_model(spec, device=device, seed=args.seed), tokens, device, decoder
+
+
+def _check_context(args, spec: ModelSpec, prompt: int) -> None:
+    """A run makes one token (the first) after the prompt; an export-only payload has no
+    positions, so no context limit applies to it."""
+    problem = None if getattr(args, "no_compute", False) else context_error(spec, prompt, 1)
+    if problem:
+        raise BadInput(problem)
 
 
 def _modes(args, spec: ModelSpec) -> list[str]:

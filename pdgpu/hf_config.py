@@ -38,7 +38,7 @@ def spec_from_config(config: dict, name: str, where: str) -> ModelSpec:
     theta, scaling = _rope(config, where)
     fields.update(name=name, arch=arch, kv_heads=_kv_heads(config, arch, where),
                   head_dim=_head_dim(config, arch, where), dtype=_dtype(config, where),
-                  rope_theta=theta)
+                  rope_theta=theta, max_context=_context(config, where))
     try:
         spec = model_from_dict(fields, default_name=name, where=where)
     except (ProfileError, TypeError, ValueError) as e:
@@ -50,6 +50,15 @@ def _required(config: dict, key: str, where: str):
     if config.get(key) is None:
         raise CheckpointError(f"{where}: missing field {key!r}")
     return config[key]
+
+
+def _context(config: dict, where: str) -> int | None:
+    """max_position_embeddings, the longest prompt + output; absent: no limit is known."""
+    value = config.get("max_position_embeddings")
+    if value is not None and (type(value) is not int or value < 1):
+        raise CheckpointError(f"{where}: field 'max_position_embeddings' must be an integer "
+                              f">= 1, got {value!r}")
+    return value
 
 
 def _arch(config: dict, where: str) -> str:
@@ -186,6 +195,8 @@ def hf_config(spec: ModelSpec) -> dict:
         "rms_norm_eps": spec.rms_eps, "tie_word_embeddings": spec.tie_embeddings,
         "hidden_act": "silu", "attention_bias": False,
     }
+    if spec.max_context is not None:
+        config["max_position_embeddings"] = spec.max_context
     s = spec.rope_scaling
     if s is not None:
         config["rope_scaling"] = {

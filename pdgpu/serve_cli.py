@@ -39,6 +39,7 @@ from pdgpu.serve.transport import Endpoint, TransportError, parse_init_method
 from pdgpu.serve.transport_nccl import open_transport
 from pdgpu.serve.workload import (
     Workload,
+    check_context,
     check_vocab,
     draw_requests,
     parse_range,
@@ -48,7 +49,7 @@ from pdgpu.serve.workload import (
 )
 from pdgpu.workload import WorkloadError
 from pdref.cli_format import format_metrics
-from pdref.models import ProfileError
+from pdref.models import ProfileError, context_error
 from pdref.violations import Violation
 
 COMMANDS = ("serve", "generate")
@@ -84,13 +85,17 @@ def _roles(args) -> tuple[int, Endpoint | None]:
     return args.world_size - 1, endpoint
 
 
-def _workload(args, vocab: int) -> Workload:
+def _workload(args, spec) -> Workload:
+    vocab = spec.vocab
     if args.prompts is not None:
         requests = read_prompts(args.prompts, args.output_tokens)
         prefix = shared_prefix(requests, args.prefix)
     else:
-        requests, prefix = draw_requests(args.requests, parse_range(args.prompt_range),
-                                         args.prefix, args.output_tokens, vocab, args.seed)
+        drawn = parse_range(args.prompt_range)
+        check_context(spec, drawn, args.output_tokens)
+        requests, prefix = draw_requests(args.requests, drawn, args.prefix,
+                                         args.output_tokens, vocab, args.seed)
+    check_context(spec, None, args.output_tokens, requests)
     check_vocab(requests, vocab)
     if args.prefix % args.page_tokens:
         raise WorkloadError(f"prefix must be a multiple of page-tokens={args.page_tokens}, "
@@ -166,7 +171,7 @@ def prepare(args) -> tuple[ServeConfig, FaultPolicy, Workload, int, Endpoint | N
     _check_out(args.results, "results")
     spec = model_spec(args.model, args.dtype)
     _check_eos(args.eos_token, spec.vocab)
-    workload = _workload(args, spec.vocab)
+    workload = _workload(args, spec)
     return _config(args, workload, faults), policy, workload, producers, endpoint
 
 
@@ -275,6 +280,9 @@ def cmd_generate(args) -> int:
     spec = model_spec(args.model, args.dtype)
     if not tokens:
         raise WorkloadError("tokens: at least one token id is needed")
+    problem = context_error(spec, len(tokens), args.output_tokens, "tokens")
+    if problem:
+        raise WorkloadError(problem)
     bad = [t for t in tokens if not 0 <= t < spec.vocab]
     if bad:
         raise WorkloadError(f"tokens: {bad[0]} is outside [0, vocab={spec.vocab})")

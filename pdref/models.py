@@ -52,6 +52,9 @@ class ModelSpec:
     tie_embeddings: bool = False
     recurrent: bool = False
     params: int | None = None
+    # longest prompt + output the model was trained for (HF: max_position_embeddings);
+    # None: not known (a user's own profile may leave it out), nothing is refused
+    max_context: int | None = None
     rope_scaling: RopeScaling | None = None
     source: str = ""
     extra: tuple[tuple[str, object], ...] = ()
@@ -117,6 +120,10 @@ def model_from_dict(data: dict, default_name: str, where: str) -> ModelSpec:
         value = data.get(key)
         if type(value) is not int or value < 1:
             raise ProfileError(f"{where}: field {key!r} must be an integer >= 1, got {value!r}")
+    context = data.get("max_context")
+    if context is not None and (type(context) is not int or context < 1):
+        raise ProfileError(f"{where}: field 'max_context' must be an integer >= 1, "
+                           f"got {context!r}")
     if data["heads"] % data["kv_heads"]:
         raise ProfileError(f"{where}: field 'heads' must be a multiple of 'kv_heads'")
     known = {f.name for f in attrs.fields(ModelSpec)}
@@ -129,3 +136,14 @@ def model_from_dict(data: dict, default_name: str, where: str) -> ModelSpec:
         return ModelSpec(**fields, rope_scaling=rope, extra=extra)
     except (TypeError, ValueError) as e:
         raise ProfileError(f"{where}: {e}") from None
+
+
+def context_error(spec: ModelSpec, prompt: int, output: int, what: str = "prompt") -> str | None:
+    """The one-line refusal of `prompt` + `output` tokens beyond the model's max_context, or
+    None when they fit (or the limit is unknown). Callers raise it as their own bad input."""
+    total = prompt + output
+    if spec.max_context is None or total <= spec.max_context:
+        return None
+    return (f"{what}: prompt {prompt} + output {output} = {total} tokens exceed max_context "
+            f"{spec.max_context} of model {spec.name!r} (prompt + output must be "
+            f"<= max_context)")

@@ -21,7 +21,7 @@ import attrs
 from tqdm import tqdm
 
 from pdref.check import check_file
-from pdref.models import load_model
+from pdref.models import context_error, load_model
 from pdsim.core.profiles import load_hw
 from pdsim.demo_serve import ServeDemo, run_served, served_rows
 from pdsim.fit.calibrate import calibrate, figures, profile_toml
@@ -210,7 +210,9 @@ def _config(args) -> DemoConfig:
     for flag, value in (("--prompt", args.prompt), ("--requests", args.requests)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
-    load_model(args.model)
+    problem = context_error(load_model(args.model), args.prompt, 1, "--prompt")  # + first token
+    if problem:
+        raise UsageError(problem)
     return DemoConfig(Path(args.out), args.model, args.prompt, chunks, args.requests,
                       args.device, not args.quiet)
 

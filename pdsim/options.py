@@ -9,7 +9,7 @@ import attrs
 
 from pdref.cli_format import DefaultsFormatter
 from pdref.events import Mode
-from pdref.models import load_model
+from pdref.models import context_error, load_model
 from pdsim.core.config import SENDERS, RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.profiles import COPIERS, link_of, load_hw
@@ -177,7 +177,9 @@ def run_setup(args) -> tuple[SimConfig, list[RequestSpec]]:
     spec = WorkloadSpec(args.requests, prompt, args.prefix, args.prompt_range,
                         args.prompts_csv, args.rate, args.interval, args.arrivals, args.seed,
                         args.prompts, args.output_range)
+    _check_context(args, None)
     requests = build_requests(spec, cfg.geometry.page_tokens)
+    _check_context(args, requests)
     if args.concurrency is not None and any(r.arrival for r in requests):
         raise UsageError("--concurrency (closed loop) sets the arrival times; the "
                          "--prompts-csv arrival column gives them too")
@@ -190,6 +192,28 @@ def run_setup(args) -> tuple[SimConfig, list[RequestSpec]]:
     if source is None and args.sender == "queued":
         source = engine_source_pages(cfg, requests)
     return attrs.evolve(cfg, source_pages=source), requests
+
+
+def _check_context(args, requests: list[RequestSpec] | None) -> None:
+    """Prompt + output within the model's max_context: --prompt-range's upper end (with the
+    longest output) before any prompt is drawn, else every request. Export only
+    (--no-compute) has no positions: no limit."""
+    if args.no_compute:
+        return
+    model = load_model(args.model)
+    default_output = args.output_range[1] if args.output_range else args.output_tokens
+    if requests is None:
+        checks = [(args.prompt_range[1], default_output, "--prompt-range")] \
+            if args.prompt_range else []
+    else:
+        source = "--prompts-csv" if args.prompts_csv else "--prompts" if args.prompts \
+            else "--prompt"
+        checks = [(r.prompt, default_output if r.output_tokens is None else r.output_tokens,
+                   f"{source} (request {r.req!r})") for r in requests]
+    for prompt, output, what in checks:
+        problem = context_error(model, prompt, output, what)
+        if problem:
+            raise UsageError(problem)
 
 
 def _check_closed_loop(args) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from pdref.models import load_model
+from pdref.models import context_error, load_model
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.profiles import link_of, load_hw
@@ -142,8 +142,12 @@ def command(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                              f"{getattr(args, name)}")
-    for model in args.models.split(","):
-        load_model(model)  # an unknown one is refused before anything is written
+    longest = max(args.prompt, *AXES["prompt"])
+    for model in args.models.split(","):  # an unknown one is refused before anything is written
+        problem = context_error(load_model(model), longest, args.output_tokens,
+                                "--prompt / the prompt axis")
+        if problem:
+            raise ValueError(problem)
     load_hw(args.hw)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ import attrs
 from tqdm import tqdm
 
 from pdref.events import Mode
+from pdref.models import context_error, load_model
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.metrics import single_metrics
 from pdsim.core.sim import simulate
@@ -184,6 +185,10 @@ def command(args) -> int:
     if args.prefix > min(args.prompts):
         raise UsageError(f"--prefix {args.prefix} must be <= every --prompts value "
                          f"(smallest {min(args.prompts)})")
+    problem = None if args.no_compute else context_error(load_model(args.model),
+                                                         max(args.prompts), 0, "--prompts")
+    if problem:  # export only (--no-compute) has no positions: no limit
+        raise UsageError(problem)
     base = base_config(args)
     base = attrs.evolve(base, no_compute=args.no_compute)
     if "layer" in args.modes and base.geometry.recurrent:

@@ -9,6 +9,7 @@ import attrs
 
 from pdgpu.workload import WorkloadError
 from pdref import prompts
+from pdref.models import ModelSpec, context_error
 
 
 @attrs.frozen
@@ -96,3 +97,17 @@ def poisson_arrivals(count: int, rate: float, seed: int) -> tuple[float, ...]:
         out.append(t)
         t += rng.expovariate(rate)
     return tuple(out)
+
+
+def check_context(spec: ModelSpec, prompt_range: tuple[int, int] | None, output_tokens: int,
+                  requests: list[ServeRequest] = ()) -> None:
+    """Refuse a prompt + output beyond the model's max_context: the range's upper end (before
+    any prompt is drawn), then every request (a prompts file's own output_tokens)."""
+    if prompt_range is not None:
+        problem = context_error(spec, prompt_range[1], output_tokens, "prompt-range")
+        if problem:
+            raise WorkloadError(problem)
+    for r in requests:
+        problem = context_error(spec, r.prompt, r.output_tokens, f"request {r.req!r}")
+        if problem:
+            raise WorkloadError(problem)
