@@ -158,6 +158,11 @@ def main() -> None:
           f"link {args.link_gbps or 'unpaced'} GB/s, {args.device}, {args.rounds} rounds "
           f"({wall:.0f} s)")
     _print_lanes(args, lanes)
+    if runs:
+        _print_runs(runs, ratios)
+
+
+def _print_runs(runs: dict, ratios: dict) -> None:
     print("| run | tokens/s | TTFT p50 s | ITL p50 s | e2e p50 s | handoff tail p50 s | "
           "compute s | link s | verify % of wall |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -5,9 +5,11 @@ Both processes copy with one thread, like serving ranks (--threads 1); so does t
 A writer process sends `count` messages of one `nbytes` tensor each; this process (the
 reader, rank 0 like the decoder) copies each into its own buffer, as the decoder copies a
 span into its pool, and hands it back (`done`). The rate is timed from the first message
-after `warm` to the last one consumed. The baseline is what the bytes would cost with no
-second process: a memcpy on CPU; on CUDA one d2h copy into pinned memory (the pinned copy
-bandwidth, issue 24's yardstick; the lane does a d2h and an h2d, in two processes).
+after `warm` (by default every slot of the ring made and mapped once, as in a serving run,
+which reuses them for all its spans) to the last one consumed. The baseline is what the
+bytes would cost with no second process: a memcpy on CPU; on CUDA one d2h copy into pinned
+memory (the pinned copy bandwidth, issue 24's yardstick; the lane does a d2h and an h2d, in
+two processes).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.multiprocessing as mp
 
 from pdgpu.serve.rendezvous import Endpoint, open_store
 from pdgpu.serve.transport_nccl import open_transport
+from pdgpu.serve.transport_shm import MAX_SLOTS
 from pdgpu.streams import compute_threads
 
 HOST = "127.0.0.1"
@@ -46,7 +49,7 @@ def _writer(port: int, lane: str, device: str, nbytes: int, count: int) -> None:
 
 
 def transfer_rate(lane: str, nbytes: int, count: int, device: str = "cpu",
-                  warm: int = 2) -> tuple[float, str]:
+                  warm: int = MAX_SLOTS + 2) -> tuple[float, str]:
     """(bytes/s the lane carried, the lane the link agreed on) from a writer process."""
     store = open_store(Endpoint(HOST, 0), 0, 2, TIMEOUT_S)
     proc = mp.get_context("spawn").Process(target=_writer, daemon=True,
