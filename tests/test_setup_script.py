@@ -4,6 +4,7 @@ pure Python was asked for (PD_PURE_PYTHON=1), which skips the compile."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -45,3 +46,11 @@ def test_pure_python_setup_skips_the_compile(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "build_compiled.py" not in calls and "-e .[dev]" in calls
     assert "PD_PURE_PYTHON is set" in run.stdout
+
+
+def test_setup_prints_each_step_with_its_seconds(tmp_path):
+    """venv, torch, project and compile each end with a line giving their seconds."""
+    run, _ = _setup(tmp_path, PD_PURE_PYTHON="1")
+    assert run.returncode == 0, run.stderr
+    for step in ("1/4 venv", "2/4 torch", "3/4 project", "4/4 compile", "total"):
+        assert re.search(rf"^setup: \[{step}\] .* in \d+\.\d s$", run.stdout, re.M), run.stdout
