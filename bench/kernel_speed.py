@@ -56,6 +56,9 @@ def _parse(argv):
     p.add_argument("--contexts", default="1024:4096", help="LO:HI decode context lengths")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one call of each pdgpu side: aten calls, device kernels "
+                        "(CUDA), device seconds, the top ops (where a launch-bound path shows)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
@@ -171,7 +174,34 @@ def measure(args) -> dict:
         "ours_decode": _ours_decode(model, contexts, device),
         "hf_decode": _hf_decode(hf, contexts, device),
     }
-    return _rounds(sides, args.repeats, _clock(device))
+    times = _rounds(sides, args.repeats, _clock(device))
+    profiles = _profile(sides, ("ours_chunked", "ours_decode"), device) if args.profile else {}
+    return times, profiles
+
+
+def _profile(sides: dict, names, device) -> dict:
+    """One call of each side under torch.profiler -> counts, device seconds, top ops."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out = {}
+    for name in names:
+        with torch.no_grad(), profile(activities=activities) as prof:
+            sides[name]()
+            _clock(device)()
+        out[name] = _profile_row(prof.key_averages(), cuda)
+    return out
+
+
+def _profile_row(events, cuda: bool) -> dict:
+    kernels = [e for e in events if cuda and e.device_type == torch.autograd.DeviceType.CUDA]
+    top = sorted(kernels or [e for e in events if e.key.startswith("aten::")],
+                 key=lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total,
+                 reverse=True)[:6]
+    return {"aten_calls": sum(e.count for e in events if e.key.startswith("aten::")),
+            "device_kernels": sum(e.count for e in kernels),
+            "device_s": sum(e.self_device_time_total for e in kernels) / 1e6,
+            "top": [e.key[:60] for e in top]}
 
 
 def _rounds(sides: dict, repeats: int, now) -> dict:
@@ -188,7 +218,9 @@ def _rounds(sides: dict, repeats: int, now) -> dict:
     return times
 
 
-def summary(times: dict, args, threads: int) -> dict:
+def summary(measured: tuple, args, threads: int) -> dict:
+    times, profiles = measured
+
     def ratio(a, b):
         return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
     out = {f"{n}_s": statistics.median(v) for n, v in times.items()}
@@ -197,7 +229,7 @@ def summary(times: dict, args, threads: int) -> dict:
                decode_step=ratio("ours_decode", "hf_decode"),
                model=args.model, device=args.device, dtype=args.dtype, prompt=args.prompt,
                chunk=args.chunk, batch=args.batch, contexts=args.contexts, threads=threads,
-               repeats=args.repeats)
+               repeats=args.repeats, profile=profiles)
     return out
 
 
@@ -219,6 +251,10 @@ def _report(out: dict, cuda: bool) -> list[str]:
                      f"(target <= {GPU_DECODE_TARGET_S * 1e3:.0f} ms: {ok})")
     for name in ("ours_one_chunk", "ours_chunked", "hf_forward"):
         lines.append(f"  {name:18s} {out[name + '_s'] * 1e3:9.1f} ms")
+    for name, row in out["profile"].items():
+        lines.append(f"  profile {name}: {row['aten_calls']} aten calls, {row['device_kernels']} "
+                     f"device kernels ({row['device_s'] * 1e3:.1f} ms on the device); top: "
+                     + ", ".join(row["top"]))
     return lines
 
 

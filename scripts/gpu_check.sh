@@ -107,7 +107,7 @@ step 35 compare "$PY" -m pdgpu compare --model "$MODEL" --prompt "$COMPARE_PROMP
 
 echo "== 2b. kernels against transformers, $MODEL, $PROMPT tokens, chunk $CHUNK, decode batch 16"
 step 45 kernels "$PY" bench/kernel_speed.py --device "$DEV" --model "$MODEL" --prompt "$PROMPT" \
-    --chunk "$CHUNK" --contexts "$KERNEL_CONTEXTS" --repeats "$REPEATS"
+    --chunk "$CHUNK" --contexts "$KERNEL_CONTEXTS" --repeats "$REPEATS" --profile
 
 echo "== 3. overlap benchmark, $MODEL, $PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
 step 80 engine_overlap "$PY" bench/engine_overlap.py --model "$MODEL" --prompt "$PROMPT" \

@@ -110,3 +110,19 @@ def test_gpu_check_stops_at_a_failed_step_unless_keep_going(tmp_path, keep_going
         assert "FAILED steps" in run.stdout
     else:
         assert steps == ["pytest_gpu"] and failed == ["gpu_check: step pytest_gpu failed"]
+
+
+def test_kernel_speed_bench_reports_ratios_and_a_profile(capsys):
+    """bench/kernel_speed.py on `tiny`: pdgpu and transformers side by side, the three
+    ratios, and a profile of the chunked prefill and the decode step."""
+    pytest.importorskip("transformers")
+    main = runpy.run_path(str(ROOT / "bench" / "kernel_speed.py"))["main"]
+    args = ["--model", "tiny", "--prompt", "64", "--chunk", "16", "--batch", "3",
+            "--contexts", "8:300", "--repeats", "1", "--profile", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("prefill_one_chunk", "prefill_chunked", "decode_step"):
+        assert out[key] > 0
+    assert out["ours_decode_s"] > 0 and out["hf_decode_s"] > 0
+    assert set(out["profile"]) == {"ours_chunked", "ours_decode"}
+    assert all(row["aten_calls"] > 0 for row in out["profile"].values())
