@@ -134,6 +134,10 @@ def lane_bytes(args) -> dict:
         for lane in args.lanes:
             rate, agreed = transfer_rate(lane, nbytes, args.lane_messages, args.device)
             out.setdefault(agreed, []).append(rate / 1e9)
+            if lane == "shm":  # as the producer sends: gathered straight into the slot
+                rate, agreed = transfer_rate(lane, nbytes, args.lane_messages, args.device,
+                                             staged=True)
+                out.setdefault(f"{agreed} (gathered in)", []).append(rate / 1e9)
     return {lane: {"gb_s": statistics.median(v),
                    "of_memcpy": statistics.median(v) / statistics.median(out["memcpy"])}
             for lane, v in out.items()}

@@ -38,6 +38,9 @@ class Recording:
     def get(self, timeout):
         return None
 
+    def staging(self, dst, specs, device):
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+
     def ops(self) -> list[str]:
         return [m.op for m in self.sent if m.op != "beat"]
 

@@ -214,3 +214,42 @@ def test_a_full_dev_shm_sends_the_message_over_gloo(monkeypatch):
         assert shm_segments() == []
     finally:
         _close([reader, writer])
+
+
+def test_a_staged_slot_is_sent_without_a_copy_or_freed_when_not_sent():
+    """staging: the writer fills views of a slot and sends them as they are (the same slot,
+    nothing copied in); staged buffers it does not send go back FREE; over gloo, staging
+    gives plain tensors."""
+    reader, writer = _pair()
+    try:
+        kv, sums = writer.staging(0, [((2, 3), torch.float32), ((4,), torch.int64)], "cpu")
+        ring = writer.links[0].ring
+        slot = ring.staged[0]
+        assert kv.data_ptr() == in_slot_ptr(slot, 0)
+        kv.copy_(torch.arange(6.0).view(2, 3))
+        sums.copy_(torch.arange(4))
+        writer.send(0, "span", {}, (kv, sums))
+        msg = reader.get(timeout=20)
+        assert msg.slots == (slot.index,) and torch.equal(msg.tensors[1], torch.arange(4))
+        assert torch.equal(msg.tensors[0], torch.arange(6.0).view(2, 3))
+        writer.staging(0, [((8,), torch.float32)], "cpu")
+        unsent = ring.staged[0]
+        writer.send(0, "beat")  # a control message (another thread's) leaves staging alone
+        assert ring.staged[0] is unsent
+        writer.send(0, "span", {}, (torch.ones(3),))  # other tensors: the staged slot is
+        other = [m for m in (reader.get(timeout=20), reader.get(timeout=20)) if m.op == "span"]
+        assert other[0].slots == (unsent.index,) and ring.staged is None  # FREE, then reused
+        assert torch.equal(other[0].tensors[0], torch.ones(3))
+    finally:
+        _close([reader, writer])
+    gloo = _pair(shm=(True, False))
+    try:
+        (plain,) = gloo[1].staging(0, [((8,), torch.float32)], "cpu")
+        assert plain.shape == (8,) and gloo[1].links[0].ring is None
+    finally:
+        _close(gloo)
+
+
+def in_slot_ptr(slot, index: int) -> int:
+    """Where a slot's `index`-th staged tensor starts: after the state word."""
+    return slot.memory.data_ptr() + transport_shm.ALIGN * (index + 1)

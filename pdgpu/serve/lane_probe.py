@@ -2,9 +2,10 @@
 copy in one process (bench/serve.py, scripts/gpu_check.sh, the tests).
 
 Both processes copy with one thread, like serving ranks (--threads 1); so does the baseline.
-A writer process sends `count` messages of one `nbytes` tensor each; this process (the
-reader, rank 0 like the decoder) copies each into its own buffer, as the decoder copies a
-span into its pool, and hands it back (`done`). The rate is timed from the first message
+A writer process sends `count` messages of one `nbytes` tensor each (its own tensor, copied
+into a slot; or with `staged` one produced in the slot, as the producer's gather is); this
+process (the reader, rank 0 like the decoder) copies each into its own buffer, as the decoder
+copies a span into its pool, and hands it back (`done`). The rate is timed from the first message
 after `warm` (by default every slot of the ring made and mapped once, as in a serving run,
 which reuses them for all its spans) to the last one consumed. The baseline is what the
 bytes would cost with no second process: a memcpy on CPU; on CUDA one d2h copy into pinned
@@ -30,7 +31,7 @@ HOST = "127.0.0.1"
 TIMEOUT_S = 60.0
 
 
-def _writer(port: int, lane: str, device: str, nbytes: int, count: int) -> None:
+def _writer(port: int, lane: str, device: str, nbytes: int, count: int, staged: bool) -> None:
     code = 1
     torch.set_num_threads(1)  # like a serving rank (--threads 1): 2 processes, 2 copy threads
     try:
@@ -39,8 +40,10 @@ def _writer(port: int, lane: str, device: str, nbytes: int, count: int) -> None:
         transport.connect(0, 0)
         payload = torch.ones(nbytes, dtype=torch.uint8, device=device)  # [nbytes]
         transport.get(timeout=TIMEOUT_S)  # go
-        for _ in range(count):
-            transport.send(0, "bytes", {}, (payload,))
+        for _ in range(count):  # staged: the bytes were produced in the slot, as a gather
+            tensors = transport.staging(0, [((nbytes,), torch.uint8)], device) if staged \
+                else (payload,)
+            transport.send(0, "bytes", {}, tensors)
         transport.get(timeout=TIMEOUT_S)  # bye
         transport.close(wait_s=0.0)
         code = 0
@@ -49,11 +52,14 @@ def _writer(port: int, lane: str, device: str, nbytes: int, count: int) -> None:
 
 
 def transfer_rate(lane: str, nbytes: int, count: int, device: str = "cpu",
-                  warm: int = MAX_SLOTS + 2) -> tuple[float, str]:
-    """(bytes/s the lane carried, the lane the link agreed on) from a writer process."""
+                  warm: int = MAX_SLOTS + 2, staged: bool = False) -> tuple[float, str]:
+    """(bytes/s the lane carried, the lane the link agreed on) from a writer process;
+    `staged`: the writer fills `staging` buffers (in a shared slot: no copy in) rather than
+    sending a tensor of its own."""
     store = open_store(Endpoint(HOST, 0), 0, 2, TIMEOUT_S)
     proc = mp.get_context("spawn").Process(target=_writer, daemon=True,
-                                           args=(store.port, lane, device, nbytes, count))
+                                           args=(store.port, lane, device, nbytes, count,
+                                                 staged))
     proc.start()
     transport = open_transport(store, 0, device, TIMEOUT_S, lane)
     try:

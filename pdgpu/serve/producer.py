@@ -280,13 +280,19 @@ class Producer:
             self._send("span", handle=job.handle, sid=sid, error="copy failed (injected)")
             return
         index = job.kv.inner.slots[region.tokens[0]:region.tokens[1]]  # [nt]
-        kv = self.cache.kv[region.layers[0]:region.layers[1]].index_select(2, index)
+        source = self.cache.kv[region.layers[0]:region.layers[1]]  # [nl, 2, S, KVH, D]
+        digests = job.kv.region(region.layers, region.tokens)  # [nl, 2, nt]
+        kv, sums = self.transport.staging(DECODER, [  # shared memory: gathered straight in
+            ((*source.shape[:2], len(index), *source.shape[3:]), source.dtype),
+            (digests.shape, digests.dtype)], self.device)
+        torch.index_select(source, 2, index, out=kv)
+        sums.copy_(digests)
         self.bugs.after_gather(kv)  # [nl, 2, nt, KVH, D]
         if fate is Fate.CORRUPT and kv.numel():
             kv.view(BITS[kv.dtype]).view(-1)[0] ^= 1  # one bit of one element, in transit
         gathered = self.now()
         self._pace(start, nbytes)
-        self._send("span", tensors=(kv, job.kv.region(region.layers, region.tokens)),
+        self._send("span", tensors=(kv, sums),
                    handle=job.handle, sid=sid, gather=[start, gathered],
                    link=[gathered, self.now()])
 

@@ -82,6 +82,8 @@ class Transport(Protocol):
 
     def done(self, msg: Message) -> None: ...
 
+    def staging(self, dst: int, specs, device) -> list[torch.Tensor]: ...
+
     def get(self, timeout: float | None) -> Message | None: ...
 
     def close(self) -> None: ...
@@ -210,6 +212,8 @@ class GlooTransport:
         tensors = [t.contiguous() for t in tensors]
         vias = [self._via(link, t) for t in tensors]
         placed = None
+        if link.ring is not None and tensors and SHM not in vias:  # (the stager's thread:
+            shared.unstage(link.ring)  # control messages from others never touch staging)
         if SHM in vias:  # waits for a free slot and copies in: the caller is held, not the link
             placed = self._place(link, [t for t, v in zip(tensors, vias, strict=True)
                                         if v == SHM])
@@ -225,15 +229,32 @@ class GlooTransport:
                                             if v != SHM)))
 
     def _place(self, link: Link, tensors):
-        def broken() -> str | None:
-            gone = self.closing.is_set() or self.links.get(link.peer) is not link
-            return link.error or ("the link was dropped" if gone else None)
         try:
-            return shared.place(link.ring, tensors, broken)
+            return shared.place(link.ring, tensors, lambda: self._broken(link))
         except shared.NoRoom:
             return None  # /dev/shm is full: this message goes over gloo
         except shared.SlotError as e:
             raise TransportError(f"send to {peer_name(link.peer)} failed: {e}") from None
+
+    def staging(self, dst: int, specs, device) -> list[torch.Tensor]:
+        """Buffers to fill for the next message's tensors [(shape, dtype)]: views of a shared
+        slot its `send` takes without a copy when this end writes a shared lane and they live
+        on the CPU (a producer's gather lands in shared memory), else new tensors on
+        `device`."""
+        link = self.links.get(dst)
+        if link is None or link.ring is None or torch.device(device).type != "cpu" or \
+                not all(torch.Size(shape).numel() for shape, _ in specs):
+            return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+        try:
+            return shared.stage(link.ring, specs, lambda: self._broken(link))
+        except shared.NoRoom:
+            return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+        except shared.SlotError as e:
+            raise TransportError(f"send to {peer_name(link.peer)} failed: {e}") from None
+
+    def _broken(self, link: Link) -> str | None:
+        gone = self.closing.is_set() or self.links.get(link.peer) is not link
+        return link.error or ("the link was dropped" if gone else None)
 
     def _via(self, link: Link, tensor: torch.Tensor) -> str | None:
         """How a tensor travels: through shared memory when this end writes a shared lane,

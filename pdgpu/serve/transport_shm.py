@@ -6,7 +6,8 @@ here: every message's header and JSON stay on the link's gloo group (order, `los
 - The writer (the link's higher rank: the producer) owns a ring of slots, each a file in
   /dev/shm mapped by both processes. A message with tensors takes one free slot (a new one
   while fewer than MAX_SLOTS exist, else it waits for one), its tensors are copied in by the
-  sender's thread before the message is queued, and its JSON names slot, file and offsets:
+  sender's thread before the message is queued (or the producer gathered them straight into
+  the slot, `staging`: then nothing is copied in), and its JSON names slot, file and offsets:
   the slot is handed over by the control message, on gloo.
 - The reader maps a slot's file the first time it sees it and unlinks it at once: from then on
   the memory lives only as long as the two mappings (a killed process's goes with it). The
@@ -135,6 +136,7 @@ class WriterRing:
     def __init__(self, prefix: str, pinned: bool) -> None:
         self.prefix, self.pinned = prefix, pinned
         self.slots: list[Slot] = []
+        self.staged: tuple | None = None  # (slot, views, offsets) handed out by `stage`
         self.serial = itertools.count()
         self.made: list[Path] = []
         self.lock = threading.Lock()
@@ -252,13 +254,41 @@ def close_ends(ring: WriterRing | None, views: ReaderViews | None) -> None:
             end.close()
 
 
-def place(ring: WriterRing, tensors, broken) -> dict:
-    """Copy `tensors` (numel > 0 each) into one slot, on the caller's thread (so the link's
-    sending thread sends the previous message's header meanwhile); the JSON naming slot,
-    file and offsets."""
-    offsets, nbytes = layout(tensors)
+def stage(ring: WriterRing, specs, broken) -> list[torch.Tensor]:
+    """Views in one slot for tensors of `specs` [(shape, dtype)] (numel > 0 each) that the
+    caller fills and then sends: `place` takes them as they are, no copy in (the producer
+    gathers a span straight into shared memory). One thread stages and sends."""
+    shells = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
+    offsets, nbytes = layout(shells)
+    unstage(ring)
     slot = ring.acquire(nbytes, broken)
-    for t, offset in zip(tensors, offsets, strict=True):
-        in_slot(slot.memory, offset, t.dtype, t.shape).copy_(t)
+    ring.staged = (slot, [in_slot(slot.memory, o, t.dtype, t.shape)
+                          for t, o in zip(shells, offsets, strict=True)], offsets)
+    return list(ring.staged[1])
+
+
+def unstage(ring: WriterRing) -> None:
+    """A staged slot the caller did not send (it sent other tensors) is FREE again."""
+    if ring.staged is not None:
+        ring.staged[0].state[0] = FREE
+        ring.staged = None
+
+
+def place(ring: WriterRing, tensors, broken) -> dict:
+    """Put `tensors` (numel > 0 each) in one slot: the staged one when they are its views,
+    else a slot they are copied into on the caller's thread (so the link's sending thread
+    sends the previous message's header meanwhile); the JSON naming slot, file and offsets."""
+    staged = ring.staged
+    if staged is not None and len(staged[1]) == len(tensors) and all(
+            t.data_ptr() == v.data_ptr() and t.shape == v.shape
+            for t, v in zip(tensors, staged[1], strict=True)):
+        ring.staged = None
+        slot, offsets = staged[0], staged[2]
+    else:
+        unstage(ring)
+        offsets, nbytes = layout(tensors)
+        slot = ring.acquire(nbytes, broken)
+        for t, offset in zip(tensors, offsets, strict=True):
+            in_slot(slot.memory, offset, t.dtype, t.shape).copy_(t)
     return {"slot": slot.index, "name": slot.name, "size": slot.memory.numel(),
             "offsets": offsets}
