@@ -35,6 +35,7 @@ from pdgpu.serve.launch import (
 )
 from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
 from pdgpu.serve.report import SUMMARY_ORDER, summary, write_results
+from pdgpu.serve.status import LineProgress
 from pdgpu.serve.transport import Endpoint, TransportError, parse_init_method
 from pdgpu.serve.transport_nccl import open_transport
 from pdgpu.serve.workload import (
@@ -177,16 +178,18 @@ def prepare(args) -> tuple[ServeConfig, FaultPolicy, Workload, int, Endpoint | N
 
 # -- running ----------------------------------------------------------------------------------
 
-def _progress(args, total: int):
+def _progress(args, total: int, run: ServeRun):
+    """tqdm's bar on a terminal; elsewhere (a log, a pipe) a line every --progress-every s."""
+    if args.progress is None and not sys.stderr.isatty():
+        return LineProgress(total, run, args.progress_every)
     from tqdm import tqdm
-    disable = None if args.progress is None else not args.progress
-    return tqdm(total=total, unit="req", disable=disable, file=sys.stderr, leave=False,
-                desc="pdgpu serve")
+    return tqdm(total=total, unit="req", disable=args.progress is False, file=sys.stderr,
+                leave=False, desc="pdgpu serve")
 
 
 def _serve(args, config, policy, workload, producers, endpoint, run: ServeRun) -> None:
     opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout, args.kv_lane)
-    bar = _progress(args, len(workload.requests))
+    bar = _progress(args, len(workload.requests), run)
     try:
         if args.role == "decoder":
             _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar, run,

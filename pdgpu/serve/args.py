@@ -75,7 +75,10 @@ def _serve_args(p) -> None:
     p.add_argument("--no-kv-progress", dest="kv_progress", action="store_false",
                    help="producers announce no kv_progress (they can serve whole mode only)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
-                   help="no progress bar (default: one on a terminal)")
+                   help="no progress bar or lines (default: a bar on a terminal, else a "
+                   "line every --progress-every seconds)")
+    p.add_argument("--progress-every", type=_positive, default=10.0, metavar="S",
+                   help="seconds between progress lines when stderr is not a terminal")
     p.add_argument("--init-method", help="tcp://HOST:PORT of the rendezvous (default: "
                    "a free port here)")
     p.add_argument("--role", choices=("decoder", "producer"),

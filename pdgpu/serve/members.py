@@ -18,6 +18,7 @@ import attrs
 
 from pdgpu.serve.clock import PROBES, ClockSample, best
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
+from pdgpu.serve.status import say
 from pdgpu.serve.transport import Message, TransportError
 
 
@@ -109,9 +110,12 @@ class Members:
         self.broken.clear()
         return due
 
-    def declare_dead(self, rank: int) -> None:
-        """Tear its link down and stop its process; respawn it when restarts are on."""
+    def declare_dead(self, rank: int, reason: str = "") -> None:
+        """Tear its link down and stop its process; respawn it when restarts are on. Said on
+        stderr: a death changes what the run can do, and a log must show when and why."""
         peer = self.peers[rank]
+        first = (reason or "its link broke").splitlines()[0].split(". ")[0]  # gloo's advice
+        say(f"producer p{rank} declared dead: {first}")
         self.broken.pop(rank, None)  # about the link torn down here, not the next one
         self.transport.drop(rank)
         if self.processes is not None:
@@ -125,6 +129,7 @@ class Members:
     def _respawn(self, peer: Peer) -> None:
         peer.generation += 1
         peer.state, peer.last_seen = PeerState.JOINING, time.perf_counter()
+        say(f"producer p{peer.rank} restarting (generation {peer.generation})")
         self.processes.respawn(peer.rank, peer.generation)
         self.transport.connect_async(peer.rank, peer.generation)
         self.restarts += 1
@@ -158,6 +163,7 @@ class Members:
         elif msg.op == "ready":
             peer.offset = time.perf_counter() - msg.body["now"]  # until a probe answers
             peer.state, peer.clock, peer.probes = PeerState.READY, None, []
+            say(f"producer p{peer.rank} rejoined (generation {peer.generation}): serving")
             for _ in range(PROBES):  # answered in order (one link: FIFO both ways)
                 peer.probes.append(time.perf_counter())
                 self.send(peer.rank, "clock", {})

@@ -165,7 +165,7 @@ class Recovery:
         """Declared dead: its writers stopped for good with its link; its lives end."""
         if not self.members.alive(rank):
             return
-        self.members.declare_dead(rank)
+        self.members.declare_dead(rank, reason)
         for life in [x for x in self.lives.values() if x.producer == rank]:
             life.stopped = True
             self._fence_all(life, f"producer p{rank} lost")
