@@ -2,6 +2,9 @@
 
 Modules (one concept each):
   transport  point-to-point messages (the one interface a NIXL/UCX backend would implement)
+  link       a message, that interface, one connected peer's link
+  transport_shm  KV through shared memory on one machine (page-locked on one GPU)
+  lane_probe KV bytes/s between two processes through a lane vs a same-size copy (benches)
   config     the run's settings, producer capabilities, the handshake's servability rule
   workload   requests drawn or read from a prompts file, arrival times
   digest     compute-time row checksums of KV, checked when a span lands (--verify)

@@ -25,14 +25,13 @@ import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Protocol
 
-import attrs
 import orjson
 import torch
 import torch.distributed as dist
 
 from pdgpu.serve import transport_shm as shared
+from pdgpu.serve.link import Link, Message, Transport  # noqa: F401 - imported from here
 from pdgpu.serve.rendezvous import (  # noqa: F401 - Endpoint, open_store...: imported from here
     GLOO,
     SHARED,
@@ -53,62 +52,6 @@ HEADER_LEN = 2  # [json bytes, number of tensors]
 DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
                               torch.int32, torch.uint8)}
 IDLE_WAIT = timedelta(days=7)  # a receiving thread may wait this long for the next message
-
-
-@attrs.frozen
-class Message:
-    src: int
-    op: str
-    body: dict
-    tensors: tuple[torch.Tensor, ...] = ()
-    generation: int = 0  # of the link it came over
-    slots: tuple[int, ...] = ()  # shared-memory slots its tensors sit in (until `done`)
-
-
-class Transport(Protocol):
-    rank: int
-
-    def peers(self) -> list[int]: ...
-
-    def lanes(self) -> dict[int, str]: ...
-
-    def connect(self, peer: int, generation: int = 0, alive=lambda: None) -> None: ...
-
-    def connect_async(self, peer: int, generation: int) -> None: ...
-
-    def drop(self, peer: int) -> None: ...
-
-    def send(self, dst: int, op: str, body: dict | None = None, tensors=()) -> None: ...
-
-    def done(self, msg: Message) -> None: ...
-
-    def staging(self, dst: int, specs, device) -> list[torch.Tensor]: ...
-
-    def get(self, timeout: float | None) -> Message | None: ...
-
-    def close(self) -> None: ...
-
-
-
-class Link:
-    """One connected peer: a two-rank gloo group (this side's rank in it is `me`), the lane
-    both ends agreed on, and the group that carries its tensors when that is not gloo."""
-
-    def __init__(self, pg, me: int, peer: int, generation: int, lane: str = GLOO) -> None:
-        self.pg, self.me, self.peer, self.generation = pg, me, peer, generation
-        self.lane = lane
-        self.data = None  # a tensor lane's own process group (transport_nccl.py)
-        self.ring: shared.WriterRing | None = None  # shared-memory lane, the sending end
-        self.views: shared.ReaderViews | None = None  # shared-memory lane, the receiving end
-        self.aborted = threading.Event()  # its data group was aborted: stop waiting on it
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # frames to send; None: stop
-        self.error: str | None = None  # the link broke
-        self.thread: threading.Thread | None = None  # receiving
-        self.sender: threading.Thread | None = None
-
-    @property
-    def other(self) -> int:
-        return 1 - self.me
 
 
 class GlooTransport:
