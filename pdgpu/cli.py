@@ -25,7 +25,7 @@ from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, s
 from pdref.check import check_lines
 from pdref.cli_format import DefaultsFormatter, format_metrics
 from pdref.events import event_to_json, header_to_json
-from pdref.models import ModelSpec, ProfileError, context_error, load_model
+from pdref.models import ModelSpec, ProfileError, context_error, list_models, load_model
 from pdref.trace import TraceWriter, dumps
 from pdref.violations import Violation
 
@@ -49,7 +49,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="preset name, profile .toml, or HF folder")
+    p.add_argument("--model", default="tiny", help=f"preset ({', '.join(list_models())}), "
+                   "profile .toml, or HF checkpoint folder")
     p.add_argument("--prompt", type=int_at_least(1),
                    help="prompt tokens (default: 256 random ids, or as many as --tokens gives)")
     p.add_argument("--prefix", type=int_at_least(0), default=0,
@@ -82,10 +83,15 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _summary(sub, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose own --help opens with the line `pdgpu --help` lists it by."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pdgpu", description="KV handoff engine, checked live by pdref")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    run = sub.add_parser("run", help="run one workload in one mode")
+    run = _summary(sub, "run", "run one workload in one mode")
     _workload_args(run)
     run.add_argument("--mode", choices=("whole", "chunk", "layer"), default="chunk",
                      help="handoff: whole = one copy after prefill, chunk = a copy per prefill "
@@ -96,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="export only: a known payload instead of prefill, checked at the decoder")
     run.add_argument("--payload", type=int_at_least(1),
                      help="with --no-compute: payload bytes (sets the prompt length)")
-    cmp = sub.add_parser("compare", help="run every mode on one prompt: parity and ratios")
+    cmp = _summary(sub, "compare", "run every mode on one prompt: parity and ratios")
     _workload_args(cmp)
     cmp.add_argument("--trace-dir", help="write one trace per mode into this folder")
     serve_cli.add_parsers(sub)

@@ -19,6 +19,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
                 default is absent for absent in (None, False, argparse.SUPPRESS)):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, tuple | list) else default
+        if str(shown) == "":  # an empty list or text: "(default: )" would say nothing
+            return text
         return f"{text} (default: {str(shown).replace('%', '%%')})"
 
 

@@ -1,4 +1,5 @@
-"""`pdsim run|sweep|explain|timeline|calibrate|validate|demo`: the simulator's command line.
+"""`pdsim run|sweep|explain|timeline|calibrate|validate|study|demo`: the simulator's command
+line.
 
 Bad input is one line on stderr naming the field and the rule, exit 2, and nothing written.
 """

@@ -21,7 +21,7 @@ import attrs
 from tqdm import tqdm
 
 from pdref.check import check_file
-from pdref.models import context_error, load_model
+from pdref.models import context_error, list_models, load_model
 from pdsim.core.profiles import load_hw
 from pdsim.demo_serve import ServeDemo, run_served, served_rows
 from pdsim.fit.calibrate import calibrate, figures, profile_toml
@@ -191,7 +191,8 @@ def summary_json(result: dict) -> dict:
 
 def add_args(p) -> None:
     p.add_argument("--out", default="demo-out", help="output folder")
-    p.add_argument("--model", default="small", help="engine and simulator model preset")
+    p.add_argument("--model", default="small", help="engine and simulator model preset "
+                   f"({', '.join(list_models())}) or a profile .toml")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
     p.add_argument("--chunks", default="128,256,512", help="engine chunk sizes, comma separated")
     p.add_argument("--requests", type=int, default=3,

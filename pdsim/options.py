@@ -9,7 +9,7 @@ import attrs
 
 from pdref.cli_format import DefaultsFormatter
 from pdref.events import Mode
-from pdref.models import context_error, load_model
+from pdref.models import context_error, list_models, load_model
 from pdsim.core.config import SENDERS, RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.profiles import COPIERS, link_of, load_hw
@@ -50,7 +50,8 @@ def _times(text: str) -> tuple[float, ...]:
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen3-0.6b", help="model profile name or .toml")
+    p.add_argument("--model", default="qwen3-0.6b",
+                   help=f"model preset ({', '.join(list_models())}) or a profile .toml")
     p.add_argument("--hw", default="a100-pcie", help="hardware profile name or .toml")
     p.add_argument("--link", default=None, help="link profile (default: the hw profile's)")
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page")

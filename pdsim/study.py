@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from pdref.models import context_error, load_model
+from pdref.models import context_error, list_models, load_model
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.profiles import link_of, load_hw
@@ -58,8 +58,8 @@ class Point:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default="qwen3-0.6b,qwen3-4b", help="model profiles, comma "
-                   "separated")
+    p.add_argument("--models", default="qwen3-0.6b,qwen3-4b", help="model presets, comma "
+                   f"separated ({', '.join(list_models())}) or profile .toml files")
     p.add_argument("--hw", default="a100-pcie", help="hardware profile")
     p.add_argument("--requests", type=int, default=64, help="requests per configuration")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens each request makes")

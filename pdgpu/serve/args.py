@@ -8,13 +8,14 @@ from pdgpu.cli_types import int_at_least as _int
 from pdgpu.cli_types import positive_float as _positive
 from pdgpu.serve.config import DEBUG_BUGS
 from pdref.events import Mode
+from pdref.models import list_models
 
 
 def add_parsers(sub) -> None:
-    serve = sub.add_parser("serve", help="a decoder and N producer processes serving requests")
+    serve = _summary(sub, "serve", "a decoder and N producer processes serving requests")
     _model_args(serve)
     _serve_args(serve)
-    gen = sub.add_parser("generate", help="single-process greedy reference (no handoff)")
+    gen = _summary(sub, "generate", "single-process greedy reference (no handoff)")
     _model_args(gen)
     gen.add_argument("--tokens", required=True, help="prompt token ids, comma separated")
     gen.add_argument("--output-tokens", type=_int(1), default=8, help="tokens to generate")
@@ -24,8 +25,14 @@ def add_parsers(sub) -> None:
     gen.add_argument("--eos-token", type=_int(0), help="stop after this token (default: none)")
 
 
+def _summary(sub, name: str, text: str):
+    """A subcommand whose own --help opens with the line `pdgpu --help` lists it by."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+
+
 def _model_args(p) -> None:
-    p.add_argument("--model", default="tiny", help="preset name, profile .toml, or HF folder")
+    p.add_argument("--model", default="tiny", help=f"preset ({', '.join(list_models())}), "
+                   "profile .toml, or HF checkpoint folder")
     p.add_argument("--seed", type=_int(0), default=0, help="weights and drawn-prompt seed")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="override the model's dtype (default: the model's own)")
@@ -104,7 +111,8 @@ def _fault_args(p) -> None:
     g.add_argument("--cancel-rate", type=float, default=0.0, help="chance a request is "
                    "cancelled, after a drawn number of its steps (any phase)")
     g.add_argument("--kill-producer", action="append", default=[], metavar="I@SECONDS",
-                   help="SIGKILL producer index I (rank I+1) SECONDS after t = 0 (repeatable)")
+                   help="SIGKILL producer index I (rank I+1) SECONDS after t = 0 (repeatable; "
+                   "default: none)")
     g.add_argument("--restart-producers", action="store_true",
                    help="respawn a dead producer; it rejoins with a new handshake")
     g.add_argument("--heartbeat-timeout", type=float, default=5.0,

@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 from tqdm import tqdm
 
-from pdref.models import load_model
+from pdref.models import list_models, load_model
 from pdsim.core.profiles import load_hw
 from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.fit.engine_runs import EnginePoint, ExportPoint, Measured, run_export, run_point
@@ -211,7 +211,8 @@ def format_summary(result: dict) -> str:
 
 
 def add_args(p) -> None:
-    p.add_argument("--model", default="small", help="model preset both shells load")
+    p.add_argument("--model", default="small", help="model preset both shells load "
+                   f"({', '.join(list_models())}) or a profile .toml")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default",
                    help="configurations: default = 15 grid points, quick = 3 (tests); "
                         "with --serving: 14 serve runs, quick = 2")
