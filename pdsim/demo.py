@@ -30,7 +30,7 @@ from pdsim.fit.predict import predict, simulate_point
 from pdsim.options import UsageError
 from pdsim.sweep import Point, best_chunks, run_sweep
 from pdsim.views.demo_report import comparison_table, report_md, trace_table
-from pdsim.views.report import write_atomic, write_json, write_trace
+from pdsim.views.report import edge_note, write_atomic, write_json, write_trace
 
 SWEEP_CHUNKS = (64, 128, 256, 512, 1024, 2048)
 REFERENCE = (("qwen3-0.6b", "a100-pcie"), ("qwen3-0.6b", "h200"))
@@ -105,8 +105,8 @@ def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
         write_atomic(cfg.out / png, png_bytes)
         best = best_chunks(rows)[prompt]
         print(f"  {model} on {hw_name}, prompt {prompt}: best: mode {best['mode']}, chunk "
-              f"{best['chunk']}: handoff {best['handoff_s'] * 1e3:.1f} ms, tail "
-              f"{best['tail_s'] * 1e3:.2f} ms -> {png}")
+              f"{best['chunk']}{edge_note(best['chunk'], chunks)}: handoff "
+              f"{best['handoff_s'] * 1e3:.1f} ms, tail {best['tail_s'] * 1e3:.2f} ms -> {png}")
         out.append({"label": label, "model": model, "hw": hw_name, "prompt": prompt,
                     "png": png, "rows": rows, "best": best})
     return out

@@ -24,7 +24,7 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.metrics import single_metrics
 from pdsim.core.sim import simulate
 from pdsim.options import UsageError, add_model_options, base_config
-from pdsim.views.report import write_atomic, write_json
+from pdsim.views.report import edge_note, write_atomic, write_json
 
 COLUMNS = ("mode", "prompt", "chunk", "max_pending", "bandwidth_scale", "prefill_s",
            "handoff_s", "tail_s", "peak_staging_bytes", "spans", "lower_bound_s", "gap_s")
@@ -163,8 +163,10 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['bandwidth_scale']:5.3g} {r['handoff_s'] * 1e3:11.3f} "
                      f"{r['tail_s'] * 1e3:9.3f} {r['peak_staging_bytes'] / 2**20:11.2f}")
     for prompt, r in best_chunks(rows).items():
+        edge = edge_note(r["chunk"], {x["chunk"] for x in rows})
         lines.append(f"best for prompt {prompt}: mode {r['mode']} chunk {r['chunk']} "
-                     f"max_pending {r['max_pending']}: handoff {r['handoff_s'] * 1e3:.3f} ms")
+                     f"max_pending {r['max_pending']}: handoff {r['handoff_s'] * 1e3:.3f} ms"
+                     + edge)
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from pdref.cli_format import count
+from pdsim.views.report import edge_note
 
 DEFINITIONS = [
     "- **handoff**: from the request's start (its slab reserved, prefill begins) until it "
@@ -72,8 +73,9 @@ def sweep_lines(sweeps) -> list[str]:
     lines = []
     for s in sweeps:
         b = s["best"]
+        edge = edge_note(b["chunk"], {r["chunk"] for r in s["rows"] if r["prompt"] == s["prompt"]})
         lines += [f"### {s['model']} on {s['hw']}, prompt {s['prompt']}", "",
-                  f"Best: mode {b['mode']}, chunk {b['chunk']}: handoff "
+                  f"Best: mode {b['mode']}, chunk {b['chunk']}{edge}: handoff "
                   f"{b['handoff_s'] * 1e3:.1f} ms, tail {b['tail_s'] * 1e3:.2f} ms, "
                   f"staging {b['peak_staging_bytes'] / 2**20:.1f} MiB.", "",
                   f"![{s['label']}]({s['png']})", ""]
@@ -112,6 +114,22 @@ def why_prefill_dominates(pairs, devices: str) -> str:
                    "a100-pcie and h200 sweeps below).")
 
 
+def in_sample_note(pairs) -> str:
+    """What an in-sample error is, with this run's range: not a forecast's miss (the profile
+    was fitted from these runs) but how far one run is from the fitted per-stage averages."""
+    errs = [100.0 * (p["handoff_s"] / m.handoff_s - 1.0) for m, p in pairs if m.handoff_s > 0]
+    spread = f"here {min(errs):+.0f}% .. {max(errs):+.0f}%" if errs else "none here"
+    return ("These predictions are in-sample: the profile was fitted from these very runs, so "
+            f"an error (err: predicted / measured - 1; {spread}) is not a forecast's miss. "
+            "The fit gives each stage one cost (per token, per byte, per span), by least "
+            "squares over every mode and chunk size at once; a run whose stages ran faster or "
+            "slower than that average shows the difference. On a CPU most of it is prefill "
+            "competing with the copier and other processes for the same cores, which differs "
+            "by mode (whole copies after compute, chunk and layer during it) and from run to "
+            "run; one contention term cannot match each run. `pdsim validate` measures the "
+            "error on held-out runs, the figure that says how well the simulator predicts.")
+
+
 def report_md(result: dict, out: Path) -> str:
     cfg = result["config"]
     ok = all(c.ok for c in result["checks"])
@@ -130,8 +148,7 @@ def report_md(result: dict, out: Path) -> str:
         why_prefill_dominates(result["pairs"], devices), "",
         "## Engine vs simulator (calibrated from these traces: `profile.toml`)", "",
         f"KV and first-token parity against whole mode: {'ok' if parity else 'FAILED'}. "
-        "These predictions are in-sample (the profile was fitted from these runs); "
-        "`pdsim validate` predicts held-out runs.", "",
+        + in_sample_note(result["pairs"]), "",
         _markdown(comparison_rows(result["pairs"])), "",
         "## Chunk-size sweeps (simulator)", "", *sweep_lines(result["sweeps"]),
         *served_lines(result["served"]),

@@ -9,7 +9,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pdsim.views.report import edge_note  # noqa: E402
+
 MODE_COLORS = {"whole": "tab:blue", "chunk": "tab:orange", "layer": "tab:green"}
+# Modes often give the same figures (chunk and layer on a fast link): each later mode is
+# drawn on top with a thinner line, its own dash and a smaller marker, so a line that
+# coincides with another still shows inside it instead of vanishing under it.
+MODE_STYLES = {"whole": dict(ls="-", marker="o", ms=9, lw=3.0, zorder=2),
+               "chunk": dict(ls="--", marker="s", ms=6, lw=2.0, zorder=3),
+               "layer": dict(ls=":", marker="^", ms=4, lw=1.2, zorder=4)}
 
 
 def _png(fig) -> bytes:
@@ -61,11 +69,14 @@ def _sweep_column(top, bottom, rows: list[dict], prompt: int, best: dict) -> Non
                      if r["prompt"] == prompt and r["mode"] == mode)
         if pts:
             xs = [p[0] for p in pts]
-            top.plot(xs, [p[1] * 1e3 for p in pts], "-o", color=color, label=mode)
-            bottom.plot(xs, [p[2] * 1e3 for p in pts], "--o", color=color, label=mode)
+            top.plot(xs, [p[1] * 1e3 for p in pts], color=color, label=mode, **MODE_STYLES[mode])
+            bottom.plot(xs, [p[2] * 1e3 for p in pts], color=color, label=mode,
+                        **MODE_STYLES[mode])
     chunks = sorted({r["chunk"] for r in rows if r["prompt"] == prompt})
+    edge = edge_note(best["chunk"], chunks)
     for ax in (top, bottom):
-        ax.axvline(best["chunk"], color="grey", lw=0.8)
+        ax.axvline(best["chunk"], color="grey", lw=0.8, zorder=1,
+                   label=f"best: {best['mode']}, chunk {best['chunk']}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(chunks, [str(c) for c in chunks])
         ax.minorticks_off()
@@ -73,4 +84,5 @@ def _sweep_column(top, bottom, rows: list[dict], prompt: int, best: dict) -> Non
     top.set_ylabel("completion (handoff) ms")
     bottom.set_ylabel("unhidden tail ms")
     bottom.set_xlabel("chunk (tokens)")
-    top.set_title(f"prompt {prompt}: best: mode {best['mode']}, chunk {best['chunk']}", fontsize=9)
+    top.set_title(f"prompt {prompt}: best: mode {best['mode']}, chunk {best['chunk']}{edge}",
+                  fontsize=9)

@@ -58,3 +58,12 @@ def request_results(result: SimResult) -> list[dict]:
 
 def write_results(path: str, result: SimResult) -> None:
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in request_results(result)))
+
+
+def edge_note(chunk: int, chunks) -> str:
+    """A warning when the best chunk is the smallest or largest swept: the sweep cannot say
+    whether a chunk beyond it is better still."""
+    chunks = sorted(chunks)
+    if len(chunks) < 2 or chunks[0] < chunk < chunks[-1]:
+        return ""
+    return f" (best is the edge of the range {chunks[0]}..{chunks[-1]}: widen it)"
