@@ -257,6 +257,9 @@ def _summary_text(values: dict) -> str:
 
 
 def cmd_serve(args) -> int:
+    if args.http is not None:  # requests over HTTP (its packages are an optional extra)
+        from pdgpu.serve.http_run import serve_http
+        return serve_http(args)
     config, policy, workload, producers, endpoint = prepare(args)
     if args.role == "producer":
         _producer_role(args, endpoint)

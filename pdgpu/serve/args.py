@@ -94,7 +94,22 @@ def _serve_args(p) -> None:
     p.add_argument("--world-size", type=_int(2), help="decoder + producers")
     p.add_argument("--connect-timeout", type=_positive, default=60.0,
                    help="seconds to wait for every rank")
+    _http_args(p)
     _fault_args(p)
+
+
+def _http_args(p) -> None:
+    """`--http`: requests over an OpenAI-compatible API instead of a workload (http_run.py)."""
+    g = p.add_argument_group("HTTP front end (pip install 'pdhandoff[http]')")
+    g.add_argument("--http", metavar="HOST:PORT", help="serve POST /v1/completions, "
+                   "/v1/chat/completions, GET /v1/models, /health, /metrics until SIGINT or "
+                   "SIGTERM (port 0: a free one; default: off, the batch mode)")
+    g.add_argument("--http-queue", type=_int(1), default=64, help="requests in the system at "
+                   "once (queued or served); beyond it: 429")
+    g.add_argument("--http-max-prompt", type=_int(1), default=1024,
+                   help="longest prompt in tokens (sizes the pool and caches); beyond: 400")
+    g.add_argument("--http-drain", type=_positive, default=30.0, help="seconds requests in "
+                   "flight may take to finish after SIGINT/SIGTERM before they are cancelled")
 
 
 def _fault_args(p) -> None:

@@ -26,7 +26,7 @@ from pdgpu.serve.lives import Life, Status, Tracked
 from pdgpu.serve.members import HANDSHAKE, Members
 from pdgpu.serve.recovery import Recovery, ServeError, expected_steps
 from pdgpu.serve.transport import Message
-from pdgpu.serve.workload import Workload
+from pdgpu.serve.workload import ServeRequest, Workload
 
 __all__ = ["Decoder", "ServeError"]
 
@@ -34,7 +34,8 @@ __all__ = ["Decoder", "ServeError"]
 class Decoder(Recovery):
     def __init__(self, ledger: Ledger, model, workload: Workload, prefix_kv: torch.Tensor,
                  members: Members, policy: FaultPolicy, faults: FaultSpec, verify: bool,
-                 progress=None, stall_s: float = 300.0, eos: int | None = None) -> None:
+                 progress=None, stall_s: float = 300.0, eos: int | None = None,
+                 inbox=None) -> None:
         self.ledger, self.model, self.members = ledger, model, members
         self.workload, self.prefix_kv = workload, prefix_kv
         self.policy, self.verify = policy, verify
@@ -53,13 +54,17 @@ class Decoder(Recovery):
         self.cancels: queue.SimpleQueue = queue.SimpleQueue()  # cancel() from any thread
         self.done = 0
         self.last_progress = time.perf_counter()
+        self.inbox = inbox  # the HTTP front end's bridge (frontend.py), or None: batch mode
+        self.idle_s = 0.02 if inbox is None else inbox.idle_s  # longest wait with nothing to do
 
     # -- the loop -----------------------------------------------------------------------------
 
     def run(self) -> None:
-        while self.done < len(self.tracked) or self._writers_busy():
+        while self.done < len(self.tracked) or self._writers_busy() or self._open():
             self._arrivals()
             self._postprocess()
+            if self.inbox is not None:  # requests in; tokens, ends and cancels out
+                self.inbox.pump(self)
             self._watch()
             self._schedule()
             if self.running:
@@ -74,18 +79,39 @@ class Decoder(Recovery):
         the loop before its producer had stopped)."""
         return any(life.unfenced for life in self.lives.values())
 
+    def _open(self) -> bool:
+        """The HTTP front end still takes requests or has some in flight."""
+        return self.inbox is not None and self.inbox.serving()
+
+    def arrive(self, request: ServeRequest, stop=()) -> Tracked:
+        """A request submitted while the loop runs (the HTTP front end): it arrives now and
+        also ends after any token of `stop`."""
+        t = Tracked(request, stop=frozenset(stop))
+        t.arrival = self.ledger.now()
+        self.tracked[t.req] = t
+        self.waiting.append(t)
+        self.last_progress = time.perf_counter()
+        return t
+
+    def finish_early(self, t: Tracked) -> None:
+        """A decoding request its client has all it wants of (a stop string): released,
+        ok, like one at its output-token count."""
+        if t.status is Status.RUNNING:
+            self._release(t)
+
     def _idle(self) -> None:
         """Nothing to decode: wait for a message (or the next arrival)."""
         if time.perf_counter() - self.last_progress > self.stall_s:
             raise ServeError(f"no progress for {self.stall_s:.0f} s")
-        msg = self.members.transport.get(timeout=min(0.02, max(0.0, self._next_arrival_in())))
+        msg = self.members.transport.get(timeout=min(self.idle_s,
+                                                     max(0.0, self._next_arrival_in())))
         if msg is not None:
             self._handle(msg)
 
     def _next_arrival_in(self) -> float:
         arrivals = self.workload.arrivals
         if arrivals is None or not self.future:
-            return 0.02
+            return self.idle_s
         return arrivals[len(self.tracked) - len(self.future)] - self.ledger.now()
 
     def _arrivals(self) -> None:
@@ -123,7 +149,7 @@ class Decoder(Recovery):
             t.life = Life(f"{t.req}#{t.attempts}", t.req, rank, t.request.prompt - prefix)
             self.ledger.reserve(t.req, t.request.prompt, prefix, f"p{rank}")
             self.lives[t.life.handle] = t.life
-            t.status = Status.PREFILL
+            t.status, t.reserved_t = Status.PREFILL, self.ledger.now()
             self.members.send(rank, "prefill", {"handle": t.life.handle,
                                                 "tokens": list(t.request.tokens)})
 
@@ -234,14 +260,15 @@ class Decoder(Recovery):
         t.seq = self.decode_cache.add(context)
         t.output = [life.token]
         t.token_t = [life.produced_t]
-        t.status, t.life = Status.RUNNING, None
+        t.status, t.life, t.admitted_t = Status.RUNNING, None, self.ledger.now()
         self.running.append(t)
         if self._complete(t):
             self._release(t)
 
     def _complete(self, t: Tracked) -> bool:
         """At its output-token count, or it just produced the end-of-sequence token."""
-        return len(t.output) >= t.request.output_tokens or t.output[-1] == self.eos
+        last = t.output[-1]
+        return len(t.output) >= t.request.output_tokens or last == self.eos or last in t.stop
 
     # -- run ----------------------------------------------------------------------------------
 

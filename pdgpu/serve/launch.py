@@ -64,6 +64,7 @@ class ServeRun:
     decoder: Decoder | None = None
     wall_s: float = 0.0
     error: BaseException | None = None
+    frontend: object = None  # `--http`: the bridge requests come through (frontend.py)
 
 
 # -- decoder side -----------------------------------------------------------------------------
@@ -229,7 +230,7 @@ def run_decoder(transport, config: ServeConfig, workload: Workload, policy: Faul
     members = Members(transport, config, offsets, policy.heartbeat_timeout, timeout_s,
                       processes, policy.restart_producers, device)
     run.decoder = Decoder(run.ledger, model, workload, prefix_kv, members, policy,
-                          config.faults, config.verify, progress, eos=eos)
+                          config.faults, config.verify, progress, eos=eos, inbox=run.frontend)
     start = time.perf_counter()
     run.decoder.run()
     run.wall_s = time.perf_counter() - start

@@ -73,6 +73,9 @@ class Tracked:
     seq: SequenceKV | None = None
     cancel_at: int | None = None  # cancelled once it has made this many steps
     steps: int = 0  # messages of its lives and decoded tokens so far
+    stop: frozenset[int] = frozenset()  # it also ends after any of these tokens (HTTP `stop`)
+    reserved_t: float | None = None  # its current life's slab reserved (run clock)
+    admitted_t: float | None = None  # admitted into the decode batch (run clock)
 
     @property
     def req(self) -> str:

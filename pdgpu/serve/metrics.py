@@ -1,0 +1,74 @@
+"""`GET /metrics` of `pdgpu serve --http`: Prometheus text through `prometheus-client`.
+
+Every value is written by the decoder thread (frontend.pump, once a turn) or by the HTTP
+thread for requests refused at the door; the client library's metrics are thread-safe, and
+the HTTP thread never reads the decoder's state itself (it changes under it). Times are the
+run clock's, as in `pdgpu serve --json`: TTFT from arrival to the first token, ITL between
+tokens, handoff from a life's slab reserved to the request's admission. Each server has its
+own registry (tests start several in one process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0)
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("pdgpu_requests", "Requests by outcome (ok, cancelled, "
+                                "failed; rejected: refused at the door: 400, 429, 503)",
+                                ["outcome"], registry=r)
+        self.ttft = Histogram("pdgpu_ttft_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdgpu_itl_seconds", "Between two tokens of a request",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.handoff = Histogram("pdgpu_handoff_seconds", "Slab reserved to admission",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.pages = Gauge("pdgpu_pool_pages_in_use", "Decoder pool pages not free "
+                           "(held or quarantined)", registry=r)
+        self.pool = Gauge("pdgpu_pool_pages", "Decoder pool pages in all", registry=r)
+        self.spans = Gauge("pdgpu_spans_in_flight", "Spans issued, not landed or fenced",
+                           registry=r)
+        self.queued = Gauge("pdgpu_requests_in_system", "Submitted and not ended", registry=r)
+        self.producers = Gauge("pdgpu_producers_serving", "Producers serving now", registry=r)
+        self.deaths = Counter("pdgpu_producer_deaths", "Producers declared dead", registry=r)
+        self.violations = Counter("pdgpu_live_check_violations", "Events the live check "
+                                  "refused (each one stops the run)", registry=r)
+        for outcome in ("ok", "cancelled", "failed", "rejected"):
+            self.requests.labels(outcome)  # shown at 0 from the start
+        self._deaths_seen = 0
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- from the decoder thread --------------------------------------------------------------
+
+    def tokens(self, t, sent: int) -> None:
+        """Tokens sent[sent:] of request `t` are new: TTFT and handoff with its first, ITL."""
+        times = t.token_t
+        if sent == 0 and times:
+            self.ttft.observe(times[0] - t.arrival)
+            if t.reserved_t is not None and t.admitted_t is not None:
+                self.handoff.observe(t.admitted_t - t.reserved_t)
+        for a, b in zip(times[max(0, sent - 1):], times[max(1, sent):], strict=False):
+            self.itl.observe(b - a)
+
+    def ended(self, t) -> None:
+        self.requests.labels(str(t.status)).inc()
+
+    def sample(self, decoder, in_system: int) -> None:
+        """The gauges, from the decoder's state (its own thread, once a turn)."""
+        ledger, members = decoder.ledger, decoder.members
+        self.pages.set(ledger.used_pages)
+        self.pool.set(ledger.header.pool_pages)
+        self.spans.set(sum(1 for life in decoder.lives.values()
+                           for span in life.spans.values() if span is not None))
+        self.queued.set(in_system)
+        self.producers.set(len(members.ready()))
+        if members.deaths > self._deaths_seen:
+            self.deaths.inc(members.deaths - self._deaths_seen)
+            self._deaths_seen = members.deaths

@@ -1,0 +1,230 @@
+"""The OpenAI request and response shapes of `pdgpu serve --http`, without the web framework:
+a request body is checked into an `Ask` or refused with an `ApiError` naming the field
+(OpenAI's error body: {"error": {"message", "type", "param", "code"}}); `Output` turns a
+request's tokens into text, ending it at a stop token or stop string as the OpenAI API does
+(the stop text itself is not returned; its tokens count in `usage`).
+
+Served: greedy decoding only (`temperature` absent or 0; anything else, or n/best_of > 1,
+echo, logprobs, penalties, a logit bias, is refused naming the field). Each choice also
+carries `token_ids` (the output's ids: what `pdgpu generate` prints; a model without a
+tokenizer has no other exact text).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pdgpu.serve.texts import TextError, Texts
+from pdref.models import context_error
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's for /v1/completions
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = \
+            status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(param: str | None, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}" if param else message, param)
+
+
+@attrs.frozen
+class Limits:
+    model: str  # the one model id served
+    vocab: int
+    max_prompt: int  # --http-max-prompt
+    spec: object  # the ModelSpec: max_context
+
+
+@attrs.frozen
+class Ask:
+    tokens: tuple[int, ...]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    stop_ids: frozenset[int]
+    stop_texts: tuple[str, ...]
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _greedy_only(body: dict) -> None:
+    temperature = body.get("temperature")
+    if temperature is not None and (not isinstance(temperature, int | float)
+                                    or isinstance(temperature, bool) or temperature != 0):
+        raise bad("temperature", f"only 0 (greedy decoding) is served, got {temperature!r}")
+    allowed = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
+               "logprobs": (None, False), "top_logprobs": (None, 0), "top_p": (None, 1),
+               "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "logit_bias": (None, {})}
+    for field, values in allowed.items():
+        if body.get(field) not in values:
+            raise bad(field, f"only {values[1]!r} is served (greedy decoding, one choice), "
+                      f"got {body.get(field)!r}")
+
+
+def check_model(body: dict, limits: Limits) -> None:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad("model", f"required: the model id ({limits.model!r})")
+    if model != limits.model:
+        raise ApiError(404, f"model: {model!r} is not served here (this server serves "
+                       f"{limits.model!r})", "model", code="model_not_found")
+
+
+def _token_ids(value, param: str, vocab: int) -> tuple[int, ...]:
+    if not value or not all(_is_int(t) for t in value):
+        raise bad(param, "token ids must be a non-empty list of integers")
+    outside = [t for t in value if not 0 <= t < vocab]
+    if outside:
+        raise bad(param, f"token {outside[0]} is outside [0, vocab={vocab})")
+    return tuple(value)
+
+
+def _prompt(value, texts: Texts, vocab: int) -> tuple[int, ...]:
+    """Text or token ids; a list of one prompt is that prompt (one choice per request)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise bad("prompt", "must not be empty")
+        try:
+            return _token_ids(texts.encode(value), "prompt", vocab)
+        except TextError as e:
+            raise bad("prompt", str(e)) from None
+    if isinstance(value, list):
+        return _token_ids(value, "prompt", vocab)
+    raise bad("prompt", "required: a text or a list of token ids (one prompt per request)")
+
+
+def _stops(body: dict, texts: Texts, vocab: int) -> tuple[frozenset[int], tuple[str, ...]]:
+    """`stop`: a string, a list of strings or a list of token ids; `stop_token_ids` too."""
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not (all(isinstance(s, str) and s for s in stop)
+                                          or all(_is_int(s) for s in stop)):
+        raise bad("stop", "must be a string, a list of strings or a list of token ids")
+    extra = body.get("stop_token_ids") or []
+    ids = set(_token_ids(extra, "stop_token_ids", vocab)) if extra else set()
+    if stop and _is_int(stop[0]):
+        return frozenset(ids | set(_token_ids(stop, "stop", vocab))), ()
+    if stop and not texts.has_tokenizer:
+        raise bad("stop", "this model has no tokenizer: give stop token ids")
+    return frozenset(ids), tuple(stop)
+
+
+def _max_tokens(body: dict, field: str, prompt: int, limits: Limits, default: int) -> int:
+    value = body.get(field)
+    value = default if value is None else value
+    if not _is_int(value) or value < 1:
+        raise bad(field, f"must be an integer >= 1, got {value!r}")
+    problem = context_error(limits.spec, prompt, value, "prompt")
+    if problem:
+        raise bad(field, problem)
+    return value
+
+
+def _ask(body: dict, tokens: tuple[int, ...], texts: Texts, limits: Limits, param: str,
+         max_tokens: int) -> Ask:
+    if len(tokens) > limits.max_prompt:
+        raise bad(param, f"{len(tokens)} prompt tokens exceed this server's limit of "
+                  f"{limits.max_prompt} (--http-max-prompt)")
+    stream = body.get("stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise bad("stream", "stream must be true or false, stream_options an object")
+    stop_ids, stop_texts = _stops(body, texts, limits.vocab)
+    if texts.eos_id is not None:
+        stop_ids |= {texts.eos_id}  # the tokenizer's end of sequence ends a request
+    return Ask(tokens, max_tokens, stream, bool(options.get("include_usage")), stop_ids,
+               stop_texts)
+
+
+def parse_completion(body, limits: Limits, texts: Texts) -> Ask:
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    check_model(body, limits)
+    _greedy_only(body)
+    tokens = _prompt(body.get("prompt"), texts, limits.vocab)
+    limit = _max_tokens(body, "max_tokens", len(tokens), limits, DEFAULT_MAX_TOKENS)
+    return _ask(body, tokens, texts, limits, "prompt", limit)
+
+
+def parse_chat(body, limits: Limits, texts: Texts) -> Ask:
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    check_model(body, limits)
+    _greedy_only(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise bad("messages", "required: a non-empty list of {\"role\", \"content\"}")
+    try:
+        tokens = _token_ids(texts.chat_prompt(messages), "messages", limits.vocab)
+    except TextError as e:
+        raise bad("messages", str(e)) from None
+    field = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+    room = (limits.spec.max_context or len(tokens) + DEFAULT_MAX_TOKENS) - len(tokens)
+    limit = _max_tokens(body, field, len(tokens), limits, max(1, room))
+    return _ask(body, tokens, texts, limits, "messages", limit)
+
+
+# -- output -----------------------------------------------------------------------------------
+
+class Output:
+    """A request's tokens as text, ended by a stop token or string; `add` gives the text
+    that is final so far (held back while it may still become a stop string)."""
+
+    def __init__(self, ask: Ask, texts: Texts) -> None:
+        self.ask, self.texts = ask, texts
+        self.tokens: list[int] = []
+        self.shown = 0  # characters of the text given out
+        self.text = ""
+        self.stopped = False  # by a stop token or string
+        self.hold = max((len(s) for s in ask.stop_texts), default=1) - 1
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        if token in self.ask.stop_ids:
+            self.stopped = True
+            return self._flush()
+        self.text = self.texts.decode(self.tokens)
+        for stop in self.ask.stop_texts:
+            at = self.text.find(stop, max(0, self.shown - len(stop)))
+            if at >= 0:
+                self.text, self.stopped = self.text[:at], True
+        if self.stopped:
+            return self._flush()
+        end = len(self.text) - self.hold
+        while end > self.shown and self.text[end - 1] == "\ufffd":  # a character in parts
+            end -= 1
+        return self._upto(end)
+
+    def _upto(self, end: int) -> str:
+        out = self.text[self.shown:max(self.shown, end)]
+        self.shown += len(out)
+        return out
+
+    def _flush(self) -> str:
+        """What is left, at the end."""
+        return self._upto(len(self.text))
+
+    def finish_reason(self) -> str:
+        return "stop" if self.stopped or len(self.tokens) < self.ask.max_tokens else "length"
+
+    def usage(self) -> dict:
+        n = len(self.tokens)
+        return {"prompt_tokens": len(self.ask.tokens), "completion_tokens": n,
+                "total_tokens": len(self.ask.tokens) + n}
