@@ -107,6 +107,14 @@ class FastMonitor(MirrorTransitions, Monitor):
     def pending(self, producer: str = "p0") -> int:
         return self._pending.get(producer, 0)
 
+    def landing(self, req: str, span):
+        life = self._requests.get(req)
+        index = None if life is None else self._span_index(life, span)
+        if index is None:
+            return None
+        found = life.in_flight[index]
+        return found if self._lands(life, found) else None
+
     def unfenced(self, req: str) -> tuple:
         return tuple(span for span, u in self.mirror.unfenced.items() if u.req == req)
 

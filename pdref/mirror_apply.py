@@ -136,6 +136,25 @@ class MirrorTransitions:
             return False
         return True
 
+    @staticmethod
+    def _lands(life: MirrorLife, span: Span) -> bool:
+        """Whether `_publish` of `span` would succeed; changes nothing (`landing` asks it
+        before a shell writes the span's bytes, so a refused land writes none)."""
+        (l0, l1), (a, b) = span.layers, span.tokens
+        if not (l0 < l1 and a < b):  # an empty span publishes nothing
+            return True
+        if life.progress is None and not life.finished and l0 <= 0 and l1 >= life.layers:
+            lo, hi = life.p_lo, life.p_hi
+            if lo < hi and a < hi and lo < b:  # overlaps what landed
+                return False
+            if life.prefix <= a and b <= life.prompt and (lo == hi or a == hi or b == lo):
+                return True  # the band's own cases of `_publish`
+        try:
+            life.progress_value().add(span.layers, span.tokens)
+        except ProgressError:
+            return False
+        return True
+
     def _fail(self, e) -> bool:
         life = self._requests.get(e.req)
         index = None if life is None else self._span_index(life, e.span)

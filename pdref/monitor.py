@@ -129,6 +129,20 @@ class Monitor:
         """Spans of `producer` in flight or (v2) unfenced: the slots its writers hold."""
         return self.state.pending_of(producer)
 
+    def landing(self, req: str, span):
+        """The span `span` of request `req` (pdref.state.Span) when a `land` of it now would
+        be accepted; None when it would be refused (not in flight, or over landed tokens).
+        Changes nothing: a shell asks before it writes the span's bytes."""
+        life = self.state.live(req)
+        found = life.find_span(span) if life is not None else None
+        if found is None:
+            return None
+        try:
+            apply(self.state, ev.Land(self.last_t, req, span))
+        except Violation:
+            return None
+        return found
+
     def fence(self, t: float, req: str, span) -> None:
         """(v2) The writer of failed or cancelled `span` of `req` has stopped: emit the fence."""
         self.emit(ev.Fence(t, req, span))

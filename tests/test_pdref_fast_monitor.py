@@ -47,3 +47,35 @@ def test_a_refused_event_changes_nothing():
         fast.emit(ev.Issue(0.1, "a", 0, (0, 3), (0, 4), 48))  # nothing computed yet
     assert refused.value.code == "COPY-1"
     assert fast.state == before and pages == (0, 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces, st.data())
+def test_landing_answers_like_the_specification(case, data):
+    """Before every land of a (possibly mutated) trace, `landing` answers the same on both
+    monitors, and a Span exactly when that land is accepted (its time aside: TRACE-2 is
+    the event's, not the state's)."""
+    head, events = case
+    events = mutate(events, data) if events else events
+    slow, fast = Monitor(head), FastMonitor(head)
+    for event in events:
+        if type(event) is ev.Land:
+            got = fast.landing(event.req, event.span)
+            assert got == slow.landing(event.req, event.span)
+            code = _verdict(slow, event)
+            if code is not None:
+                assert got is None or code == "TRACE-2"
+                return
+            assert got is not None and got.span == event.span
+        elif _verdict(slow, event) is not None:
+            return
+        fast.emit(event)
+
+
+def _verdict(monitor, event) -> str | None:
+    """The code `monitor.emit(event)` refuses it with; None when accepted."""
+    try:
+        monitor.emit(event)
+    except Violation as v:
+        return v.code
+    return None

@@ -22,6 +22,7 @@ from pdref import events as ev
 from pdref.apply import apply, initial_state
 from pdref.fast_monitor import FastMonitor
 from pdref.geometry import Geometry
+from pdref.monitor import Monitor
 from pdref.violations import Violation
 
 PAGE_TOKENS = 4
@@ -277,6 +278,7 @@ class ApplyVsSimple(RuleBasedStateMachine):
         self.L = layers
         self.version = version
         header = ev.Header("m", mode, geo, pool_pages, max_pending, version=version)
+        self.header = header
         self.state = initial_state(header)
         self.fast = FastMonitor(header)
         self.model = Simple(layers, pool_pages, max_pending, geo.bytes_per_token_layer, version)
@@ -540,6 +542,20 @@ class ApplyVsSimple(RuleBasedStateMachine):
             assert fast.can_reserve(prompt, 0) == s.can_reserve(prompt, 0)
         assert fast.free_pages == s.free_pages
         assert fast.quarantined_pages == s.pool.quarantined_pages
+        self._landing_agrees(fast, s)
+
+    def _landing_agrees(self, fast, s):
+        """`landing` of every span id ever issued, under every name: the same answer from
+        both monitors, a Span exactly when the specification would accept that land."""
+        slow = Monitor(self.header)
+        slow.state = s
+        for span in s.spans_used:
+            for req in NAMES:
+                accepted = verdict_of(lambda e: apply(s, e), ev.Land(0.0, req, span)) is None
+                got = fast.landing(req, span)
+                assert got == slow.landing(req, span)
+                assert (got is not None) == accepted, (req, span, got)
+                assert got is None or got.span == span
 
 
 def verdict_of(emit, event) -> tuple[str, str] | None:
