@@ -1,0 +1,290 @@
+"""`pdgpu serve --http` (issue 25) driven by the official openai client against live servers on
+127.0.0.1: a checkpoint with a tokenizer and chat template the test builds (most tests share
+it), and the `tiny` preset (token ids only; the drain on SIGTERM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+tokenizers = pytest.importorskip("tokenizers")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from serve_helpers import reference, trace_ok, write_sensitive_checkpoint  # noqa: E402
+
+CHUNK = 16
+SENTENCES = ["the quick brown fox jumps over the lazy dog",
+             "a decoder admits a request once every span landed",
+             "pages go back when the writer is fenced"]
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_tokenizer(folder: Path, vocab: int) -> None:
+    """A WordLevel tokenizer over exactly `vocab` words (every id the model can produce
+    decodes) and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = ["[UNK]", "<|user|>", "<|assistant|>", "<|system|>"]
+    for word in " ".join(SENTENCES).split():
+        if word not in words:
+            words.append(word)
+    words += [f"w{i}" for i in range(vocab - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+
+
+class Server:
+    """`pdgpu serve --http 127.0.0.1:0 ...` as a subprocess; the port from its first line."""
+
+    def __init__(self, tmp: Path, model: str, *args: str) -> None:
+        self.model, self.trace, self.results = model, tmp / "trace.jsonl", tmp / "results.jsonl"
+        self.model_id = Path(model).name  # a preset's name, or the checkpoint folder's
+        self.signalled = False
+        cmd = [sys.executable, "-m", "pdgpu", "serve", "--http", "127.0.0.1:0", "--model",
+               model, "--producers", "1", "--chunk", str(CHUNK), "--json", "--trace",
+               str(self.trace), "--results", str(self.results), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._read_err, daemon=True).start()
+        self.port = self._port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.wait_healthy()
+
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _port(self) -> int:
+        while (line := self.lines.get()) is not None:
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+            if found:
+                return int(found.group(1))
+        raise AssertionError(f"the server ended before listening: {self.proc.wait()}")
+
+    def wait_healthy(self) -> None:
+        while httpx.get(f"{self.url}/health").status_code != 200:
+            assert self.proc.poll() is None, "the server exited while starting"
+            time.sleep(0.1)
+
+    def client(self):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def metrics(self) -> dict:
+        """name{labels} -> value of every sample."""
+        text = httpx.get(f"{self.url}/metrics").text
+        return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def terminate(self) -> None:
+        """SIGTERM once (a second one stops at once, exit 130)."""
+        self.signalled = True
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> tuple[int, dict]:
+        """SIGTERM (a drain); exit code and the printed summary."""
+        if self.proc.poll() is None and not self.signalled:
+            self.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        last = [line for line in out.splitlines() if line.startswith("{")]
+        return self.proc.returncode, json.loads(last[-1]) if last else {}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("http")
+    folder = write_sensitive_checkpoint(tmp / "ckpt")
+    write_tokenizer(folder, vocab=256)
+    srv = Server(tmp, str(folder), "--http-queue", "4", "--http-max-prompt", "64")
+    yield srv
+    code, values = srv.stop()
+    assert code == 0 and values["leaked_pages"] == 0, (code, values)
+    trace_ok(srv.trace.read_bytes().splitlines())
+
+
+def token_ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+PROMPTS = [[3, 17, 40, 41, 99, 250, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+           list(range(30, 70)), [5, 6]]
+
+
+def test_completion_tokens_equal_generate(server):
+    """Unstreamed completions (several prompts at once) give `pdgpu generate`'s tokens."""
+    client = server.client()
+    for prompt in PROMPTS:
+        got = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=9)
+        assert token_ids(got.choices[0]) == reference(server.model, prompt, 9, CHUNK, 0)
+        assert got.usage.completion_tokens == 9 and got.usage.prompt_tokens == len(prompt)
+        assert got.choices[0].finish_reason == "length"
+
+
+def test_streamed_completion_one_token_per_event(server):
+    """A streamed completion sends one token per event, equal to `pdgpu generate`'s."""
+    stream = server.client().completions.create(model=server.model_id, prompt=PROMPTS[1],
+                                                max_tokens=7, stream=True,
+                                                stream_options={"include_usage": True})
+    events = list(stream)
+    tokens = [token_ids(e.choices[0]) for e in events if e.choices and token_ids(e.choices[0])]
+    assert all(len(t) == 1 for t in tokens)
+    assert [t[0] for t in tokens] == reference(server.model, PROMPTS[1], 7, CHUNK, 0)
+    assert events[-1].usage.completion_tokens == 7
+
+
+def test_text_prompt_and_stop_string(server):
+    """A text prompt is tokenized; a stop string ends the text before it, finish 'stop'."""
+    client = server.client()
+    prompt = SENTENCES[0]
+    whole = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=6)
+    words = whole.choices[0].text.split()
+    assert len(words) == 6
+    cut = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=6,
+                                    stop=[words[2]])
+    assert cut.choices[0].finish_reason == "stop"
+    text = whole.choices[0].text
+    assert cut.choices[0].text == text[:text.find(words[2])]  # a substring, as OpenAI's stop
+
+
+def test_stop_token_ids(server):
+    """`stop` as token ids ends the request at that token (counted, not shown)."""
+    prompt = PROMPTS[0]
+    want = reference(server.model, prompt, 8, CHUNK, 0)
+    got = server.client().completions.create(model=server.model_id, prompt=prompt,
+                                             max_tokens=8, extra_body={"stop": [want[3]]})
+    ids = token_ids(got.choices[0])
+    assert ids == want[:want.index(want[3]) + 1]
+    assert got.choices[0].finish_reason == "stop"
+
+
+def test_chat_completion_uses_the_template(server):
+    """Chat renders the template; its tokens equal generate's on the rendered prompt."""
+    got = server.client().chat.completions.create(
+        model=server.model_id, max_tokens=5,
+        messages=[{"role": "user", "content": "the lazy dog"}])
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(Path(server.model) / "tokenizer.json"))
+    prompt = tok.encode("<|user|> the lazy dog <|assistant|>", add_special_tokens=False).ids
+    assert token_ids(got.choices[0]) == reference(server.model, prompt, 5, CHUNK, 0)
+    assert got.choices[0].message.role == "assistant"
+
+
+def test_client_disconnect_cancels_and_frees_pages(server):
+    """A client that hangs up mid-stream cancels its request; its pages all come back."""
+    before = server.metrics()
+    key = 'pdgpu_requests_total{"outcome": "cancelled"}'
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
+            "model": server.model_id, "prompt": PROMPTS[1], "max_tokens": 3000,
+            "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    while server.metrics()[key] < before[key] + 1:
+        time.sleep(0.05)
+    while (m := server.metrics())['pdgpu_pool_pages_in_use{}'] or m['pdgpu_spans_in_flight{}']:
+        time.sleep(0.05)
+
+
+def test_overload_gets_429(server):
+    """Beyond the queue bound (4) a request gets 429; the ones in flight are unharmed."""
+    streams = [httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
+        "model": server.model_id, "prompt": PROMPTS[2], "max_tokens": 3000, "stream": True})
+        for _ in range(4)]
+    lines = []  # kept open: a closed line iterator closes its connection (a disconnect)
+    try:
+        for s in streams:
+            lines.append(s.__enter__().iter_lines())
+            while not next(lines[-1]).startswith("data:"):
+                pass
+        with pytest.raises(openai.RateLimitError) as e:
+            server.client().completions.create(model=server.model_id, prompt=[1], max_tokens=1)
+        assert e.value.status_code == 429 and e.value.code == "queue_full"
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": 0.7}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "8"}, "max_tokens"),
+    ({"max_tokens": 5000}, "max_tokens"),
+    ({"prompt": [1, 999]}, "prompt"),
+    ({"prompt": list(range(65))}, "prompt"),
+    ({"n": 2}, "n"),
+])
+def test_bad_requests_get_400_naming_the_field(server, fields, param):
+    """Each bad field is refused with 400 and an OpenAI error body naming it."""
+    body = {"model": server.model_id, "prompt": [1, 2, 3], "max_tokens": 4, **fields}
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_unknown_model_is_404_through_the_client(server):
+    """The openai client sees an unknown model as NotFoundError naming `model`."""
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client().completions.create(model="gpt-4", prompt=[1, 2], max_tokens=2)
+    assert e.value.param == "model"
+
+
+def test_models_health_and_metrics(server):
+    """/v1/models lists the model, /health is 200, /metrics parses with prometheus' parser."""
+    assert [m.id for m in server.client().models.list()] == [server.model_id]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    server.client().completions.create(model=server.model_id, prompt=[4, 5], max_tokens=3)
+    m = server.metrics()
+    assert m['pdgpu_requests_total{"outcome": "ok"}'] >= 1
+    assert m['pdgpu_ttft_seconds_count{}'] >= 1 and m['pdgpu_itl_seconds_count{}'] >= 2
+    assert m['pdgpu_handoff_seconds_count{}'] >= 1
+    assert m['pdgpu_producers_serving{}'] == 1 and m['pdgpu_producer_deaths_total{}'] == 0
+    assert m['pdgpu_live_check_violations_total{}'] == 0
+    assert m['pdgpu_requests_total{"outcome": "rejected"}'] >= 0
+
+
+def test_preset_token_ids_only_and_sigterm_drains(tmp_path):
+    """`tiny` (no tokenizer) refuses text with 400; SIGTERM lets the stream in flight finish,
+    refuses new requests (503), and the trace closes legal with no page leaked."""
+    srv = Server(tmp_path, "tiny", "--http-max-prompt", "32")
+    try:
+        client = srv.client()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+        assert e.value.param == "prompt" and "tokenizer" in e.value.message
+        stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=300,
+                                           stream=True)
+        first = next(iter(stream))
+        srv.terminate()
+        while httpx.get(f"{srv.url}/health").status_code != 503:
+            time.sleep(0.02)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model="tiny", prompt=[1], max_tokens=1)
+        assert e.value.status_code == 503
+        rest = [c.choices[0] for c in stream if c.choices]
+        assert len(token_ids(first.choices[0])) + sum(len(token_ids(c)) for c in rest) == 300
+        assert rest[-1].finish_reason == "length"
+    finally:
+        code, values = srv.stop()
+    assert code == 0 and values["ok"] == 1 and values["leaked_pages"] == 0
+    trace_ok(srv.trace.read_bytes().splitlines())
