@@ -288,3 +288,44 @@ def test_preset_token_ids_only_and_sigterm_drains(tmp_path):
         code, values = srv.stop()
     assert code == 0 and values["ok"] == 1 and values["leaked_pages"] == 0
     trace_ok(srv.trace.read_bytes().splitlines())
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--http", "localhost"], "HOST:PORT"),
+    (["--http", "127.0.0.1:0", "--prompts", "p.jsonl"], "--prompts"),
+    (["--http", "127.0.0.1:0", "--rate", "2"], "--rate"),
+    (["--http", "127.0.0.1:0", "--prefix", "16"], "--prefix"),
+])
+def test_http_option_refusals(capsys, argv, words):
+    """A bad address or a batch-mode option with --http: one line naming it, exit 2."""
+    from pdgpu.cli import main
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
+
+
+def test_http_without_its_packages_is_refused(capsys, monkeypatch):
+    """Without the `http` extra installed, --http is one line saying what to install."""
+    import importlib.util
+
+    from pdgpu.cli import main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "fastapi" else real(name, *a))
+    assert main(["serve", "--http", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fastapi" in err and "pdhandoff[http]" in err
+
+
+def test_port_in_use_is_refused_before_any_producer(capsys):
+    """A port another socket listens on: one line, exit 2, nothing started."""
+    import socket
+
+    from pdgpu.cli import main
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", "--http", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot listen" in err
