@@ -248,7 +248,7 @@ class Decoder(Recovery):
         elif life.failed is not None:
             if life.stopped:
                 self._end_failed(life, source_held=True)
-        elif life.produced and self.ledger.monitor.can_admit(life.req):
+        elif life.produced and self.ledger.can_admit(life.req):
             self._admit(self.tracked[life.req])
 
     def _admit(self, t: Tracked) -> None:

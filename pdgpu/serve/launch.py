@@ -236,7 +236,7 @@ def run_decoder(transport, config: ServeConfig, workload: Workload, policy: Faul
     run.wall_s = time.perf_counter() - start
     for rank in transport.peers():
         members.send(rank, "shutdown", {})
-    run.ledger.monitor.close()
+    run.ledger.close()  # waits for the audit: raises what it found
     return run
 
 

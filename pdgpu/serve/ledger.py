@@ -1,48 +1,69 @@
 """The decoder's one door to the handoff pool: every resource operation is one call with its
-pdref event, and is refused (raises Violation, nothing done) when the live Monitor refuses it.
+pdref event, and is refused (raises Violation, nothing done) when the live check refuses it.
 
 reserve -> pages of a slab | issue -> a span id | land -> the span's bytes written into the
 slab, checked against the producer's compute-time digests (`--verify`): `land` or `fail` |
 reuse -> the producer may free its source pages | admit -> the request's context K/V |
-release / abort -> pages back. The Monitor is the authority for every process of the run.
+release / abort -> pages back. pdref is the authority for every process of the run.
 Every accepted event goes to the run's TraceLog (written while the run goes).
+
+Live checks off the critical path (as pdgpu/recorder.py does for the engine): pdref's
+`FastMonitor` (the mutable mirror) gives every verdict and answers every query the decoder
+decides with, in line; every accepted event and every such answer also goes to the audit
+thread (pdgpu/audit.py), which replays them into the specification's `Monitor`. What it
+refuses, or answers differently, is raised at the decoder's next call into the ledger or
+at the next turn of its loop (`raise_audit_error`), at most `audit.BOUND` events later
+(backpressure), and at the end of the run, which waits for the audit (`close`). The
+decoder never reads pdref's state (on the mirror that copies all of it): `landing` tells
+whether a span may land, and where, before its bytes are written.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections import deque
 
 import torch
 
+from pdgpu.audit import BOUND, Audit, Disagreement
 from pdgpu.serve.digest import first_mismatch
 from pdgpu.serve.tracelog import TraceLog
 from pdgpu.source_cache import paged_kv, token_slots
 from pdref import events as ev
 from pdref.apply import apply
+from pdref.fast_monitor import FastMonitor
 from pdref.monitor import Monitor
 from pdref.violations import Violation
 
 
 class Ledger:
+    """Live-check cost: every call into the fast mirror and its queueing for the audit is
+    timed on the wall clock (`check_s`, `checks`); writing the trace is not a check and is
+    not in it. The audit's own seconds and lag: `audit.metrics()`."""
+
     def __init__(self, header: ev.Header, device, dtype: torch.dtype,
-                 log: TraceLog | None = None) -> None:
+                 log: TraceLog | None = None, audit_monitor=Monitor,
+                 audit_bound: int = BOUND) -> None:
         self.header = header
         self.geometry = header.geometry
         self.log = log if log is not None else TraceLog(header, None)
         self.recent: deque = deque(maxlen=8)  # the last protocol events (for tests, errors)
-        self.monitor = Monitor(header, sink=self._record)
+        self.audit = Audit(header, audit_monitor, audit_bound)
+        weakref.finalize(self, self.audit.stop)  # a run that raised before its teardown
+        self._accepted: list = []  # accepted by the mirror, not yet in the trace
+        self.monitor = FastMonitor(header, sink=_sink(self._accepted, self.audit))
+        self.check_s = 0.0  # wall seconds in calls into the live check
+        self.checks = 0
+        self.stopped = False  # the run stopped early: the audit is gone
         self.kv = paged_kv(self.geometry, header.pool_pages, device, dtype)  # [L, 2, S, KVH, D]
         self.slots: dict[str, torch.Tensor] = {}  # req -> [prompt - prefix] pool slot per token
+        self.prefixes: dict[str, int] = {}  # req -> its reserve's prefix (slot 0's token)
         self.peak_pages = 0
         self.verify_s = 0.0  # spent checking landed bytes against their checksums
         self._spans = itertools.count()
         self.t0 = time.perf_counter()
-
-    def _record(self, event) -> None:
-        self.recent.append(event)
-        self.log.add(event)
 
     def restart_clock(self) -> None:
         if self.monitor.events:
@@ -56,20 +77,54 @@ class Ledger:
         """A perf_counter reading of this process as trace time (never before 0)."""
         return max(0.0, absolute - self.t0)
 
+    def _check(self, name: str, *args, audited: bool = False):
+        """`name(*args)` on the fast mirror, timed as live-check cost; `audited`: its answer
+        goes to the audit too. Raises what the audit found first: once it refused anything,
+        nothing more is done (until the teardown of a stopped run: `stop`)."""
+        start = time.perf_counter()
+        try:
+            if not self.stopped:
+                self.audit.raise_error()
+            answer = getattr(self.monitor, name)(*args)
+            if audited and not self.stopped:
+                self.audit.put(name, args, answer, start)
+            return answer
+        finally:
+            self.check_s += time.perf_counter() - start
+            self.checks += 1
+            if self._accepted:
+                self._write_accepted()
+
+    def _write_accepted(self) -> None:
+        """The event the mirror just accepted, into the trace (outside the check's time)."""
+        for event in self._accepted:
+            self.recent.append(event)
+            self.log.add(event)
+        self._accepted.clear()
+
     def _emit(self, cls, *fields):
-        self.monitor.emit(cls(self.now(), *fields))
+        self._check("emit", cls(self.now(), *fields))
+
+    def raise_audit_error(self) -> None:
+        """What the audit found so far, raised: the decoder's loop asks at every turn, so a
+        run that makes no call into the ledger for a while (idle, decoding) stops too."""
+        if not self.stopped:
+            self.audit.raise_error()
 
     # -- queries ------------------------------------------------------------------------------
 
     def can_reserve(self, prompt: int, prefix: int) -> bool:
-        return self.monitor.can_reserve(prompt, prefix)
+        return self._check("can_reserve", prompt, prefix, audited=True)
 
-    def in_flight(self, req: str) -> int:
-        life = self.monitor.state.live(req)
-        return len(life.in_flight) if life is not None else 0
+    def can_admit(self, req: str) -> bool:
+        return self._check("can_admit", req, audited=True)
+
+    def unfenced(self, req: str) -> tuple:
+        """Span ids of `req` whose writer has not been fenced yet."""
+        return self._check("unfenced", req, audited=True)
 
     @property
-    def used_pages(self) -> int:
+    def used_pages(self) -> int:  # a metric (the peak), not a decision: not audited
         return self.header.pool_pages - self.monitor.free_pages
 
     @property
@@ -80,9 +135,10 @@ class Ledger:
     # -- operations ---------------------------------------------------------------------------
 
     def reserve(self, req: str, prompt: int, prefix: int, producer: str) -> None:
-        pages = self.monitor.reserve(self.now(), req, prompt, prefix, producer)
+        pages = self._check("reserve", self.now(), req, prompt, prefix, producer)
         self.slots[req] = token_slots(pages, self.geometry.page_tokens, prompt - prefix,
                                       self.kv.device)
+        self.prefixes[req] = prefix
         self.peak_pages = max(self.peak_pages, self.used_pages)
 
     def computed(self, req: str, layers, tokens) -> None:
@@ -96,18 +152,17 @@ class Ledger:
     def land(self, req: str, span: int, kv: torch.Tensor, digests: torch.Tensor | None):
         """Write the span's kv [nl, 2, nt, KVH, D] into the slab; `land`, or `fail` when its
         bytes in the slab differ from the compute-time digests. The error text or None.
-        The `land` is tried on the current state first (pure), so a span pdref would refuse
-        (e.g. over tokens that already landed, COV-2) writes nothing."""
-        life = self.monitor.state.live(req)
-        found = life.find_span(span) if life is not None else None
+        pdref is asked first whether the `land` would be accepted (`landing`), so a span it
+        would refuse (not in flight, REQ-1; over tokens that already landed, COV-2) writes
+        nothing."""
+        found = self._check("landing", req, span, audited=True)
         if found is None:
-            raise Violation("REQ-1", f"span {span} of {req!r} is not in flight: nothing written")
+            self._refuse_land(req, span)
         (l0, l1), (a, b) = found.layers, found.tokens
         if tuple(kv.shape[:3]) != (l1 - l0, 2, b - a):
             return self._fail(req, span, f"payload shape {list(kv.shape)} does not match "
                                          f"layers [{l0}, {l1}) x tokens [{a}, {b})")
-        apply(self.monitor.state, ev.Land(self.now(), req, span))  # refused: nothing written
-        prefix = life.prefix
+        prefix = self.prefixes[req]
         index = self.slots[req][a - prefix:b - prefix]  # [nt]
         self.kv[l0:l1].index_copy_(2, index, kv.to(self.kv.device))
         if digests is not None:
@@ -119,6 +174,16 @@ class Ledger:
                                              f"token {a + bad[1]}")
         self._emit(ev.Land, req, span)
         return None
+
+    def _refuse_land(self, req: str, span: int) -> None:
+        """The mirror would refuse this land: raise the specification's own Violation (from
+        a copy of the state: once, as the run stops)."""
+        event = ev.Land(self.now(), req, span)
+        try:
+            apply(self.monitor.state, event)
+        except Violation as e:
+            raise Violation(e.code, f"{e.message}: nothing written", event) from None
+        raise Disagreement(f"the fast mirror refuses {event!r}, the specification accepts it")
 
     def _fail(self, req: str, span: int, error: str) -> str:
         self.fail(req, span, error)
@@ -141,7 +206,7 @@ class Ledger:
 
     def admit(self, req: str, prefix_kv: torch.Tensor) -> torch.Tensor:
         """Admit once pdref says so; the context K/V [L, 2, prompt, KVH, D] to decode with."""
-        if not self.monitor.can_admit(req):
+        if not self.can_admit(req):
             raise Violation("ADM-1", f"pdref refuses admission of {req!r}: nothing admitted")
         self._emit(ev.Admit, req)
         suffix = self.kv.index_select(2, self.slots[req])  # [L, 2, suffix, KVH, D]
@@ -149,14 +214,54 @@ class Ledger:
 
     def release(self, req: str) -> None:
         self._emit(ev.Release, req)
-        del self.slots[req]
+        del self.slots[req], self.prefixes[req]
 
     def abort(self, req: str, reason: str) -> None:
         self._emit(ev.Abort, req, reason)
         self.slots.pop(req, None)
+        self.prefixes.pop(req, None)
 
     def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None,
               batch: int | None = None, kv_tokens: int | None = None):
         start = max(0.0, start)
         self.log.add(ev.Stage(start, req, name, max(start, end), span, resource,
                               batch=batch, kv_tokens=kv_tokens))
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End of a complete run: LIFE-1 on the mirror at once, then wait (bounded) for the
+        audit, which also compares the mirror's whole state with its own; raises what the
+        audit found."""
+        self._check("close")
+        self.audit.put("close", (), None, time.perf_counter())
+        self.audit.put("state", (), self.monitor.state, time.perf_counter())
+        self.audit.finish()
+
+    def stop(self) -> None:
+        """The run stopped early (an error): the audit ends without being waited for, and
+        the teardown's aborts and fences are checked by the mirror alone, so the trace
+        still closes with every life ended, as it did with the Monitor in line."""
+        if not self.stopped:
+            self.stopped = True
+            self.audit.stop()
+            self.monitor.sink = self.monitor.stage_sink = self._accepted.append
+
+    def check_metrics(self, wall_s: float) -> dict:
+        """Live-check cost beside the run's wall, and the audit's seconds and lag."""
+        return {"check_s": self.check_s,
+                "check_frac": self.check_s / wall_s if wall_s > 0 else 0.0,
+                "checks": self.checks, **self.audit.metrics()}
+
+
+def _sink(accepted: list, audit: Audit):
+    """The mirror's sink: each accepted event to the trace (after the check) and to the
+    audit. A closure, not a method: no reference cycle through the Ledger, so one dropped
+    without `close` is freed at once and its finalizer ends the audit thread."""
+    put, clock = audit.put, time.perf_counter
+
+    def sink(event) -> None:
+        accepted.append(event)
+        put("emit", (event,), None, clock())
+
+    return sink

@@ -49,6 +49,7 @@ class Recovery:
     # -- checks at every turn of the loop -----------------------------------------------------
 
     def _watch(self) -> None:
+        self.ledger.raise_audit_error()  # a violation the audit found stops the run here
         while not self.cancels.empty():
             self._cancel(self.tracked[self.cancels.get()])
         now = self.ledger.now()
@@ -179,11 +180,12 @@ class Recovery:
 
     def cancel_all(self, reason: str) -> None:
         """After the producers are gone: abort every live life, fence what it left unfenced."""
+        self.ledger.stop()  # the audit ends: the run already stops with its first error
         for t in self.tracked.values():
             if t.status in (Status.PREFILL, Status.RUNNING):
                 self.ledger.abort(t.req, reason)  # cancels its spans in flight
             if not t.status.final:
                 t.status, t.reason = Status.CANCELLED, reason
         for life in self.lives.values():
-            for span in self.ledger.monitor.unfenced(life.req):
+            for span in self.ledger.unfenced(life.req):
                 self.ledger.fence(life.req, span)  # the transport is torn down: no writer

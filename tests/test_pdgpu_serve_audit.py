@@ -1,0 +1,137 @@
+"""pdgpu serve's live checks off the critical path: the decoder's Ledger decides from pdref's
+fast mirror, and a violation or disagreement only the Monitor behind it finds stops the run
+with its code (exit 1, one line), the trace closed as after a live violation."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from serve_helpers import drawn_prompts, serve, trace_ok
+
+import pdgpu.serve.launch as launch_module
+from pdgpu.serve.digest import row_digests
+from pdgpu.serve.ledger import Ledger
+from pdgpu.serve.tracelog import TraceLog
+from pdref import events as ev
+from pdref.geometry import Geometry
+from pdref.monitor import Monitor
+from pdref.violations import Violation
+
+CHUNK = 16
+BOUND = 4  # the audit's backlog bound in the bounded-delay test
+
+
+class _RefusesSecondIssue(Monitor):
+    """The specification, but it refuses the second issue of the run (the mirror accepts)."""
+
+    issues = 0
+
+    def emit(self, event):
+        if isinstance(event, ev.Issue):
+            type(self).issues += 1
+            if type(self).issues == 2:
+                raise Violation("COPY-2", "refused by the audit alone", event)
+        super().emit(event)
+
+
+class _NeverAdmits(Monitor):
+    def can_admit(self, req: str) -> bool:
+        return False
+
+
+def _serve_audited(monkeypatch, tmp_path, monitor_cls, bound: int):
+    """A two-request serve run whose Ledger audits with `monitor_cls` (backlog `bound`)."""
+    def ledger(*args, **kwargs):
+        return Ledger(*args, audit_monitor=monitor_cls, audit_bound=bound, **kwargs)
+
+    monkeypatch.setattr(launch_module, "Ledger", ledger)
+    drawn_prompts(tmp_path / "p.jsonl", 2, [40, 50], 256, 0, 3)
+    return serve(tmp_path, "--prompts", str(tmp_path / "p.jsonl"), "--chunk", str(CHUNK))
+
+
+@pytest.mark.parametrize("bound", [BOUND, 256])
+def test_a_violation_only_the_audit_finds_stops_the_serve_run(monkeypatch, tmp_path, capsys,
+                                                              bound):
+    """An issue the mirror accepts and the audit refuses: exit 1 with one line naming the
+    audit's code and message; the issue is in the trace (it happened) and the trace closes
+    with every life aborted (legal to pdref check). With a small backlog bound the run's own
+    events after it are at most the bound + 1, too few for any request to end ok."""
+    _RefusesSecondIssue.issues = 0
+    code, results, trace = _serve_audited(monkeypatch, tmp_path, _RefusesSecondIssue, bound)
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pdgpu: violation: COPY-2 refused by the audit alone"], err
+    trace_ok(trace)
+    protocol = [e for e in map(json.loads, trace[1:]) if e["kind"] != "stage"]
+    second = [i for i, e in enumerate(protocol) if e["kind"] == "issue"][1]
+    teardown = next(i for i, e in enumerate(protocol)
+                    if e["kind"] == "abort" and e["reason"].startswith("stopped:"))
+    assert second < teardown
+    if bound == BOUND:
+        assert teardown - 1 - second <= BOUND + 1, protocol[second:teardown]
+        assert "ok" not in {r["status"] for r in results}
+
+
+def test_an_answer_the_audit_gives_differently_stops_the_serve_run(monkeypatch, tmp_path,
+                                                                   capsys):
+    """When the Monitor behind answers can_admit unlike the mirror, the run stops with one
+    line naming the disagreement and the query, exit 1; the trace closes legal."""
+    code, results, trace = _serve_audited(monkeypatch, tmp_path, _NeverAdmits, 256)
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Disagreement" in err[0] and "can_admit" in err[0], err
+    trace_ok(trace)
+
+
+def _wait_for(condition, polls: int = 20000) -> None:
+    """Poll `condition` (a few seconds at most; no assertion on time)."""
+    pause = threading.Event()
+    for _ in range(polls):
+        if condition():
+            return
+        pause.wait(0.001)
+
+
+GEO = Geometry(layers=2, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)
+
+
+def test_after_the_audit_refuses_the_ledger_writes_nothing_more(tmp_path):
+    """Once the audit refused an event, the ledger's next operation raises that Violation
+    and writes no byte into the slab; the loop's per-turn check raises it too."""
+    _RefusesSecondIssue.issues = 0
+    header = ev.Header("test", "chunk", GEO, 4, 2)
+    ledger = Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"),
+                    audit_monitor=_RefusesSecondIssue)
+    ledger.reserve("r", 8, 0, "p1")
+    ledger.computed("r", (0, 2), (0, 8))
+    spans = [ledger.issue("r", (0, 2), t, GEO.region_bytes((0, 2), t))
+             for t in ((0, 4), (4, 8))]
+    _wait_for(lambda: ledger.audit.error is not None)  # the audit saw the second issue
+    kv = torch.randn(2, 2, 4, 2, 4)
+    before = ledger.kv.clone()
+    with pytest.raises(Violation, match="refused by the audit alone"):
+        ledger.land("r", spans[0], kv, row_digests(kv))
+    with pytest.raises(Violation, match="COPY-2"):
+        ledger.raise_audit_error()
+    assert torch.equal(ledger.kv, before)
+
+
+def test_serve_summary_reports_live_check_cost_and_audit_lag(tmp_path, capsys):
+    """`--json` keeps its keys and adds check_s, check_frac (of wall_s), checks and the
+    audit's lag and seconds; the audit went through every protocol event of the trace."""
+    drawn_prompts(tmp_path / "p.jsonl", 2, [40, 50], 256, 0, 3)
+    code, _, trace = serve(tmp_path, "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
+                           str(CHUNK), "--json")
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"wall_s", "verify_s", "leaked_pages", "tokens_per_s"} <= set(out)
+    assert out["check_frac"] == pytest.approx(out["check_s"] / out["wall_s"])
+    protocol = [e for e in map(json.loads, trace[1:]) if e["kind"] != "stage"]
+    assert out["checks"] >= len(protocol)
+    assert out["audit_items"] > len(protocol)  # + the queries and the end-of-run state
+    assert out["audit_lag_max_s"] >= out["audit_lag_p50_s"] > 0
+    assert out["audit_s"] > 0 and out["audit_drain_s"] >= 0 and out["audit_waits"] >= 0
+
