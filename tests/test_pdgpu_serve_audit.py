@@ -18,6 +18,7 @@ from pdgpu.serve.tracelog import TraceLog
 from pdref import events as ev
 from pdref.geometry import Geometry
 from pdref.monitor import Monitor
+from pdref.trace import read_trace
 from pdref.violations import Violation
 
 CHUNK = 16
@@ -93,6 +94,30 @@ def _wait_for(condition, polls: int = 20000) -> None:
         if condition():
             return
         pause.wait(0.001)
+
+
+class _Witness(Monitor):
+    """The specification, keeping every protocol event it applied (class-wide: one run)."""
+
+    applied: list = []
+
+    def emit(self, event):
+        super().emit(event)
+        if type(event) is not ev.Stage:
+            type(self).applied.append(event)
+
+
+def test_the_trace_holds_exactly_what_the_full_monitor_applied(monkeypatch, tmp_path):
+    """The trace's protocol events are, in order and field for field, the events the
+    specification's Monitor behind the mirror applied: the trace's content is what the
+    Monitor in line used to write, and pdref check accepts it."""
+    _Witness.applied = []
+    code, _, trace = _serve_audited(monkeypatch, tmp_path, _Witness, 256)
+    assert code == 0
+    trace_ok(trace)
+    written = [e for _, e in read_trace(tmp_path / "trace.jsonl")
+               if not isinstance(e, ev.Header) and type(e) is not ev.Stage]
+    assert written == _Witness.applied and len(written) > 10
 
 
 GEO = Geometry(layers=2, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)
