@@ -329,3 +329,23 @@ def test_port_in_use_is_refused_before_any_producer(capsys):
         assert main(["serve", "--http", f"127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot listen" in err
+
+
+@pytest.mark.parametrize("stop", ["stop", "ld st", "語 h", "absent"])
+def test_streamed_text_is_the_decoded_text_cut_at_the_stop(stop):
+    """Pieces given token by token (multi-byte characters split over tokens) join to the
+    whole decode cut before the first stop string; tokens after it are not output."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pdgpu.serve.openai_api import Ask, Output
+    from pdgpu.serve.texts import Texts
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
+    tok.train_from_iterator(["héllo wörld ñandú 日本語", "hello world"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    texts = Texts(tok)
+    ids = texts.encode("日本語 héllo wörld stop here", special=False)
+    out = Output(Ask(tuple(ids), 100, False, False, frozenset(), (stop,)), texts)
+    whole = texts.decode(ids)
+    assert "".join(out.add(i) for i in ids) + out.finish() == whole.split(stop)[0]
+    assert out.stopped == (stop in whole)

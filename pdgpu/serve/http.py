@@ -18,6 +18,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from pdgpu.serve.frontend import Closed, Event, Frontend, Full
 from pdgpu.serve.openai_api import ApiError, Ask, Limits, Output, parse_chat, parse_completion
@@ -69,7 +70,8 @@ async def _read_json(request: Request):
 
 
 async def _tokens(service: Service, handle, events: asyncio.Queue, out: Output):
-    """(text, token) per token, until the request ends; raises ApiError if it failed."""
+    """(text, token) per token, until the request ends (then the text held back, with
+    token None); raises ApiError if it failed."""
     while True:
         event = await events.get()
         for token in event.tokens:
@@ -83,6 +85,9 @@ async def _tokens(service: Service, handle, events: asyncio.Queue, out: Output):
             if event.status != "ok" and not out.stopped:
                 raise ApiError(500, f"the request ended {event.status}: {event.reason}",
                                None, "server_error", event.status)
+            rest = out.finish()
+            if rest:
+                yield rest, None
             return
 
 
@@ -127,8 +132,9 @@ class Answer:
         ended = False
         try:
             async for text, token in _tokens(self.service, handle, events, self.out):
+                ids = [] if token is None else [token]
                 yield _sse({**self._head(True), "choices": [
-                    _choice(self.chat, text, [token], None, True)]})
+                    _choice(self.chat, text, ids, None, True)]})
             yield _sse({**self._head(True), "choices": [
                 _choice(self.chat, "", [], self.out.finish_reason(), True)]})
             if self.ask.include_usage:
@@ -175,6 +181,10 @@ def build_app(service: Service) -> FastAPI:
         if e.status in (400, 404, 429, 503):
             service.metrics.requests.labels("rejected").inc()
         return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # no such route or method
+        return error_response(ApiError(e.status_code, str(e.detail)))
 
     async def answer(request: Request, chat: bool):
         body = await _read_json(request)
