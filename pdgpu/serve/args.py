@@ -70,9 +70,10 @@ def _serve_args(p) -> None:
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="check each landed span against compute-time checksums (default: on; "
                    "--no-verify: off)")
-    p.add_argument("--kv-lane", choices=("shm", "gloo"), default="shm",
+    p.add_argument("--kv-lane", choices=("shm", "gloo", "nixl"), default="shm", type=_kv_lane,
                    help="how KV crosses between processes on one machine: shm (shared "
-                   "memory; page-locked on one GPU) or gloo (TCP); two GPUs: NCCL either way")
+                   "memory; page-locked on one GPU) or gloo (TCP); two GPUs: NCCL either way; "
+                   "nixl: NVIDIA NIXL on any devices (the optional extra nixl)")
     tries = p.add_mutually_exclusive_group()
     tries.add_argument("--max-attempts", type=_int(1), help="lives per request before it is "
                        "failed (a cancel is not retried; default 3)")
@@ -110,6 +111,16 @@ def _http_args(p) -> None:
                    help="longest prompt in tokens (sizes the pool and caches); beyond: 400")
     g.add_argument("--http-drain", type=_positive, default=30.0, help="seconds requests in "
                    "flight may take to finish after SIGINT/SIGTERM before they are cancelled")
+
+
+def _kv_lane(value: str) -> str:
+    """`nixl` without the NIXL package is refused here, in one line (exit 2)."""
+    if value == "nixl":
+        from pdgpu.serve.transport_nixl import nixl_missing
+        why = nixl_missing()
+        if why is not None:
+            raise argparse.ArgumentTypeError(why)
+    return value
 
 
 def _fault_args(p) -> None:

@@ -9,7 +9,8 @@ shared memory: page-locked shared host memory, d2h then h2d) or `gloo-staged` (a
 at either end but neither NCCL nor shared memory: the same GPU, which NCCL refuses to join
 twice, or a CPU peer, which the handshake then refuses as mixed devices; CUDA tensors cross
 through host memory over gloo). A descriptor without `host`/`shm` (an older peer, or
-`--kv-lane gloo`) never gets a shared-memory lane.
+`--kv-lane gloo`) never gets a shared-memory lane. `nixl` when both ends offer NIXL
+(`--kv-lane nixl`, transport_nixl.py) on the same kind of device.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed as dist
 GLOO, NCCL, STAGED = "gloo", "nccl", "gloo-staged"
 SHM, SHM_PINNED = "shm", "shm-pinned"
 SHARED = (SHM, SHM_PINNED)  # the shared-memory lanes
+NIXL = "nixl"  # both ends offer NIXL (transport_nixl.py), on the same kind of device
 
 
 class TransportError(RuntimeError):
@@ -61,6 +63,8 @@ def choose_lane(mine: dict, theirs: dict) -> str:
     (symmetric, so both ends agree): NCCL needs two CUDA processes on two distinct GPUs,
     shared memory two processes on one machine that both offer it."""
     devices = (mine["device"], theirs["device"])
+    if mine.get("nixl") and theirs.get("nixl") and len({d.split(":")[0] for d in devices}) == 1:
+        return NIXL
     if all(d == "cpu" for d in devices):
         return SHM if _share_memory(mine, theirs) else GLOO
     if "cpu" in devices:

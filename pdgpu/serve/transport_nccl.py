@@ -56,7 +56,11 @@ def backend_for(device: str) -> str:
 def open_transport(store, rank: int, device: str, timeout_s: float = 60.0,
                    kv_lane: str = "gloo") -> GlooTransport:
     """This process's transport for its device; `kv_lane` "shm" offers shared memory to
-    peers on this machine (a link takes it when both ends offer it)."""
+    peers on this machine (a link takes it when both ends offer it), "nixl" NIXL (on CPU
+    or CUDA: transport_nixl.py, imported only then)."""
+    if kv_lane == "nixl":
+        from pdgpu.serve.transport_nixl import NixlTransport
+        return NixlTransport(store, rank, timeout_s, device)
     shm = kv_lane == "shm"
     if backend_for(device) == "gloo":
         return GlooTransport(store, rank, timeout_s, shm)
