@@ -24,6 +24,7 @@ import time
 
 import attrs
 
+from pdgpu.serve.lives import Status
 from pdgpu.serve.workload import ServeRequest
 
 IDLE_S = 0.002  # the loop's longest idle wait: a submission waits at most this long
@@ -58,6 +59,7 @@ class Handle:
     tracked: object = None  # the decoder's Tracked, once it arrived
     sent: int = 0  # tokens handed to the sink so far
     asked: bool = False  # the cancel or early finish was passed to the decoder
+    admitted: bool = False  # its admission was counted (the handoff histogram)
 
 
 class Frontend:
@@ -135,15 +137,16 @@ class Frontend:
 
     def _serve(self, decoder, handle: Handle) -> None:
         t = handle.tracked
-        if not handle.asked and not t.status.final and (handle.cancelled or handle.finished):
-            handle.asked = True
+        if not handle.asked and not t.status.final:
             if handle.cancelled:
+                handle.asked = True
                 decoder.cancel(t.req)  # applied by `_watch` this very turn
-            else:
+            elif handle.finished and t.status is Status.RUNNING:  # else: once admitted
+                handle.asked = True
                 decoder.finish_early(t)
-        new = tuple(t.output[handle.sent:])
+        new = _new_tokens(t, handle.sent)
         if self.metrics is not None:
-            self.metrics.tokens(t, handle.sent)
+            self._measure(t, handle, len(new))
         handle.sent += len(new)
         if t.status.final:
             del self.active[handle.req]
@@ -153,6 +156,14 @@ class Frontend:
             handle.sink(Event(new, str(t.status), t.reason))
         elif new:
             handle.sink(Event(new))
+
+    def _measure(self, t, handle: Handle, new: int) -> None:
+        if handle.sent == 0 and new:
+            self.metrics.first_token(t)
+        if t.admitted_t is not None and not handle.admitted:
+            handle.admitted = True
+            self.metrics.admitted(t)
+        self.metrics.later_tokens(t, handle.sent, handle.sent + new)
 
     def abandon(self, reason: str) -> None:
         """The loop ended (stopped or failed): every request not ended gets its end now
@@ -169,3 +180,13 @@ class Frontend:
             self.ended += 1
             handle.sink(Event((), "failed", reason))
         self.active.clear()
+
+
+def _new_tokens(t, sent: int) -> tuple[int, ...]:
+    """The request's tokens after the first `sent`. The first goes out at `produced`, before
+    the request's spans all landed: the producer computed it, greedy, and a retried life
+    computes the same one (its prefill is the same computation), as the batch mode's TTFT
+    counts it (`produced`); the others come with the decode steps after admission."""
+    if sent == 0 and not t.output and t.life is not None and t.life.token is not None:
+        return (t.life.token,)
+    return tuple(t.output[sent:])

@@ -25,6 +25,7 @@ from pdgpu.workload import WorkloadError
 
 HTTP_PACKAGES = ("fastapi", "uvicorn", "prometheus_client", "tokenizers")
 SIZING_SLABS = 8  # the default pool holds this many slabs of the longest prompt
+SWITCH_S = 0.001  # the GIL's switch interval in a serving process (Python's default: 5 ms)
 
 
 def check_packages() -> None:
@@ -152,6 +153,9 @@ def serve_http(args) -> int:
     print(f"pdgpu: OpenAI-compatible API on http://{host}:{bound}/v1 (model "
           f"{spec.name!r}); Ctrl-C or SIGTERM drains", file=sys.stderr, flush=True)
     args.progress = False  # requests are not known up front: no bar
+    # Two threads take turns on the GIL: at the default 5 ms a token event could wait that
+    # long for the decoder thread's Python to let go of it.
+    sys.setswitchinterval(SWITCH_S)
     run = ServeRun(frontend=frontend)
     try:
         with drain_on_signals(frontend):

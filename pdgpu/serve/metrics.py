@@ -47,15 +47,20 @@ class ServeMetrics:
 
     # -- from the decoder thread --------------------------------------------------------------
 
-    def tokens(self, t, sent: int) -> None:
-        """Tokens sent[sent:] of request `t` are new: TTFT and handoff with its first, ITL."""
+    def first_token(self, t) -> None:
+        """TTFT: arrival to `produced` (the first token's time, before or at admission)."""
+        first = t.token_t[0] if t.token_t else t.life.produced_t
+        self.ttft.observe(first - t.arrival)
+
+    def admitted(self, t) -> None:
+        if t.reserved_t is not None:
+            self.handoff.observe(t.admitted_t - t.reserved_t)
+
+    def later_tokens(self, t, start: int, end: int) -> None:
+        """ITL of tokens [start, end) (the first has none)."""
         times = t.token_t
-        if sent == 0 and times:
-            self.ttft.observe(times[0] - t.arrival)
-            if t.reserved_t is not None and t.admitted_t is not None:
-                self.handoff.observe(t.admitted_t - t.reserved_t)
-        for a, b in zip(times[max(0, sent - 1):], times[max(1, sent):], strict=False):
-            self.itl.observe(b - a)
+        for i in range(max(1, start), min(end, len(times))):
+            self.itl.observe(times[i] - times[i - 1])
 
     def ended(self, t) -> None:
         self.requests.labels(str(t.status)).inc()
