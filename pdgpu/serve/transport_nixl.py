@@ -31,9 +31,10 @@ JSON (issue, land, fence, handshake, beats) stay on the link's gloo group, as fo
 
 from __future__ import annotations
 
+import importlib
 import logging
+import logging.config
 import os
-import sys
 import threading
 import time
 from contextlib import suppress
@@ -55,16 +56,21 @@ GROW = "nixl-grow"  # a control message the decoder's receiving thread answers i
 
 
 def nixl_module():
-    """The NIXL package (nixl-cu13, or the `nixl` meta package), or None. Its log goes to
-    stderr from WARN up: by default it prints INFO lines on stdout, into `--json`."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    """The NIXL package (nixl-cu13, or the `nixl` meta package), or None. Imported without
+    its logging set-up: that one runs logging.config.dictConfig, which closes every handler
+    of the process, and prints INFO lines on stdout (into `--json`). Its warnings go to
+    stderr (Python's last-resort handler)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its C++ core's level
     for name in ("nixl_cu13", "nixl"):
-        with suppress(ImportError):
-            module = __import__(name)
-            for handler in logging.getLogger("nixl").handlers:
-                if isinstance(handler, logging.StreamHandler):
-                    handler.setStream(sys.stderr)
-            return module
+        real, logging.config.dictConfig = logging.config.dictConfig, lambda config: None
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        finally:
+            logging.config.dictConfig = real
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
     return None
 
 

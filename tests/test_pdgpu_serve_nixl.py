@@ -1,0 +1,231 @@
+"""The NIXL KV lane (pdgpu/serve/transport_nixl.py, `--kv-lane nixl`): served tokens equal
+generate in every mode, a killed or stopped producer is found and fenced, a transfer past its
+deadline fails without reusing its slot, nothing leaks (agents, registrations, pollers), and
+the lane is refused in one line without the package. Skipped where nixl is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from serve_helpers import drawn_prompts, events_of, reference, serve, trace_ok
+
+from pdgpu.cli import main
+from pdgpu.serve import launch, transport_nixl
+from pdgpu.serve.rendezvous import GLOO, NIXL, SHM, TransportError, choose_lane
+from pdgpu.serve.transport_nixl import SLOT_BYTES, SLOTS, NixlTransport, nixl_module
+
+CHUNK = 16
+needs_nixl = pytest.mark.skipif(nixl_module() is None, reason="nixl is not installed "
+                                "(pip install --no-deps nixl-cu13)")
+
+
+def _desc(device="cpu", nixl=True, shm=None) -> dict:
+    return {"device": device, "gpu": None, "host": "h", "shm": shm, "nixl": nixl}
+
+
+@pytest.mark.parametrize(("a", "b", "lane"), [
+    (_desc(), _desc(), NIXL),
+    (_desc(shm="s1"), _desc(nixl=False, shm="s2"), SHM),  # one end did not ask for it
+    (_desc(), _desc(nixl=None), GLOO),
+    (_desc("cuda:0"), _desc("cuda:1"), NIXL),
+])
+def test_the_lane_is_nixl_only_when_both_ends_offer_it(a, b, lane):
+    """choose_lane is symmetric and takes NIXL only when both ends offer it."""
+    assert choose_lane(a, b) == choose_lane(b, a) == lane
+
+
+def test_the_lane_without_the_package_is_refused_in_one_line(capsys, monkeypatch):
+    """--kv-lane nixl where nixl cannot be imported: one line naming the option, exit 2."""
+    monkeypatch.setattr(transport_nixl, "nixl_module", lambda: None)
+    code = main(["serve", "--no-progress", "--kv-lane", "nixl"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--kv-lane" in err and "nixl-cu13" in err, err
+    assert len(err.splitlines()) == 1, err
+
+
+def _pair():
+    """Two NIXL transports of this process joined by one link (rank 1 writes)."""
+    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=20),
+                           wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", master.port, 2, is_master=False,
+                           timeout=timedelta(seconds=20), wait_for_workers=False)
+    ends = [NixlTransport(store, r, 20) for r, store in enumerate((master, client))]
+    joiner = threading.Thread(target=ends[1].connect, args=(0, 0))
+    joiner.start()
+    ends[0].connect(1, 0)
+    joiner.join(timeout=30)
+    return ends
+
+
+def _closed_cleanly(ends) -> None:
+    for end in ends:
+        end.close(wait_s=0.0, flush_s=1.0)
+    for end in ends:
+        for link in list(end.links.values()) + end.dropped:
+            assert link.nixl.agent is None and link.nixl.registered == 0
+            assert not link.nixl.poller.is_alive()
+
+
+@needs_nixl
+def test_messages_cross_whole_and_slots_wait_for_the_reader():
+    """Tensors of every size (a slot grown past SLOT_BYTES, an empty one, staged ones) arrive
+    equal; with every slot out the next send waits until the reader is done with one; after
+    close no agent, registration or poller is left."""
+    reader, writer = _pair()
+    try:
+        assert reader.lanes() == {1: NIXL} and writer.lanes() == {0: NIXL}
+        sizes = [10, 3 * SLOT_BYTES // 4, 100] + [1000] * (SLOTS - 3)
+        for i, n in enumerate(sizes):
+            writer.send(0, "span", {"i": i}, (torch.full((n,), float(i)), torch.empty(0)))
+        held = [reader.get(timeout=20) for _ in sizes]
+        for i, msg in enumerate(held):
+            assert msg.body["i"] == i and torch.equal(msg.tensors[0],
+                                                      torch.full((sizes[i],), float(i)))
+        late = threading.Thread(target=writer.send, args=(0, "span", {"i": 99},
+                                                          (torch.full((7,), 99.0),)))
+        late.start()
+        assert reader.get(timeout=0.5) is None  # every slot is the reader's
+        reader.done(held[1])
+        late.join(timeout=20)
+        msg = reader.get(timeout=20)
+        assert msg.slots == held[1].slots and torch.equal(msg.tensors[0], torch.full((7,), 99.))
+        assert all(torch.equal(m.tensors[0], torch.full((sizes[i],), float(i)))
+                   for i, m in enumerate(held) if i != 1)  # no unconsumed slot overwritten
+        reader.done(msg)
+        staged = writer.staging(0, [((4, 5), torch.float32)], "cpu")
+        staged[0].fill_(7)
+        writer.send(0, "span", {}, staged)
+        assert (reader.get(timeout=20).tensors[0] == 7).all()
+    finally:
+        _closed_cleanly((reader, writer))
+
+
+@needs_nixl
+def test_a_transfer_past_its_deadline_fails_and_its_slot_is_never_reused(monkeypatch):
+    """A WRITE that never completes (NIXL says PROC for ever, as to a stopped peer): the send
+    fails with TransportError once the deadline passed, its handle is released (cancelled),
+    the slot it held is not handed out again, and close still leaves nothing registered."""
+    reader, writer = _pair()
+    try:
+        writer.timeout_s = 0.5
+        end = writer.links[0].nixl
+        released = []
+        real = end.agent.check_xfer_state
+        monkeypatch.setattr(end.agent, "check_xfer_state", lambda h: "PROC")
+        monkeypatch.setattr(end.agent, "transfer", lambda h: (released.append(h), "PROC")[1])
+        free = set(end.free)
+        with pytest.raises(TransportError, match="not done in time"):
+            writer.send(0, "span", {}, (torch.ones(100),))
+        assert released and released[0]._released  # the handle was let go: NIXL cancels it
+        assert end.free == free - {min(free)}  # the slot it held stays out of use
+        monkeypatch.setattr(end.agent, "check_xfer_state", real)
+    finally:
+        _closed_cleanly((reader, writer))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from serve_helpers import write_sensitive_checkpoint
+    return str(write_sensitive_checkpoint(tmp_path_factory.mktemp("ckpt") / "sensitive"))
+
+
+def _serve(tmp_path, capsys, checkpoint, count, out, *args):
+    """Serve drawn prompts over NIXL; (results, trace, summary, prompts) after the checks of
+    every run: trace legal under pdref, nothing leaked, ok requests equal generate."""
+    prompts = drawn_prompts(tmp_path / "p.jsonl", count, [40, 64, 33, 50], 256, 16, out)
+    _, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
+        str(CHUNK), "--prefix", "16", "--json", "--kv-lane", "nixl", *args)
+    summary = json.loads(capsys.readouterr().out)
+    trace_ok(trace)
+    assert json.loads(trace[0])["transport"] == NIXL and summary["leaked_pages"] == 0
+    for line, r in zip(prompts, results, strict=True):
+        if r["status"] == "ok":
+            assert r["output"] == reference(checkpoint, line["tokens"], out, CHUNK, 16), r
+    return results, trace, summary
+
+
+@needs_nixl
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+def test_served_tokens_over_nixl_equal_generate(tmp_path, capsys, checkpoint, mode):
+    """Two producers, a shared prefix, KV over NIXL, --verify on: every request ok, its
+    tokens equal generate, and every span landed (none failed)."""
+    results, trace, summary = _serve(tmp_path, capsys, checkpoint, 4, 5, "--mode", mode,
+                                     "--producers", "2")
+    assert summary["ok"] == 4 and not events_of(trace, "fail")
+    assert len(events_of(trace, "land")) >= 4
+
+
+def _signal_p1_mid_span(monkeypatch, sig: int) -> threading.Thread:
+    """A thread that sends `sig` to producer p1 of the next in-process run as soon as a span
+    of p1 is in flight (issued, not landed)."""
+    box = {"event": threading.Event()}
+
+    class Watched(launch.Decoder):
+        def run(self):
+            box["decoder"] = self
+            box["event"].set()
+            super().run()
+
+    monkeypatch.setattr(launch, "Decoder", Watched)
+
+    def signal_p1():
+        assert box["event"].wait(120)
+        decoder = box["decoder"]
+        while not any(life.producer == 1 and any(s is not None for s in life.spans.values())
+                      for life in list(decoder.lives.values())):
+            time.sleep(0.0005)
+        os.kill(decoder.members.processes.procs[1].pid, sig)
+
+    thread = threading.Thread(target=signal_p1, daemon=True)
+    thread.start()
+    return thread
+
+
+def _fenced(trace, fails) -> bool:
+    fenced = {(e["req"], e["span"]) for e in events_of(trace, "fence")}
+    return all((e["req"], e["span"]) in fenced for e in fails)
+
+
+@needs_nixl
+def test_a_killed_producer_is_fenced_and_its_requests_retried(tmp_path, capsys, checkpoint,
+                                                              monkeypatch):
+    """SIGKILL of p1 with a span in flight (NIXL raises at its peer, the link breaks): its
+    spans fail and are fenced, its lives retried on p2, every request ok, nothing leaked."""
+    thread = _signal_p1_mid_span(monkeypatch, signal.SIGKILL)
+    results, trace, summary = _serve(tmp_path, capsys, checkpoint, 24, 3, "--producers", "2",
+                                     "--concurrency", "4", "--link-gbps", "0.0002")
+    thread.join()
+    assert summary["producer_deaths"] == 1 and summary["ok"] == 24
+    lost = [e for e in events_of(trace, "fail") if e["error"] == "producer p1 lost"]
+    assert lost and _fenced(trace, lost)
+    after = {r["producer"] for r in events_of(trace, "reserve") if r["t"] > lost[0]["t"]}
+    assert after == {"p2"} and any(r["attempts"] > 1 for r in results)
+
+
+@needs_nixl
+def test_a_stopped_producer_past_the_span_timeout_is_fenced_once_killed(
+        tmp_path, capsys, checkpoint, monkeypatch):
+    """p1 SIGSTOPped with a span in flight (NIXL never errors for it): the span fails at
+    --span-timeout and stays unfenced (its pages quarantined) until the heartbeat declares
+    p1 dead and it is killed; then it is fenced and its requests served by p2."""
+    thread = _signal_p1_mid_span(monkeypatch, signal.SIGSTOP)
+    results, trace, summary = _serve(
+        tmp_path, capsys, checkpoint, 24, 3, "--producers", "2", "--concurrency", "4",
+        "--span-timeout", "0.5", "--heartbeat-timeout", "2", "--link-gbps", "0.0002")
+    thread.join()
+    assert summary["producer_deaths"] == 1 and summary["ok"] == 24
+    timed_out = [e for e in events_of(trace, "fail") if "not landed within" in e["error"]]
+    assert timed_out and _fenced(trace, timed_out)
+    fence_t = {(e["req"], e["span"]): e["t"] for e in events_of(trace, "fence")}
+    # quarantined until the death: it fails <= 0.5 s after the stop, the heartbeat finds p1
+    # >= 2 - 0.5 s (one beat interval) after it; a fence at the timeout would be ~0 s later
+    assert all(fence_t[e["req"], e["span"]] - e["t"] > 0.9 for e in timed_out)
