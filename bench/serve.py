@@ -11,7 +11,8 @@ compute and link time per request (why overlap can or cannot help here).
 Side by side in the same run (issue 24): each `--lanes` (how KV crosses between processes:
 gloo over TCP, or shared memory) and each `--verify` setting, ratios per round: shm/gloo
 tokens/s and ITL p50, verify on/off tokens/s and TTFT p50; and the decoder's own time checking
-landed bytes as a share of the run's wall (what --verify adds to the serving loop). And the
+landed bytes as a share of the run's wall (what --verify adds to the serving loop), and its
+live checks' share (pdref's fast mirror in line; the full Monitor audits behind it). And the
 lane itself: KV bytes/s between two processes (`--lane-mb` MB messages, the reader copying
 each out like the decoder into its pool) against a same-size memcpy in one process (CUDA: the
 pinned copy bandwidth).
@@ -102,6 +103,7 @@ def one_run(args, mode: str, lane: str = "shm", verify: bool = True) -> dict:
         out[f"{stage}_total_s"] = sum(s.end - s.t for s in stages if s.name == stage)
     run.ledger.log.discard()
     out["verify_pct"] = 100 * out["verify_s"] / out["wall_s"]  # the decoder's loop, checking
+    out["check_pct"] = 100 * out["check_frac"]  # the decoder's live checks (pdref's mirror)
     return out
 
 
@@ -168,12 +170,12 @@ def main() -> None:
 
 def _print_runs(runs: dict, ratios: dict) -> None:
     print("| run | tokens/s | TTFT p50 s | ITL p50 s | e2e p50 s | handoff tail p50 s | "
-          "compute s | link s | verify % of wall |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "compute s | link s | verify % of wall | live checks % of wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for variant, rows in runs.items():
         cells = [_spread([x[k] for x in rows]) for k in (
             "tokens_per_s", "ttft_p50_s", "itl_p50_s", "e2e_p50_s", "tail_p50_s",
-            "compute_total_s", "link_total_s", "verify_pct")]
+            "compute_total_s", "link_total_s", "verify_pct", "check_pct")]
         print(f"| {name(variant)} | " + " | ".join(cells) + " |")
     print("| ratio (per round) | tokens/s | TTFT p50 | ITL p50 |")
     print("|---|---|---|---|")
