@@ -229,3 +229,32 @@ def test_a_stopped_producer_past_the_span_timeout_is_fenced_once_killed(
     # quarantined until the death: it fails <= 0.5 s after the stop, the heartbeat finds p1
     # >= 2 - 0.5 s (one beat interval) after it; a fence at the timeout would be ~0 s later
     assert all(fence_t[e["req"], e["span"]] - e["t"] > 0.9 for e in timed_out)
+
+
+@needs_nixl
+def test_corrupted_bytes_over_nixl_fail_at_verify_and_are_retried(tmp_path, capsys,
+                                                                  checkpoint):
+    """--corrupt-rate: a bit flipped in the producer's slot crosses by NIXL; --verify finds
+    it at `land` (checksum mismatch), the span fails and is fenced, the life is retried."""
+    results, trace, summary = _serve(tmp_path, capsys, checkpoint, 8, 3, "--producers", "2",
+                                     "--corrupt-rate", "0.3", "--max-attempts", "8")
+    bad = [e for e in events_of(trace, "fail") if "checksum mismatch" in e["error"]]
+    assert bad and _fenced(trace, bad) and summary["ok"] == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_nixl
+def test_served_tokens_over_nixl_on_cuda_equal_generate(tmp_path, capsys, checkpoint):
+    """On CUDA both rings are device memory (VRAM descriptors): two producers and the
+    decoder on cuda:0, tokens equal generate on CUDA, the lane is nixl."""
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 4, [40, 64, 33, 50], 256, 16, 4)
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
+        str(CHUNK), "--prefix", "16", "--kv-lane", "nixl", "--producers", "2",
+        "--device", "cuda:0")
+    assert code == 0 and json.loads(trace[0])["transport"] == NIXL
+    trace_ok(trace)
+    for line, r in zip(prompts, results, strict=True):
+        want = reference(checkpoint, line["tokens"], 4, CHUNK, 16, device="cuda:0")
+        assert r["status"] == "ok" and r["output"] == want, r

@@ -315,6 +315,8 @@ class NixlTransport(GlooTransport):
             index = self._acquire(link, nbytes)
             for t, offset in zip(tensors, offsets, strict=True):
                 _view(end.slots[index].memory, offset, t.dtype, t.shape).copy_(t)
+        if end.device.type == "cuda":  # the gather or copy into the slot ran on a stream
+            torch.cuda.current_stream(end.device).synchronize()
         self.serial += 1
         try:
             end.write(index, nbytes, b"w%d" % self.serial, self._deadline(),
@@ -415,6 +417,8 @@ class NixlTransport(GlooTransport):
             return super().done(msg)
         if link.generation != msg.generation:
             return None
+        if msg.slots and end.device.type == "cuda":  # the owner's copy out ran on a stream
+            torch.cuda.current_stream(end.device).synchronize()
         for index in msg.slots:
             with suppress(Exception):  # the writer died meanwhile: its link is dropped
                 end.notify(b"free%d" % index)
