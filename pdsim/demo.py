@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from tqdm import tqdm
 from pdref.check import check_file
 from pdref.models import context_error, list_models, load_model
 from pdsim.core.profiles import load_hw
+from pdsim.demo_http import run_http
 from pdsim.demo_serve import ServeDemo, run_served, served_rows
 from pdsim.fit.calibrate import calibrate, figures, profile_toml
 from pdsim.fit.engine_runs import EnginePoint, Measured, run_point
@@ -48,6 +50,7 @@ class DemoConfig:
     requests: int = 3
     device: str | None = None
     progress: bool = True
+    http: bool = False  # also a few served prompts streamed through `pdgpu serve --http`
 
 
 def say(text: str) -> None:
@@ -137,12 +140,29 @@ def serve_step(cfg: DemoConfig) -> dict:
     p = served["parity"]
     print(f"  tokens: whole and chunk agree: {p['modes_agree']}; equal to pdgpu generate for "
           f"{', '.join(p['reference_requests'])}: {p['reference_ok']}")
+    if cfg.http:
+        served["http"] = http_step(demo, cfg.out / "serve", served)
     return served
+
+
+def http_step(demo: ServeDemo, out: Path, served: dict) -> dict:
+    """A few of the same prompts streamed through `pdgpu serve --http` (openai client)."""
+    lines = [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()]
+    http = run_http(demo, out, lines, served["runs"][-1])
+    if "skipped" in http:
+        print(f"  http: skipped: {http['skipped']}")
+    else:
+        print(f"  http: {', '.join(http['requests'])} streamed with the openai client through "
+              f"pdgpu serve --http: tokens equal to the chunk run's: {http['tokens_equal']}; "
+              f"leaked pages {http['summary'].get('leaked_pages')}; {http['wall_s']:.0f} s")
+    return http
 
 
 def check_step(cfg: DemoConfig) -> list:
     traces = sorted(cfg.out.glob("engine/*/*.jsonl")) + sorted(cfg.out.glob("sim/*.jsonl"))
     traces += [cfg.out / "serve" / f"{mode}.jsonl" for mode in ("whole", "chunk")]
+    if cfg.http and (cfg.out / "serve" / "http.jsonl").exists():
+        traces.append(cfg.out / "serve" / "http.jsonl")
     return [check_file(t) for t in traces]
 
 
@@ -185,7 +205,9 @@ def summary_json(result: dict) -> dict:
                      for m, p in result["pairs"]],
             "best_chunk": {s["label"]: s["best"] for s in result["sweeps"]},
             "served": {"parity": result["served"]["parity"],
-                       "runs": served_rows(result["served"])},
+                       "runs": served_rows(result["served"]),
+                       "http": {k: v for k, v in result["served"].get("http", {}).items()
+                                if k != "summary"}},
             "checks": [c.to_json() for c in result["checks"]]}
 
 
@@ -199,6 +221,9 @@ def add_args(p) -> None:
                    help="requests per engine run (the first is warm-up, left out)")
     p.add_argument("--device", default=None, help="engine device (default: cuda if any)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--http", action="store_true", help="also stream a few served prompts "
+                   "through `pdgpu serve --http` with the openai client (one more server "
+                   "start: 10..40 s on a 2-core CPU)")
 
 
 def _config(args) -> DemoConfig:
@@ -215,14 +240,15 @@ def _config(args) -> DemoConfig:
     if problem:
         raise UsageError(problem)
     return DemoConfig(Path(args.out), args.model, args.prompt, chunks, args.requests,
-                      args.device, not args.quiet)
+                      args.device, not args.quiet, args.http)
 
 
 def command(args) -> int:
     cfg = _config(args)
     result = run_demo(cfg)
     bad = [c for c in result["checks"] if not c.ok]
-    parity = all(m.parity for m, _ in result["pairs"]) and result["served"]["parity"]["ok"]
+    parity = all(m.parity for m, _ in result["pairs"]) and result["served"]["parity"]["ok"] \
+        and result["served"].get("http", {}).get("ok", True)  # skipped: nothing to compare
     say(f"done in {result['wall_s']:.0f} s: {cfg.out / 'report.md'}"
         + ("" if parity else "; PARITY FAILED") + (f"; {len(bad)} trace(s) refused" if bad
                                                    else ""))

@@ -66,3 +66,20 @@ def test_a_served_run_that_fails_is_an_engine_error(tmp_path):
     with pytest.raises(EngineRunError, match="pdgpu serve --mode whole: exit 2: ") as caught:
         run_served(ServeDemo(model="tiny", device="no-such-device"), tmp_path / "serve")
     assert len(str(caught.value).splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_demo_http_streams_the_served_prompts(tmp_path):
+    """`pdsim demo --http`'s step: prompts streamed through `pdgpu serve --http` with the
+    openai client give the tokens `pdgpu generate` gives; the server drains, nothing leaks."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from pdsim.demo_http import run_http
+    from pdsim.demo_serve import ServeDemo, reference_output, write_prompts
+    demo = ServeDemo(model="tiny", prompt_range=(32, 64), chunk=32)
+    lines = write_prompts(demo, tmp_path / "prompts.jsonl")
+    chunk_run = {"results": {x["req"]: {"output": reference_output(demo, x)}
+                             for x in lines[:2]}}
+    http = run_http(demo, tmp_path, lines, chunk_run, count=2)
+    assert http["tokens_equal"] and http["ok"] and http["summary"]["ok"] == 2
+    assert (tmp_path / "http.jsonl").exists()

@@ -183,4 +183,17 @@ def served_lines(served: dict) -> list[str]:
             f"whole and chunk give the same tokens: {p['modes_agree']}; equal to `pdgpu "
             f"generate`, no handoff, for {', '.join(p['reference_requests'])}: "
             f"{p['reference_ok']}). Timings on a shared CPU are noisy: these are one run "
-            "each, not a mode comparison (`bench/serve.py` is).", "", _markdown(rows), ""]
+            "each, not a mode comparison (`bench/serve.py` is).", "", _markdown(rows), "",
+            *http_lines(served.get("http"))]
+
+
+def http_lines(http: dict | None) -> list[str]:
+    """`pdsim demo --http`: the same prompts streamed through `pdgpu serve --http`."""
+    if not http:
+        return []
+    if "skipped" in http:
+        return [f"Through HTTP (`--http`): skipped, {http['skipped']}.", ""]
+    return [f"Through HTTP (`pdgpu serve --http`, the openai client, streamed): "
+            f"{', '.join(http['requests'])}; tokens equal to the chunk run's: "
+            f"{http['tokens_equal']}; leaked pages {http['summary'].get('leaked_pages')}; "
+            f"trace `serve/http.jsonl`.", ""]
