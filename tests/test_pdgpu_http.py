@@ -204,6 +204,20 @@ def test_client_disconnect_cancels_and_frees_pages(server):
         time.sleep(0.05)
 
 
+def test_plain_request_whose_client_gives_up_is_cancelled(server):
+    """An unstreamed request whose client closes the connection while it waits (a read
+    timeout) is cancelled; its pages come back."""
+    before = server.metrics()
+    key = 'pdgpu_requests_total{"outcome": "cancelled"}'
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", timeout=httpx.Timeout(60, read=0.3), json={
+            "model": server.model_id, "prompt": PROMPTS[0], "max_tokens": 3000})
+    while server.metrics()[key] < before[key] + 1:
+        time.sleep(0.05)
+    while server.metrics()['pdgpu_pool_pages_in_use{}']:
+        time.sleep(0.05)
+
+
 def test_overload_gets_429(server):
     """Beyond the queue bound (4) a request gets 429; the ones in flight are unharmed."""
     streams = [httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
