@@ -20,6 +20,7 @@ pinned copy bandwidth).
     python bench/serve.py                      # small, 1024 tokens, 32 out, conc 4, 2 producers
     python bench/serve.py --rounds 5 --link-gbps 0.05 --json
     python bench/serve.py --modes chunk --lanes gloo,shm --verify on,off --link-gbps 0
+    python bench/serve.py --modes chunk --lanes gloo,shm,nixl --link-gbps 0  # issue 26
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _args():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", default=",".join(MODES), help="comma separated ('': the lane "
                    "probe only)")
-    p.add_argument("--lanes", default="shm", help="gloo,shm: both, side by side")
+    p.add_argument("--lanes", default="shm", help="gloo,shm: both, side by side (nixl: "
+                   "NIXL, with the nixl extra)")
     p.add_argument("--verify", default="on", help="on,off: both, side by side")
     p.add_argument("--device", default="cpu", help="producers' and decoder's device")
     p.add_argument("--lane-mb", type=float, default=16.0, help="lane probe message MB (0: none)")
@@ -119,6 +121,7 @@ def _ratios(runs: dict, args) -> dict:
         pairs[f"{m}/whole ({first_lane})"] = ((m, first_lane, on), ("whole", first_lane, on))
     for m in args.modes:
         pairs[f"{m}: shm/gloo"] = ((m, "shm", on), (m, "gloo", on))
+        pairs[f"{m}: nixl/shm"] = ((m, "nixl", on), (m, "shm", on))
         pairs[f"{m}: verify on/off"] = ((m, first_lane, True), (m, first_lane, False))
     keys = ("tokens_per_s", "ttft_p50_s", "itl_p50_s")
     return {label: {k: [x[k] / y[k] for x, y in zip(runs[a], runs[b], strict=True)]
@@ -136,7 +139,7 @@ def lane_bytes(args) -> dict:
         for lane in args.lanes:
             rate, agreed = transfer_rate(lane, nbytes, args.lane_messages, args.device)
             out.setdefault(agreed, []).append(rate / 1e9)
-            if lane == "shm":  # as the producer sends: gathered straight into the slot
+            if lane in ("shm", "nixl"):  # as the producer sends: gathered straight in
                 rate, agreed = transfer_rate(lane, nbytes, args.lane_messages, args.device,
                                              staged=True)
                 out.setdefault(f"{agreed} (gathered in)", []).append(rate / 1e9)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check (issues 4, 9, 11 and 24), about 5 minutes on one GPU (each step has its own time
-# limit; together they are 365 s, the steps' usual times well under):
+# limit; together they are 395 s, the steps' usual times well under):
 #   1. the CUDA tests (pytest -m gpu): every one must run, a skipped one fails the check
 #      (the engine on CUDA, and the attention kernels in bf16 and float32)
 #   1b. pdgpu serve on CUDA (tests/test_pdgpu_serve_gpu.py, pytest -m gpu): served tokens
@@ -21,7 +21,8 @@
 #      qwen3-0.6b KV, whole vs chunked (256-token spans), interleaved, median of ratios.
 #   5. KV bytes/s between two processes on cuda:0 (bench/serve.py's lane probe, 64 MB
 #      messages): shm-pinned (d2h into page-locked shared memory, h2d out of it) and
-#      gloo-staged, each against the pinned copy bandwidth of the same bytes (target >= 0.5).
+#      gloo-staged, each against the pinned copy bandwidth of the same bytes (target >= 0.5);
+#      and nixl (VRAM to VRAM where UCX can) when its package is installed, as in step 1b.
 # Results go to $OUT_DIR (default gpu_check_out/, or gpu_check_out/dry-run/), with each
 # step's seconds in timings.txt.
 # Decoder: cuda:1 with two GPUs, else the same GPU (a host-staged round trip through pinned
@@ -96,8 +97,12 @@ case "$DRY:$DECODER" in
     *) LANE="one GPU: KV staged through host memory, the NCCL path NOT checked" ;;
 esac
 echo "== 1b. pdgpu serve on CUDA ($LANE)"
-step 75 serve_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" \
-    tests/test_pdgpu_serve_gpu.py tests/test_pdgpu_serve_shm.py
+# the NIXL lane (issue 26) where its package is installed (the dev extra has it): its GPU test
+# serves through VRAM rings; step 5 measures it beside shm and gloo
+NIXL=()
+if "$PY" -c "import nixl_cu13" 2>/dev/null; then NIXL=(tests/test_pdgpu_serve_nixl.py); fi
+step 90 serve_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" \
+    tests/test_pdgpu_serve_gpu.py tests/test_pdgpu_serve_shm.py "${NIXL[@]}"
 no_skips serve_gpu
 
 echo "== 2. parity, $MODEL geometry, $COMPARE_PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
@@ -120,7 +125,7 @@ step 55 export_curve "$PY" bench/engine_overlap.py --model "$MODEL" --chunk "$CH
     --link-gbps 0 --repeats "$CURVE_REPEATS" --out "$OUT/export_curve.json"
 
 echo "== 5. KV between processes on $DEV: shm vs gloo lanes, against a same-size copy"
-step 25 kv_lane "$PY" bench/serve.py --modes "" --lanes gloo,shm --device "$DEV" \
+step 40 kv_lane "$PY" bench/serve.py --modes "" --lanes "gloo,shm${NIXL:+,nixl}" --device "$DEV" \
     --lane-mb "$LANE_MB" --lane-messages 20 --rounds "$LANE_ROUNDS"
 if [ -s "$OUT/failed.txt" ]; then
     echo "gpu_check: FAILED steps, results in $OUT/:"; cat "$OUT/failed.txt"; exit 1

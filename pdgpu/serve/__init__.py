@@ -1,7 +1,8 @@
 """`pdgpu serve`: a decoder process and N producer processes over torch.distributed.
 
 Modules (one concept each):
-  transport  point-to-point messages (the one interface a NIXL/UCX backend would implement)
+  transport  point-to-point messages (one interface; KV lanes: gloo, shared memory, NCCL,
+             and NIXL in transport_nixl, `--kv-lane nixl`)
   link       a message, that interface, one connected peer's link
   transport_shm  KV through shared memory on one machine (page-locked on one GPU)
   lane_probe KV bytes/s between two processes through a lane vs a same-size copy (benches)
