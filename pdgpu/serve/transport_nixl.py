@@ -145,6 +145,9 @@ class NixlTransport(GlooTransport):
             return super().staging(dst, specs, device)
         shells = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
         offsets, nbytes = layout(shells)
+        if getattr(link, "staged", None):  # staged before and never sent: free again
+            self._end(link).free.add(link.staged[0])
+            link.staged = None
         index = self._acquire(link, nbytes)
         memory = self._end(link).slots[index].memory
         views = [view(memory, o, t.dtype, t.shape) for t, o in zip(shells, offsets, strict=True)]
@@ -217,7 +220,10 @@ class NixlTransport(GlooTransport):
         key = f"nixl/grow/{self.serial}"
         super().send(link.peer, GROW, {"slot": index, "bytes": end.slots[index].memory.numel(),
                                        "key": key})
-        answer = orjson.loads(self._link_store(link).get(key))
+        try:
+            answer = orjson.loads(self._link_store(link).get(key))
+        except Exception as e:  # noqa: BLE001 - the store's errors: the decoder is gone
+            raise TransportError(f"NIXL slot {index} not grown: {first_line(e)}") from None
         end.add_peer(bytes.fromhex(answer["md"]))
         end.slots[index].remote = tuple(answer["slot"])
 
