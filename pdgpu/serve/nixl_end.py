@@ -83,12 +83,12 @@ class NixlEnd:
         """Until notification `want` came (it is consumed); TransportError past `deadline`
         or when `broken()` names a reason."""
         while True:
+            self.take_notes()  # first: the note is usually in already (no poll interval)
             with self.arrived:
                 if want in self.notes:
                     self.notes.remove(want)
                     return
                 self.arrived.wait(POLL_S)
-            self.take_notes()
             check_wait(broken(), deadline, f"NIXL notification {want.decode()!r}")
 
     def metadata(self) -> bytes:
