@@ -147,6 +147,8 @@ def _serve(tmp_path, capsys, checkpoint, count, out, *args):
     summary = json.loads(capsys.readouterr().out)
     trace_ok(trace)
     assert json.loads(trace[0])["transport"] == NIXL and summary["leaked_pages"] == 0
+    pollers = [t.name for t in threading.enumerate() if t.name.endswith("-poll")]
+    assert not pollers, pollers  # every agent of the decoder's links was closed
     for line, r in zip(prompts, results, strict=True):
         if r["status"] == "ok":
             assert r["output"] == reference(checkpoint, line["tokens"], out, CHUNK, 16), r
