@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from pdgpu import serve_cli
+from pdgpu import interrupt, serve_cli
 from pdgpu.audit import Disagreement
 from pdgpu.checkpoint import CheckpointError, inspect_checkpoint, load_checkpoint
 from pdgpu.cli_types import int_at_least, positive_float
@@ -280,3 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # e.g. the trace cannot be written: nothing half-written stays
         print(f"pdgpu: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # run / compare (serve has its own): one line, 130 or 143
+        print(f"pdgpu: {interrupt.describe(e)}", file=sys.stderr)
+        return interrupt.exit_code(e)

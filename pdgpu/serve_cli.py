@@ -2,7 +2,8 @@
 
 Exit codes: 0 every request ok or cancelled; 1 a protocol violation, a run error, or a request
 that failed every attempt; 2 bad input or an unservable configuration (one line naming the
-field and the rule; no process started or left); 130 Ctrl-C. The trace and results are written
+field and the rule; no process started or left); 130 Ctrl-C, 143 SIGTERM (pdgpu/interrupt.py:
+one line at any stage). The trace and results are written
 on every exit after the run started (a run stopped early aborts its live requests in it).
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pdgpu import interrupt
 from pdgpu.checkpoint import CheckpointError
 from pdgpu.serve.args import add_parsers  # noqa: F401 - pdgpu.cli registers it from here
 from pdgpu.serve.config import ServeConfig
@@ -238,9 +240,9 @@ def _producer_role(args, endpoint: Endpoint) -> None:
     code = 1
     try:
         code = run_producer(endpoint, args.rank, 0, opts)
-    except KeyboardInterrupt:
-        print("pdgpu: interrupted (Ctrl-C): this producer stopped", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:
+        print(f"pdgpu: {interrupt.describe(e)}: this producer stopped", file=sys.stderr)
+        code = interrupt.exit_code(e)
     except (TransportError, ServeError) as e:
         print(f"pdgpu: serve error: {e}", file=sys.stderr)
     finally:
@@ -315,10 +317,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _dispatch(args) -> int:
+    """The command; an error from a clean-up that an interrupt cut short (a thread stopped
+    mid-start cannot be joined, a link half made) is that interrupt."""
+    try:
+        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
+    except Exception as e:
+        stop = interrupt.behind(e)
+        if stop is None:
+            raise
+        raise stop from None
+
+
+def _interrupted(error: KeyboardInterrupt) -> int:
+    print(f"pdgpu: {interrupt.describe(error)}: every process stopped", file=sys.stderr)
+    return interrupt.exit_code(error)
+
+
 def run_command(args) -> int:
     """Dispatch from pdgpu.cli.main; one line and an exit code for each kind of failure."""
     try:
-        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
+        return _dispatch(args)
     except (WorkloadError, Refused) as e:
         print(f"pdgpu: error: {e}", file=sys.stderr)
         return 2
@@ -328,9 +347,8 @@ def run_command(args) -> int:
     except (ServeError, TransportError) as e:
         print(f"pdgpu: serve error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("pdgpu: interrupted (Ctrl-C): every process stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # SIGTERM too (interrupt.Terminated): exit 143
+        return _interrupted(e)
     except (OSError, ProfileError, CheckpointError):
         raise  # pdgpu.cli prints these: one line, exit 2
     except Exception as e:  # noqa: BLE001 - any other error: one line naming it, exit 1

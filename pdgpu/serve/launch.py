@@ -69,6 +69,21 @@ class ServeRun:
 
 # -- decoder side -----------------------------------------------------------------------------
 
+def _start_forkserver() -> None:
+    """Start the forkserver (and multiprocessing's resource tracker) with SIGINT blocked, a
+    mask they and the producers keep: a terminal's Ctrl-C reaches the whole process group,
+    and in them, while they import, it printed tracebacks. Ctrl-C is the decoder's job (it
+    stops them); one that arrives meanwhile is delivered here when the mask is lifted."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()  # first: it blocks SIGINT itself, then unblocks it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class LocalProducers:
     """Producer processes started from here, by rank; `check` raises when one died (during
     the first handshake), `exited` reports deaths while serving."""
@@ -77,6 +92,7 @@ class LocalProducers:
         self.ctx = mp.get_context(START_METHOD)
         if START_METHOD == "forkserver":  # one torch import for every producer, not one each
             self.ctx.set_forkserver_preload(["pdgpu.serve.preload"])
+            _start_forkserver()
         self.endpoint, self.opts = endpoint, opts
         self.procs = {rank: self._start(rank, 0) for rank in range(1, producers + 1)}
 
@@ -247,6 +263,13 @@ def end_on_error(run: ServeRun, error: BaseException) -> None:
         run.decoder.cancel_all(f"stopped: {type(error).__name__}")
 
 
+def _kill_started() -> None:
+    """Every process started from here so far (LocalProducers may be half made)."""
+    for child in mp.active_children():
+        child.kill()
+        child.join(timeout=3)
+
+
 def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: ProducerOptions,
                 endpoint: Endpoint, policy: FaultPolicy | None = None, progress=None,
                 on_start=None, run: ServeRun | None = None, eos: int | None = None,
@@ -256,12 +279,17 @@ def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: P
     live request aborted."""
     use_device(decoder_device)
     store = open_decoder_store(endpoint, producers + 1, opts.connect_timeout_s)  # port 0: free
-    procs = LocalProducers(producers, Endpoint(endpoint.host, store.port), opts)
-    if on_start is not None:
-        on_start(procs.pids)
-    import pdgpu.serve.preload  # noqa: F401 - torch's lazy imports, while producers start
     run = run if run is not None else ServeRun()
-    transport = open_transport(store, 0, decoder_device, opts.connect_timeout_s, opts.kv_lane)
+    try:
+        procs = LocalProducers(producers, Endpoint(endpoint.host, store.port), opts)
+        if on_start is not None:
+            on_start(procs.pids)
+        import pdgpu.serve.preload  # noqa: F401 - torch's lazy imports, while producers start
+        transport = open_transport(store, 0, decoder_device, opts.connect_timeout_s,
+                                   opts.kv_lane)
+    except BaseException:  # e.g. Ctrl-C: the producers started so far go before the store
+        _kill_started()  # does (one that sees the rendezvous vanish prints torch's C++ frames)
+        raise
     try:
         connect_producers(transport, producers, alive=procs.check)
         run_decoder(transport, config, workload, policy or FaultPolicy(),

@@ -1,0 +1,83 @@
+"""Ctrl-C and SIGTERM, handled alike: one line, exit 130 (SIGINT) or 143 (SIGTERM).
+
+The first signal raises KeyboardInterrupt (Terminated for SIGTERM) where the main thread is;
+the run then aborts its live requests so the trace closes legal. Later signals are ignored:
+a terminal's Ctrl-C reaches every process of the group, and a second one (or a SIGTERM from a
+supervisor behind it) landing inside that cleanup would leave a traceback and a half-written
+trace. The process then ends with os._exit after stopping its children: an interpreter exit
+runs torch's C++ destructors while gloo's threads still block, which aborts (exit 134,
+"terminate called without an active exception").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (exit 143 instead of 130)."""
+
+
+_received: list[int] = []  # the first signal's number, once one came
+
+
+def _first_signal(signum, frame) -> None:
+    if _received:
+        return  # the clean-up of the first one is running: let it finish
+    _received.append(signum)
+    raise _error(signum)
+
+
+def _error(signum: int) -> KeyboardInterrupt:
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def received() -> KeyboardInterrupt | None:
+    """The interrupt a signal raised, if one came: an import that swallows every exception
+    (a bare `except:` in a dependency) must not make it as if none had."""
+    return _error(_received[0]) if _received else None
+
+
+def install() -> dict:
+    """Both signals raise once in the main thread (before torch loads: a signal while it
+    imports is one line too); the handlers they had, for `restore`."""
+    return {sig: signal.signal(sig, _first_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def restore(previous: dict) -> None:
+    """The handlers from before `install` (a caller in the same process keeps its own)."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    _received.clear()
+
+
+def exit_code(error: BaseException) -> int:
+    return 143 if isinstance(error, Terminated) else 130
+
+
+def describe(error: BaseException) -> str:
+    return "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted (Ctrl-C)"
+
+
+def behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt an error was raised while handling, if any: a clean-up that the signal
+    cut short (a thread it stopped mid-start cannot be joined) is still that interrupt."""
+    seen = error.__context__
+    while seen is not None and not isinstance(seen, KeyboardInterrupt):
+        seen = seen.__context__
+    return seen
+
+
+def finish(code: int) -> None:
+    """End now, without the interpreter's exit: every child stopped first (a signal may land
+    before the code that would stop them holds their handles)."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=3)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
