@@ -187,6 +187,30 @@ def test_chat_completion_uses_the_template(server):
     prompt = tok.encode("<|user|> the lazy dog <|assistant|>", add_special_tokens=False).ids
     assert token_ids(got.choices[0]) == reference(server.model, prompt, 5, CHUNK, 0)
     assert got.choices[0].message.role == "assistant"
+    chunks = list(server.client().chat.completions.create(
+        model=server.model_id, max_tokens=5, stream=True,
+        messages=[{"role": "user", "content": "the lazy dog"}]))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        got.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_without_a_template_is_400(tmp_path):
+    """A folder whose tokenizer_config.json has no chat_template refuses chat with a 400
+    naming `messages`; with the template the same body renders."""
+    from pdgpu.serve.openai_api import ApiError, Limits, parse_chat
+    from pdgpu.serve.texts import Texts
+    from pdref.models import load_model
+    write_tokenizer(tmp_path, vocab=256)
+    limits = Limits("m", 256, 64, load_model("tiny"))
+    body = {"model": "m", "messages": [{"role": "user", "content": "dog"}]}
+    assert len(parse_chat(body, limits, Texts.for_model(str(tmp_path))).tokens) == 3
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ApiError) as e:
+        parse_chat(body, limits, Texts.for_model(str(tmp_path)))
+    assert e.value.status == 400 and e.value.param == "messages"
+    assert "chat template" in e.value.message
 
 
 def test_client_disconnect_cancels_and_frees_pages(server):
@@ -363,3 +387,24 @@ def test_streamed_text_is_the_decoded_text_cut_at_the_stop(stop):
     whole = texts.decode(ids)
     assert "".join(out.add(i) for i in ids) + out.finish() == whole.split(stop)[0]
     assert out.stopped == (stop in whole)
+
+
+@pytest.mark.slow
+def test_health_is_503_once_no_producer_serves(tmp_path):
+    """Its only producer killed (no restarts): /health turns 503, the death is counted in
+    /metrics, a new request fails with an error body, the drain still closes a legal trace."""
+    srv = Server(tmp_path, "tiny", "--http-max-prompt", "32", "--kill-producer", "0@3",
+                 "--heartbeat-timeout", "1")
+    try:
+        while httpx.get(f"{srv.url}/health").status_code != 503:
+            time.sleep(0.05)
+        assert httpx.get(f"{srv.url}/health").json() == {"status": "no producer is serving"}
+        while srv.metrics()['pdgpu_producer_deaths_total{}'] < 1:
+            time.sleep(0.05)
+        r = httpx.post(f"{srv.url}/v1/completions",
+                       json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 500 and "no producer left" in r.json()["error"]["message"]
+    finally:
+        code, values = srv.stop()
+    assert code == 1 and values["failed"] == 1 and values["leaked_pages"] == 0
+    trace_ok(srv.trace.read_bytes().splitlines())
