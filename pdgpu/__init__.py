@@ -21,6 +21,7 @@ Modules (one concept each):
   compare       the modes side by side: KV parity with whole, ratios
   cli           `pdgpu run` and `pdgpu compare` (and registers serve_cli's commands)
   cli_types     argument types shared by the command lines (integer >= n, finite > 0)
+  interrupt     Ctrl-C and SIGTERM: one line, exit 130 / 143, children stopped, no C++ abort
   decode_kv     a request's K/V for decoding and the batch the model's decode_step takes
   generate      `pdgpu generate`: single-process greedy reference, no handoff
   serve/        `pdgpu serve`: decoder and producer processes over torch.distributed

@@ -15,4 +15,5 @@ Modules (one concept each):
   decoder    schedule -> run -> postprocess, the continuous decode batch
   launch     processes, handshake, shutdown
   report     results lines and the summary
+  status     stderr while serving: producer deaths, restarts, rejoins; progress off a terminal
 """
