@@ -70,6 +70,24 @@ def behind(error: BaseException) -> KeyboardInterrupt | None:
     return seen
 
 
+def unmasked(command, args) -> int:
+    """command(args); an error from a clean-up that an interrupt cut short (a thread stopped
+    mid-start cannot be joined, a link half made) is raised as that interrupt."""
+    try:
+        return command(args)
+    except Exception as e:
+        stop = behind(e)
+        if stop is None:
+            raise
+        raise stop from None
+
+
+def report(error: KeyboardInterrupt, what: str) -> int:
+    """One line on stderr; the exit code."""
+    print(f"pdgpu: {describe(error)}: {what}", file=sys.stderr)
+    return exit_code(error)
+
+
 def finish(code: int) -> None:
     """End now, without the interpreter's exit: every child stopped first (a signal may land
     before the code that would stop them holds their handles)."""

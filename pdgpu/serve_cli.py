@@ -37,7 +37,7 @@ from pdgpu.serve.launch import (
 )
 from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
 from pdgpu.serve.report import SUMMARY_ORDER, summary, write_results
-from pdgpu.serve.status import LineProgress
+from pdgpu.serve.status import progress
 from pdgpu.serve.transport import Endpoint, TransportError, parse_init_method
 from pdgpu.serve.transport_nccl import open_transport
 from pdgpu.serve.workload import (
@@ -180,18 +180,9 @@ def prepare(args) -> tuple[ServeConfig, FaultPolicy, Workload, int, Endpoint | N
 
 # -- running ----------------------------------------------------------------------------------
 
-def _progress(args, total: int, run: ServeRun):
-    """tqdm's bar on a terminal; elsewhere (a log, a pipe) a line every --progress-every s."""
-    if args.progress is None and not sys.stderr.isatty():
-        return LineProgress(total, run, args.progress_every)
-    from tqdm import tqdm
-    return tqdm(total=total, unit="req", disable=args.progress is False, file=sys.stderr,
-                leave=False, desc="pdgpu serve")
-
-
 def _serve(args, config, policy, workload, producers, endpoint, run: ServeRun) -> None:
     opts = ProducerOptions(args.kv_progress, args.device, args.connect_timeout, args.kv_lane)
-    bar = _progress(args, len(workload.requests), run)
+    bar = progress(args.progress, args.progress_every, len(workload.requests), run)
     try:
         if args.role == "decoder":
             _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar, run,
@@ -241,8 +232,7 @@ def _producer_role(args, endpoint: Endpoint) -> None:
     try:
         code = run_producer(endpoint, args.rank, 0, opts)
     except KeyboardInterrupt as e:
-        print(f"pdgpu: {interrupt.describe(e)}: this producer stopped", file=sys.stderr)
-        code = interrupt.exit_code(e)
+        code = interrupt.report(e, "this producer stopped")
     except (TransportError, ServeError) as e:
         print(f"pdgpu: serve error: {e}", file=sys.stderr)
     finally:
@@ -317,27 +307,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _dispatch(args) -> int:
-    """The command; an error from a clean-up that an interrupt cut short (a thread stopped
-    mid-start cannot be joined, a link half made) is that interrupt."""
-    try:
-        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
-    except Exception as e:
-        stop = interrupt.behind(e)
-        if stop is None:
-            raise
-        raise stop from None
-
-
-def _interrupted(error: KeyboardInterrupt) -> int:
-    print(f"pdgpu: {interrupt.describe(error)}: every process stopped", file=sys.stderr)
-    return interrupt.exit_code(error)
-
-
 def run_command(args) -> int:
     """Dispatch from pdgpu.cli.main; one line and an exit code for each kind of failure."""
     try:
-        return _dispatch(args)
+        return interrupt.unmasked(cmd_serve if args.command == "serve" else cmd_generate, args)
     except (WorkloadError, Refused) as e:
         print(f"pdgpu: error: {e}", file=sys.stderr)
         return 2
@@ -348,7 +321,7 @@ def run_command(args) -> int:
         print(f"pdgpu: serve error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # SIGTERM too (interrupt.Terminated): exit 143
-        return _interrupted(e)
+        return interrupt.report(e, "every process stopped")
     except (OSError, ProfileError, CheckpointError):
         raise  # pdgpu.cli prints these: one line, exit 2
     except Exception as e:  # noqa: BLE001 - any other error: one line naming it, exit 1

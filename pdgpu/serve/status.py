@@ -51,3 +51,14 @@ class LineProgress:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=1.0)
+
+
+def progress(wanted: bool | None, every_s: float, total: int, run):
+    """tqdm's bar on a terminal; elsewhere (a log, a pipe) a line every `every_s` seconds;
+    `wanted` False (--no-progress): neither."""
+    if wanted is None and not sys.stderr.isatty():
+        return LineProgress(total, run, every_s)
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", disable=wanted is False, file=sys.stderr,
+                leave=False, desc="pdgpu serve")
