@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from pdgpu.checkpoint import save_checkpoint
 from pdgpu.cli import main
 from pdgpu.generate import generate
 from pdgpu.model import build_model
+from pdgpu.serve import launch
 from pdgpu.serve.models import load_served_model
 from pdgpu.serve.transport_shm import SHM_DIR
 from pdref.check import check_lines
@@ -134,3 +136,18 @@ def drawn_prompts(path: Path, count: int, lengths, vocab: int, prefix: int, out:
         lines.append({"req": f"q{i}", "tokens": tokens, "output_tokens": out})
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return lines
+
+
+def watch_decoder(monkeypatch) -> dict:
+    """The next in-process run's Decoder: box["decoder"], once box["event"] is set (its
+    serving loop started)."""
+    box = {"event": threading.Event()}
+
+    class Watched(launch.Decoder):
+        def run(self):
+            box["decoder"] = self
+            box["event"].set()
+            super().run()
+
+    monkeypatch.setattr(launch, "Decoder", Watched)
+    return box

@@ -8,6 +8,7 @@ import threading
 import attrs
 import pytest
 import torch
+from wait_helpers import wait_for
 
 import pdgpu.engine as engine_module
 from pdgpu.audit import Disagreement
@@ -44,15 +45,6 @@ def _engine_run(monkeypatch, audit_monitor, recorders: list, mode: str = "chunk"
     return Engine(MODEL, EngineConfig(mode, chunk=8, max_pending=2)).run([_request()])
 
 
-def _wait_for(condition, polls: int = 20000) -> None:
-    """Poll `condition` (a few seconds at most; no assertion on time)."""
-    pause = threading.Event()
-    for _ in range(polls):
-        if condition():
-            return
-        pause.wait(0.001)
-
-
 def _refusing_second_issue(recorders: list, hold: bool):
     """A Monitor that refuses the second issue the mirror accepted; `hold`: only once the
     engine has run as far ahead of the audit as the backlog bound lets it (it waited)."""
@@ -64,7 +56,7 @@ def _refusing_second_issue(recorders: list, hold: bool):
                 Refusing.issues += 1
                 if Refusing.issues == 2:
                     if hold:
-                        _wait_for(lambda: recorders[0].audit.waits > 0)
+                        wait_for(lambda: recorders[0].audit.waits > 0)
                     raise Violation("COPY-2", "refused by the audit alone", event)
             super().emit(event)
 
@@ -167,7 +159,7 @@ def test_a_run_that_raises_leaves_no_audit_thread_running():
     before = threading.active_count()
     with pytest.raises(Violation, match="COPY-3"):
         engine.run([_request()])
-    _wait_for(lambda: not any(t.name == "pdref-audit" and t.is_alive()
+    wait_for(lambda: not any(t.name == "pdref-audit" and t.is_alive()
                               for t in threading.enumerate()))
     assert not any(t.name == "pdref-audit" for t in threading.enumerate())
     assert threading.active_count() <= before
@@ -181,7 +173,7 @@ def test_a_recorder_dropped_without_close_ends_its_audit_thread():
         rec = Recorder(_header())
         thread = rec.audit._thread
         del rec
-        _wait_for(lambda: not thread.is_alive(), polls=2000)
+        wait_for(lambda: not thread.is_alive(), polls=2000)
     finally:
         gc.enable()
     assert not thread.is_alive()

@@ -5,11 +5,11 @@ with its code (exit 1, one line), the trace closed as after a live violation."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
 from serve_helpers import drawn_prompts, serve, trace_ok
+from wait_helpers import wait_for
 
 import pdgpu.serve.launch as launch_module
 from pdgpu.serve.digest import row_digests
@@ -87,15 +87,6 @@ def test_an_answer_the_audit_gives_differently_stops_the_serve_run(monkeypatch, 
     trace_ok(trace)
 
 
-def _wait_for(condition, polls: int = 20000) -> None:
-    """Poll `condition` (a few seconds at most; no assertion on time)."""
-    pause = threading.Event()
-    for _ in range(polls):
-        if condition():
-            return
-        pause.wait(0.001)
-
-
 class _Witness(Monitor):
     """The specification, keeping every protocol event it applied (class-wide: one run)."""
 
@@ -134,7 +125,7 @@ def test_after_the_audit_refuses_the_ledger_writes_nothing_more(tmp_path):
     ledger.computed("r", (0, 2), (0, 8))
     spans = [ledger.issue("r", (0, 2), t, GEO.region_bytes((0, 2), t))
              for t in ((0, 4), (4, 8))]
-    _wait_for(lambda: ledger.audit.error is not None)  # the audit saw the second issue
+    wait_for(lambda: ledger.audit.error is not None)  # the audit saw the second issue
     kv = torch.randn(2, 2, 4, 2, 4)
     before = ledger.kv.clone()
     with pytest.raises(Violation, match="refused by the audit alone"):

@@ -19,10 +19,10 @@ from serve_helpers import (
     reference,
     serve,
     trace_ok,
+    watch_decoder,
     write_sensitive_checkpoint,
 )
 
-from pdgpu.serve import launch
 from pdgpu.serve.faults import Fate, FaultSpec
 
 CHUNK = 16
@@ -175,16 +175,7 @@ def test_every_fault_at_once_in_whole_and_layer_mode(tmp_path, capsys, checkpoin
 @pytest.fixture
 def started(monkeypatch):
     """The next in-process run's Decoder, once its serving loop starts."""
-    box = {"event": threading.Event()}
-
-    class Watched(launch.Decoder):
-        def run(self):
-            box["decoder"] = self
-            box["event"].set()
-            super().run()
-
-    monkeypatch.setattr(launch, "Decoder", Watched)
-    return box
+    return watch_decoder(monkeypatch)
 
 
 def _in_thread(target):

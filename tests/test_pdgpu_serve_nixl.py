@@ -15,10 +15,17 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from serve_helpers import drawn_prompts, events_of, reference, serve, trace_ok
+from serve_helpers import (
+    drawn_prompts,
+    events_of,
+    reference,
+    serve,
+    trace_ok,
+    watch_decoder,
+)
 
 from pdgpu.cli import main
-from pdgpu.serve import launch, transport_nixl
+from pdgpu.serve import transport_nixl
 from pdgpu.serve.rendezvous import GLOO, NIXL, SHM, TransportError, choose_lane
 from pdgpu.serve.transport_nixl import SLOT_BYTES, SLOTS, NixlTransport, nixl_module
 
@@ -169,15 +176,7 @@ def test_served_tokens_over_nixl_equal_generate(tmp_path, capsys, checkpoint, mo
 def _signal_p1_mid_span(monkeypatch, sig: int) -> threading.Thread:
     """A thread that sends `sig` to producer p1 of the next in-process run as soon as a span
     of p1 is in flight (issued, not landed)."""
-    box = {"event": threading.Event()}
-
-    class Watched(launch.Decoder):
-        def run(self):
-            box["decoder"] = self
-            box["event"].set()
-            super().run()
-
-    monkeypatch.setattr(launch, "Decoder", Watched)
+    box = watch_decoder(monkeypatch)
 
     def signal_p1():
         assert box["event"].wait(120)
