@@ -7,8 +7,9 @@ import copy
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from vacuity_helpers import Vacuity
 
 from pdref import events as ev
 from pdref.check import check_file, check_lines
@@ -22,28 +23,75 @@ SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 EACH = settings(SETTINGS, max_examples=25)  # for tests parametrized by event kind or edit
 KINDS = sorted(ev.EVENT_TYPES)
+VACUOUS = Vacuity()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _few_vacuous_examples():
+    """After the module: no property may have mostly tested nothing."""
+    yield
+    VACUOUS.check()
 
 
 @st.composite
-def legal_traces(draw):
+def legal_traces(draw, need=None, **force):
     """(header, events) of random legal traffic: either version, any mode, failures,
-    cancellations and fences (v2), retries, prefixes."""
-    mode = draw(st.sampled_from(["whole", "chunk", "layer"]))
+    cancellations and fences (v2), retries, prefixes. `force` replaces the strategy of a
+    setting (so that the traffic can hold what a property needs); with `need`, a predicate on
+    the trace's JSON objects, other seeds of the same traffic are tried until one has it."""
+    def pick_(name, strategy):
+        return draw(force.get(name, strategy))
+
+    mode = pick_("mode", st.sampled_from(["whole", "chunk", "layer"]))
     layers = draw(st.integers(1, 4))
-    max_live = draw(st.integers(1, 3))
-    max_prompt = draw(st.integers(1, 40))
+    max_live = pick_("max_live", st.integers(1, 3))
+    max_prompt = pick_("max_prompt", st.integers(1, 40))
     geo = Geometry(layers=layers, kv_heads=draw(st.integers(1, 2)), head_dim=2, dtype_bytes=2,
                    page_tokens=PT, recurrent=mode != "layer" and draw(st.booleans()))
     pool = max_live * -(-max_prompt // PT) + draw(st.integers(0, 4))
     header = ev.Header("test", mode, geo, pool, draw(st.integers(1, 3)),
-                       version=draw(st.sampled_from(ev.VERSIONS)))
+                       version=pick_("version", st.sampled_from(ev.VERSIONS)))
     config = SynthConfig(
-        requests=draw(st.integers(1, 6)), max_live=max_live, max_prompt=max_prompt,
-        chunk=draw(st.integers(1, 16)), fail_rate=draw(st.sampled_from([0.0, 0.1, 0.3])),
+        requests=pick_("requests", st.integers(1, 6)), max_live=max_live,
+        max_prompt=max_prompt, chunk=draw(st.integers(1, 16)),
+        fail_rate=pick_("fail_rate", st.sampled_from([0.0, 0.1, 0.3])),
         retry_rate=draw(st.sampled_from([0.0, 0.7, 1.0])),
-        prefix_rate=draw(st.sampled_from([0.0, 0.3, 0.8])), stages=draw(st.booleans()),
-        producers=draw(st.integers(1, 2)), cancel_rate=draw(st.sampled_from([0.0, 0.1, 0.4])))
-    return header, synth_trace(header, config, draw(st.integers(0, 2**32)))
+        prefix_rate=pick_("prefix_rate", st.sampled_from([0.0, 0.3, 0.8])),
+        stages=pick_("stages", st.booleans()), producers=draw(st.integers(1, 2)),
+        cancel_rate=pick_("cancel_rate", st.sampled_from([0.0, 0.1, 0.4])))
+    seed = draw(st.integers(0, 2**32))
+    for tries in range(40 if need else 1):
+        events = synth_trace(header, config, seed + tries)
+        if need is None or need(to_objs(header, events)):
+            return header, events
+    assume(False)  # rare: the forced settings make what `need` wants in most seeds
+
+
+# Settings under which the synthetic traffic can hold each event kind or edit site at all.
+FAILS = {"fail_rate": st.sampled_from([0.1, 0.3])}
+FORCE = {
+    "fail": FAILS, "abort": FAILS, "fence": {**FAILS, "version": st.just(2)},
+    "stage": {"stages": st.just(True)}, "stage-end": {"stages": st.just(True)},
+    "reuse": {"prefix_rate": st.sampled_from([0.3, 0.8])},
+    "pages-held": {"max_live": st.integers(2, 3), "requests": st.integers(3, 6)},
+    "pages-dup": {"max_prompt": st.integers(PT + 1, 40)},
+}
+
+
+def traces_with(name, sites):
+    """Legal traces in which `sites(objs)` (the indices a property can edit) is not empty."""
+    return legal_traces(need=lambda objs: bool(sites(objs)), **FORCE.get(name, {}))
+
+
+def test_vacuity_check_fails_when_most_examples_tested_nothing():
+    """The module's guard fails a property whose examples mostly returned early, not others."""
+    vac = Vacuity()
+    for n in range(10):
+        vac.tally("mostly-empty", n < 4)
+        vac.tally("fine", n != 0)
+    with pytest.raises(AssertionError, match="mostly-empty 60%"):
+        vac.check()
+    assert vac.rates() == {"fine": 0.1, "mostly-empty": 0.6}
 
 
 def to_objs(header, events) -> list[dict]:
@@ -130,9 +178,18 @@ def later(objs, i, pred):
     return None
 
 
-def pick(data, objs, kinds, extra=lambda o: True):
-    idx = [i for i, o in enumerate(objs) if i and o["kind"] in kinds and extra(o)]
-    return data.draw(st.sampled_from(idx)) if idx else None
+def kind_sites(kinds, extra=lambda o: True):
+    """The sites of a property that edits one event of `kinds` (a kind or a set of kinds)."""
+    kinds = {kinds} if isinstance(kinds, str) else kinds
+    return lambda objs: [i for i, o in enumerate(objs) if i and o["kind"] in kinds and extra(o)]
+
+
+def edited(data, name, sites):
+    """(objs, i): a legal trace made to hold a site of property `name`, and one site drawn
+    from it (None only if no seed gave one, which `legal_traces` rejects first)."""
+    objs = to_objs(*data.draw(traces_with(name, sites), "trace"))
+    idx = sites(objs)
+    return objs, (data.draw(st.sampled_from(idx), "site") if idx else None)
 
 
 def verdict(objs):
@@ -143,12 +200,11 @@ def verdict(objs):
 
 @pytest.mark.parametrize("kind", KINDS)
 @EACH
-@given(trace=legal_traces(), data=st.data())
-def test_duplicated_event(kind, trace, data):
+@given(data=st.data())
+def test_duplicated_event(kind, data):
     """A duplicated event: idempotent kinds stay legal, the others break a certain rule."""
-    objs = to_objs(*trace)
-    i = pick(data, objs, {kind})
-    if i is None:
+    objs, i = edited(data, kind, kind_sites(kind))
+    if not VACUOUS.tally(f"duplicated[{kind}]", i is not None):
         return
     mutant = objs[:i + 1] + [copy.deepcopy(objs[i])] + objs[i + 1:]
     result = verdict(mutant)
@@ -163,12 +219,11 @@ def test_duplicated_event(kind, trace, data):
 
 @pytest.mark.parametrize("kind", KINDS)
 @EACH
-@given(trace=legal_traces(), data=st.data())
-def test_deleted_event(kind, trace, data):
+@given(data=st.data())
+def test_deleted_event(kind, data):
     """A deleted event is legal or refused; where the broken rule is certain, with its code."""
-    objs = to_objs(*trace)
-    i = pick(data, objs, {kind})
-    if i is None:
+    objs, i = edited(data, kind, kind_sites(kind))
+    if not VACUOUS.tally(f"deleted[{kind}]", i is not None):
         return
     mutant = objs[:i] + objs[i + 1:]
     result = verdict(mutant)
@@ -220,7 +275,7 @@ def test_deleted_event(kind, trace, data):
 def test_swapped_adjacent_events(trace, data):
     """Two adjacent events swapped: a verdict; causally ordered pairs and t going back refused."""
     objs = to_objs(*trace)
-    if len(objs) < 3:
+    if not VACUOUS.tally("swapped", len(objs) >= 3):
         return
     i = data.draw(st.integers(1, len(objs) - 2))
     a, b = objs[i], objs[i + 1]
@@ -241,94 +296,92 @@ EDITS = ["t-back", "stage-end", "req", "issue-bytes", "issue-layers", "issue-tok
          "shrink-span"]
 
 
-@pytest.mark.parametrize("edit", EDITS)
-@EACH
-@given(trace=legal_traces(), data=st.data())
-def test_changed_field(edit, trace, data):
-    """One field changed so that a certain rule breaks: refused with that code at that line."""
-    objs = to_objs(*trace)
-    header = objs[0]
-    layers = header["geometry"]["layers"]
-    m = copy.deepcopy(objs)
-    owner = lives(objs)
-    held = {}  # pages held by live slabs before each index
-    held_at = {}
+def held_before(objs) -> dict[int, set]:
+    """For each event index, the pages held by live slabs just before it."""
+    held, held_at = {}, {}
     for j, o in enumerate(objs[1:], 1):
         held_at[j] = {p for pages in held.values() for p in pages}
         if o["kind"] == "reserve":
             held[o["req"]] = o["pages"]
         elif o["kind"] in ("release", "abort"):
             held.pop(o["req"], None)
+    return held_at
+
+
+def _held_sites(objs):
+    held_at = held_before(objs)
+    return [i for i in kind_sites("reserve")(objs) if objs[i]["pages"] and held_at[i]]
+
+
+EDIT_SITES = {  # edit -> the indices of a trace where it breaks its rule for certain
+    "t-back": lambda objs: [i for i in range(2, len(objs)) if objs[i - 1]["t"] > 0],
+    "stage-end": kind_sites("stage", lambda o: o["t"] > 0),
+    "req": kind_sites(set(ev.EVENT_TYPES) - {"reserve", "stage"}),
+    "issue-bytes": kind_sites("issue"), "issue-layers": kind_sites("issue"),
+    "issue-tokens": kind_sites("issue"), "land-span": kind_sites({"land", "fail"}),
+    "prefix": kind_sites("reserve"), "pages-drop": kind_sites("reserve", lambda o: o["pages"]),
+    "pages-extra": kind_sites("reserve"),
+    "pages-outside": kind_sites("reserve", lambda o: o["pages"]),
+    "pages-dup": kind_sites("reserve", lambda o: len(o["pages"]) >= 2),
+    "pages-held": _held_sites,
+    "shrink-span": kind_sites("issue", lambda o: o["tokens"][1] > o["tokens"][0]),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+@EACH
+@given(data=st.data())
+def test_changed_field(edit, data):
+    """One field changed so that a certain rule breaks: refused with that code at that line."""
+    objs, i = edited(data, edit, EDIT_SITES[edit])
+    if not VACUOUS.tally(f"changed[{edit}]", i is not None):
+        return
+    header = objs[0]
+    layers = header["geometry"]["layers"]
+    m = copy.deepcopy(objs)
+    owner = lives(objs)
     if edit == "t-back":
-        i = pick(data, objs, set(ev.EVENT_TYPES))
-        if i is None or i < 2 or objs[i - 1]["t"] <= 0:
-            return
         m[i]["t"] = objs[i - 1]["t"] / 2
         want = "TRACE-2"
     elif edit == "stage-end":
-        i = pick(data, objs, {"stage"}, lambda o: o["t"] > 0)
-        if i is None:
-            return
         m[i]["end"] = objs[i]["t"] / 2
         want = "TRACE-2"
     elif edit == "req":
-        i = pick(data, objs, set(ev.EVENT_TYPES) - {"reserve", "stage"})
-        if i is None:
-            return
         m[i]["req"] = "nobody"
         want = "REQ-1"
     elif edit == "issue-bytes":
-        i = pick(data, objs, {"issue"})
-        if i is None:
-            return
         m[i]["bytes"] = objs[i]["bytes"] + data.draw(st.sampled_from([-1, 1, 7, 1000]))
         if m[i]["bytes"] < 0:
             m[i]["bytes"] = 1
         want = "COPY-4"
     elif edit == "issue-layers":
-        i = pick(data, objs, {"issue"})
-        if i is None:
-            return
         m[i]["layers"] = [objs[i]["layers"][0], layers + 1]
         want = "COV-1"
     elif edit == "issue-tokens":
-        i = pick(data, objs, {"issue"})
-        if i is None:
-            return
         prompt = objs[owner[i]]["prompt"]
         m[i]["tokens"] = [objs[i]["tokens"][0], prompt + data.draw(st.integers(1, 3))]
         want = "COV-1"
     elif edit == "land-span":
-        i = pick(data, objs, {"land", "fail"})
-        if i is None:
-            return
         m[i]["span"] = "never-issued"
         want = "REQ-1"
     elif edit == "prefix":
-        i = pick(data, objs, {"reserve"})
         m[i]["prefix"] = objs[i]["prefix"] + data.draw(st.integers(1, PT - 1))
         want = "SLAB-2"
     elif edit.startswith("pages"):
-        i = pick(data, objs, {"reserve"})
         pages = list(objs[i]["pages"])
-        if edit == "pages-drop" and pages:
+        if edit == "pages-drop":
             pages.pop(data.draw(st.integers(0, len(pages) - 1)))
         elif edit == "pages-extra":
             pages.append(max(pages, default=0) + 1)
-        elif edit == "pages-outside" and pages:
+        elif edit == "pages-outside":
             pages[-1] = header["pool_pages"] + data.draw(st.integers(0, 5))
-        elif edit == "pages-dup" and len(pages) >= 2:
+        elif edit == "pages-dup":
             pages[1] = pages[0]
-        elif edit == "pages-held" and pages and held_at[i]:
-            pages[0] = data.draw(st.sampled_from(sorted(held_at[i])))
-        else:
-            return
+        else:  # pages-held
+            pages[0] = data.draw(st.sampled_from(sorted(held_before(objs)[i])))
         m[i]["pages"] = pages
         want = "SLAB-1"
-    elif edit == "shrink-span":
-        i = pick(data, objs, {"issue"}, lambda o: o["tokens"][1] > o["tokens"][0])
-        if i is None:
-            return
+    else:  # shrink-span
         a, b = objs[i]["tokens"]
         m[i]["tokens"] = [a, b - 1]
         lay = objs[i]["layers"]
