@@ -1,6 +1,7 @@
 """`pdsim sweep --ray`: rows equal to the process pool, clean cluster lifetime, bad addresses."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,23 +28,41 @@ ray.shutdown()
 """
 
 
-def _ray_processes() -> set[int]:
-    """Live processes of Ray: its binaries, its Python workers and agents (ray::...)."""
-    found = set()
+@pytest.fixture
+def own_temp(monkeypatch):
+    """A fresh, short temp folder for this test alone (TMPDIR and tempfile's): its Ray cluster's
+    folders are made in it and its processes inherit TMPDIR naming it, so the test checks
+    only what its own cluster made, whatever other Ray runs share the machine."""
+    folder = tempfile.mkdtemp(prefix="pdr-")  # short: Ray's socket paths are <= 107 bytes
+    monkeypatch.setenv("TMPDIR", folder)
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _ray_processes(mark: Path) -> set[int]:
+    """Live processes of Ray (its binaries, Python workers and agents, ray::...) that belong
+    to the test owning folder `mark`: their command line or environment names it (a worker's
+    command line is rewritten to ray::..., its environment keeps TMPDIR)."""
+    found, needle = set(), str(mark).encode()
     for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
-        except OSError:
+        if not entry.name.isdigit():
             continue
-        if b"/ray/" in cmdline or cmdline.startswith(b"ray::"):
-            found.add(int(entry.name))
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if not (b"/ray/" in cmdline or cmdline.startswith(b"ray::")):
+                continue
+            if needle in cmdline or needle in (entry / "environ").read_bytes():
+                found.add(int(entry.name))
+        except OSError:  # gone, or someone else's (no access to its environment)
+            continue
     return found
 
 
-def _no_new_ray_processes(before: set[int], wait_s: float = 5.0) -> set[int]:
-    """Ray processes started since `before` that are still alive after up to `wait_s`."""
+def _no_ray_processes_left(mark: Path, wait_s: float = 5.0) -> set[int]:
+    """This test's Ray processes still alive after up to `wait_s`."""
     deadline = time.monotonic() + wait_s
-    while (left := _ray_processes() - before) and time.monotonic() < deadline:
+    while (left := _ray_processes(mark)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
@@ -61,9 +80,8 @@ def _refused(capsys, argv: list[str]) -> str:
     return err
 
 
-def test_local_ray_cluster_rows_equal_the_process_pool(tmp_path, capsys):
+def test_local_ray_cluster_rows_equal_the_process_pool(tmp_path, capsys, own_temp):
     """--ray without an address: same CSV and JSON as the pool, a bar, no Ray left behind."""
-    before, temps = _ray_processes(), set(Path(tempfile.gettempdir()).glob("pdsim-ray-*"))
     pool = _outputs(tmp_path, "pool", ["--quiet", "--jobs", "2"])
     capsys.readouterr()
     ray_rows = _outputs(tmp_path, "ray", ["--ray", "--jobs", "2"])
@@ -72,8 +90,8 @@ def test_local_ray_cluster_rows_equal_the_process_pool(tmp_path, capsys):
     assert "best for prompt 16384" in out
     bar = err.replace("\r", "\n").strip().splitlines()
     assert bar and all("cfg" in line for line in bar) and "24/24" in bar[-1]
-    assert not _no_new_ray_processes(before)
-    assert set(Path(tempfile.gettempdir()).glob("pdsim-ray-*")) == temps
+    assert not _no_ray_processes_left(own_temp)
+    assert not list(own_temp.glob("pdsim-ray-*"))
     assert "RAY_AUTH_MODE" not in os.environ or os.environ["RAY_AUTH_MODE"] != "token"
 
 
@@ -147,9 +165,8 @@ def test_a_cluster_gets_the_packages_as_single_folders(monkeypatch):
 
 
 @pytest.mark.slow
-def test_cluster_address_rows_equal_the_process_pool(tmp_path):
+def test_cluster_address_rows_equal_the_process_pool(tmp_path, own_temp):
     """A cluster started elsewhere, given by address (token auth): same rows; no token: refused."""
-    before = _ray_processes()
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_AUTH_MODE", None)
     temp = tempfile.TemporaryDirectory(prefix="pdsim-head-")  # Ray's sockets: <= 107 bytes
@@ -170,23 +187,22 @@ def test_cluster_address_rows_equal_the_process_pool(tmp_path):
     finally:
         head.communicate(timeout=60)
         temp.cleanup()
-    assert not _no_new_ray_processes(before, wait_s=10)
+    assert not _no_ray_processes_left(own_temp, wait_s=10)
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_the_local_cluster_starts_leaves_nothing():
+def test_ctrl_c_while_the_local_cluster_starts_leaves_nothing(own_temp):
     """Ctrl-C during Ray's start: the command stops, and no Ray process or temp dir is left."""
-    before, temp = _ray_processes(), Path(tempfile.gettempdir())
-    temps = set(temp.glob("pdsim-ray-*"))
+    temp = own_temp
     sweep = subprocess.Popen(
         [sys.executable, "-m", "pdsim.cli", *GRID, "--quiet", "--ray"], stderr=subprocess.PIPE,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell's & ignores it
     deadline = time.monotonic() + 30
-    while set(temp.glob("pdsim-ray-*")) == temps and time.monotonic() < deadline:
+    while not list(temp.glob("pdsim-ray-*")) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1.5)  # inside ray.init (2..10 s here); without the hold this left agents
     sweep.send_signal(signal.SIGINT)
     err = sweep.communicate(timeout=60)[1].decode()
     assert sweep.returncode != 0 and "KeyboardInterrupt" in err
-    assert not _no_new_ray_processes(before)
-    assert set(temp.glob("pdsim-ray-*")) == temps
+    assert not _no_ray_processes_left(temp)
+    assert not list(temp.glob("pdsim-ray-*"))
