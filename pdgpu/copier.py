@@ -169,9 +169,10 @@ class Copier:
         with self._cond:
             return self._cond.wait_for(lambda: not self._in_flight, timeout)
 
-    def wait(self) -> CopyResult:
-        """The next result, when no `on_done` was given (tests, benchmarks)."""
-        return self._results.get()
+    def wait(self, timeout: float | None = None) -> CopyResult:
+        """The next result, when no `on_done` was given (tests, benchmarks); queue.Empty when
+        none comes within `timeout` seconds (None: no limit)."""
+        return self._results.get(timeout=timeout)
 
     def warm_up(self, jobs: list[CopyJob]) -> None:
         """Before t = 0: run throwaway jobs (one per ring slot: every staging buffer

@@ -59,7 +59,7 @@ def _gpu_check(tmp_path, *args, **env):
 def test_gpu_check_parses_and_stops_loudly_without_cuda(tmp_path):
     """scripts/gpu_check.sh is valid bash; with no CUDA device it exits 1 saying so and
     writes nothing; an unknown option is exit 2."""
-    assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(GPU_CHECK)], timeout=60).returncode == 0
     run = _gpu_check(tmp_path, CUDA_VISIBLE_DEVICES="")
     assert run.returncode == 1 and "no CUDA device" in run.stderr
     assert not (tmp_path / "out").exists()

@@ -16,6 +16,8 @@ from pdgpu.source_cache import SourceCache, gather, token_slots
 from pdgpu.streams import Backend, CudaLane, EventClock, HostMark, record
 from pdref.geometry import Geometry
 
+WAIT_S = 60  # every wait on the copier is bounded: a lost result fails, it does not hang
+
 GEO = Geometry(layers=3, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)
 
 
@@ -79,7 +81,7 @@ def test_copier_moves_spans_into_the_decoder_in_order():
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8)))
         copier.submit(_job(copier, request, slab, 1, (8, 16)))
-        results = [copier.wait(), copier.wait()]
+        results = [copier.wait(WAIT_S), copier.wait(WAIT_S)]
     finally:
         copier.close()
     assert [r.job.span for r in results] == [0, 1] and all(r.error is None for r in results)
@@ -97,9 +99,9 @@ def test_copier_refuses_more_than_its_ring_until_a_span_completed():
         copier.submit(_job(copier, request, slab, 1, (4, 8)))
         with pytest.raises(RuntimeError, match="max_pending"):
             copier.submit(_job(copier, request, slab, 2, (8, 12)))
-        assert copier.wait().job.span == 0
+        assert copier.wait(WAIT_S).job.span == 0
         copier.submit(_job(copier, request, slab, 2, (8, 12)))
-        copier.drain()
+        assert copier.drain(timeout=WAIT_S), f"{copier.in_flight} spans never reported"
         assert copier.in_flight == 0 and copier.free_slots == 2
     finally:
         copier.close()
@@ -114,7 +116,7 @@ def test_slot_is_free_before_on_done_and_in_flight_counts_it_until_after():
     slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8)))
-        copier.drain()
+        assert copier.drain(timeout=WAIT_S), f"{copier.in_flight} spans never reported"
     finally:
         copier.close()
     assert seen == [(1, 1)] and copier.in_flight == 0
@@ -128,7 +130,7 @@ def test_injected_fault_is_reported_after_its_writer_stopped():
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8), fail=True))
         copier.submit(_job(copier, request, slab, 1, (8, 16)))
-        failed, ok = copier.wait(), copier.wait()
+        failed, ok = copier.wait(WAIT_S), copier.wait(WAIT_S)
     finally:
         copier.close()
     assert "injected fault on span 0" in failed.error and ok.error is None
@@ -144,7 +146,7 @@ def test_link_pacing_holds_each_direction():
     slab = pool.slab((0, 1, 2, 3, 4), 0, 20)
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8)))
-        result = copier.wait()
+        result = copier.wait(WAIT_S)
     finally:
         copier.close()
     floor = 3 * 2 * 8 * 2 * 4 * 4 / 1e6 * 0.95
@@ -207,7 +209,7 @@ def test_spans_pipeline_d2h_of_the_next_overlaps_h2d_of_the_previous():
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8)))
         copier.submit(_job(copier, request, slab, 1, (8, 16)))
-        results = [copier.wait(), copier.wait()]
+        results = [copier.wait(WAIT_S), copier.wait(WAIT_S)]
     finally:
         copier.close()
     assert [r.error for r in results] == [None, None]
@@ -228,7 +230,7 @@ def test_gather_waits_for_the_readiness_mark():
         time.sleep(0.05)
         assert copier.in_flight == 1 and not pool.kv.any()
         ready.set()
-        result = copier.wait()
+        result = copier.wait(WAIT_S)
     finally:
         copier.close()
     assert result.error is None and result.stages[0].start >= ready.time()
@@ -307,7 +309,8 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         self.device.on_sync()
-        self.done.wait()
+        if not self.done.wait(WAIT_S):
+            raise RuntimeError("a fake event never completed")
 
     def elapsed_time(self, other) -> float:
         return (other.t - self.t) * 1e3
@@ -406,7 +409,7 @@ def test_cuda_link_pacing_holds_each_direction_and_orders_the_next_on_the_host(f
     fake_cuda.run()
     try:
         copier.submit(_job(copier, request, slab, 0, (0, 8)))
-        result = copier.wait()
+        result = copier.wait(WAIT_S)
     finally:
         copier.close()
     stage = {s.name: s for s in result.stages}

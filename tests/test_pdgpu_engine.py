@@ -266,7 +266,7 @@ def test_freeing_source_pages_under_a_copy_in_flight_is_refused_before_freeing()
             engine.ledger.free_source(life)
         assert info.value.code == "COPY-3"
         assert engine.source.pool.free_pages == free_before
-        engine.copier.drain()
+        assert engine.copier.drain(timeout=60), "spans never reported within 60 s"
     finally:
         engine.copier.close()
 
@@ -465,6 +465,6 @@ def test_abort_is_refused_while_a_failed_span_is_unfenced():
             engine.ledger.abort(life, "test")
         assert not any(e.kind == "abort" for e in rec.protocol)
         assert not engine.pool.kv.isnan().any()
-        engine.copier.drain()
+        assert engine.copier.drain(timeout=60), "spans never reported within 60 s"
     finally:
         engine.copier.close()

@@ -76,7 +76,7 @@ class Server:
             found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
             if found:
                 return int(found.group(1))
-        raise AssertionError(f"the server ended before listening: {self.proc.wait()}")
+        raise AssertionError(f"the server ended before listening: {self.proc.wait(timeout=60)}")
 
     def wait_healthy(self) -> None:
         while httpx.get(f"{self.url}/health").status_code != 200:

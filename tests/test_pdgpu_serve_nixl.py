@@ -173,22 +173,32 @@ def test_served_tokens_over_nixl_equal_generate(tmp_path, capsys, checkpoint, mo
     assert len(events_of(trace, "land")) >= 4
 
 
-def _signal_p1_mid_span(monkeypatch, sig: int) -> threading.Thread:
-    """A thread that sends `sig` to producer p1 of the next in-process run as soon as a span
-    of p1 is in flight (issued, not landed)."""
-    box = watch_decoder(monkeypatch)
+def _signal_p1_mid_span(monkeypatch, sig: int):
+    """Start a thread that sends `sig` to producer p1 of the next in-process run as soon as a
+    span of p1 is in flight (issued, not landed); the returned `finish()` joins it (bounded)
+    and asserts, on the test's thread, that it sent the signal."""
+    box, sent = watch_decoder(monkeypatch), []
 
-    def signal_p1():
-        assert box["event"].wait(120)
-        decoder = box["decoder"]
+    def signal_p1():  # no assert here: a failure on this thread would only be a warning
+        if not box["event"].wait(120):
+            return
+        decoder, deadline = box["decoder"], time.monotonic() + 120
         while not any(life.producer == 1 and any(s is not None for s in life.spans.values())
                       for life in list(decoder.lives.values())):
+            if time.monotonic() > deadline:
+                return
             time.sleep(0.0005)
         os.kill(decoder.members.processes.procs[1].pid, sig)
+        sent.append(sig)
 
     thread = threading.Thread(target=signal_p1, daemon=True)
     thread.start()
-    return thread
+
+    def finish():
+        thread.join(180)
+        assert not thread.is_alive(), "the signalling thread never finished"
+        assert sent == [sig], "p1 was never signalled (no decoder, or no span of p1 in flight)"
+    return finish
 
 
 def _fenced(trace, fails) -> bool:
@@ -201,10 +211,10 @@ def test_a_killed_producer_is_fenced_and_its_requests_retried(tmp_path, capsys, 
                                                               monkeypatch):
     """SIGKILL of p1 with a span in flight (NIXL raises at its peer, the link breaks): its
     spans fail and are fenced, its lives retried on p2, every request ok, nothing leaked."""
-    thread = _signal_p1_mid_span(monkeypatch, signal.SIGKILL)
+    finish = _signal_p1_mid_span(monkeypatch, signal.SIGKILL)
     results, trace, summary = _serve(tmp_path, capsys, checkpoint, 24, 3, "--producers", "2",
                                      "--concurrency", "4", "--link-gbps", "0.0002")
-    thread.join()
+    finish()
     assert summary["producer_deaths"] == 1 and summary["ok"] == 24
     lost = [e for e in events_of(trace, "fail") if e["error"] == "producer p1 lost"]
     assert lost and _fenced(trace, lost)
@@ -218,11 +228,11 @@ def test_a_stopped_producer_past_the_span_timeout_is_fenced_once_killed(
     """p1 SIGSTOPped with a span in flight (NIXL never errors for it): the span fails at
     --span-timeout and stays unfenced (its pages quarantined) until the heartbeat declares
     p1 dead and it is killed; then it is fenced and its requests served by p2."""
-    thread = _signal_p1_mid_span(monkeypatch, signal.SIGSTOP)
+    finish = _signal_p1_mid_span(monkeypatch, signal.SIGSTOP)
     results, trace, summary = _serve(
         tmp_path, capsys, checkpoint, 24, 3, "--producers", "2", "--concurrency", "4",
         "--span-timeout", "0.5", "--heartbeat-timeout", "2", "--link-gbps", "0.0002")
-    thread.join()
+    finish()
     assert summary["producer_deaths"] == 1 and summary["ok"] == 24
     timed_out = [e for e in events_of(trace, "fail") if "not landed within" in e["error"]]
     assert timed_out and _fenced(trace, timed_out)

@@ -80,7 +80,7 @@ def _run(args: list[str], pure: bool, trace: Path) -> tuple[str, str]:
         env[accel.PURE_ENV] = "1"
     out = subprocess.run([sys.executable, "-m", "pdsim", "run", *args, "--json", "--trace",
                           str(trace)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         check=True).stdout
+                         check=True, timeout=300).stdout
     return out, trace.read_text(encoding="utf-8")
 
 
@@ -121,7 +121,7 @@ def test_compiled_modules_are_loaded():
     _current_build()
     code = "import pdref.mirror_apply as a, pdsim.core.producer as b; print(a.__file__, b.__file__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         check=True, env={k: v for k, v in os.environ.items()
+                         check=True, timeout=120, env={k: v for k, v in os.environ.items()
                                           if k != accel.PURE_ENV}).stdout.split()
     assert all(f.endswith(".so") and "build" in f for f in out), out
 
@@ -129,7 +129,7 @@ def test_compiled_modules_are_loaded():
 def test_build_script_refuses_bad_jobs():
     """scripts/build_compiled.py --jobs 0: one line naming the option, exit 2, nothing built."""
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_compiled.py"), "--jobs",
-                          "0"], capture_output=True, text=True)
+                          "0"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].endswith("--jobs: must be at least 1, got 0")
 
@@ -142,7 +142,8 @@ def test_build_without_cython_fails_in_one_line_and_keeps_the_build():
             "sys.argv = ['build_compiled.py', '--force']; "
             f"runpy.run_path({str(ROOT / 'scripts' / 'build_compiled.py')!r}, "
             "run_name='__main__')")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 1
     assert run.stderr.count("\n") == 1
     assert run.stderr.startswith("build_compiled: failed (ModuleNotFoundError")

@@ -147,8 +147,10 @@ def test_bad_command_line_exit_2(argv, capsys):
 def test_module_entry_point(legal, illegal):
     """`python -m pdref check` runs the same command with the same exit codes."""
     path, _ = legal
-    ok = subprocess.run([sys.executable, "-m", "pdref", "check", path], capture_output=True)
-    bad = subprocess.run([sys.executable, "-m", "pdref", "check", illegal], capture_output=True)
+    ok = subprocess.run([sys.executable, "-m", "pdref", "check", path], capture_output=True,
+                        timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "pdref", "check", illegal], capture_output=True,
+                         timeout=120)
     assert (ok.returncode, bad.returncode) == (0, 1)
     assert b": REQ-1 " in bad.stdout
 

@@ -65,8 +65,8 @@ def test_a_busy_process_outside_the_run_is_seen():
     run = subprocess.Popen([sys.executable, "-c", BUSY.format(s=0.6)])
     monitor.root = run.pid
     other = subprocess.Popen([sys.executable, "-c", BUSY.format(s=0.6)])
-    other.wait()
-    run.wait()
+    other.wait(timeout=60)
+    run.wait(timeout=60)
     time.sleep(0.1)
     monitor.stop()
     t0, t1 = monitor.series[0][0], monitor.series[-1][0]

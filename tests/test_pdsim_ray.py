@@ -177,12 +177,12 @@ def test_cluster_address_rows_equal_the_process_pool(tmp_path, own_temp):
         assert address, "the head did not start"
         csv = [tmp_path / f"{name}.csv" for name in ("pool", "ray")]
         sweep = [sys.executable, "-m", "pdsim", *GRID, "--quiet", "--csv"]  # (PATH-free)
-        subprocess.run([*sweep, str(csv[0])], check=True, env=env)
+        subprocess.run([*sweep, str(csv[0])], check=True, env=env, timeout=300)
         no_token = subprocess.run([*sweep, str(csv[1]), "--ray", address], env=env,
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, timeout=300)
         assert no_token.returncode == 2 and "RAY_AUTH_MODE=token" in no_token.stderr
         subprocess.run([*sweep, str(csv[1]), "--ray", address], check=True,
-                       env=dict(env, RAY_AUTH_MODE="token"))
+                       env=dict(env, RAY_AUTH_MODE="token"), timeout=300)
         assert csv[1].read_text() == csv[0].read_text()
     finally:
         head.communicate(timeout=60)
