@@ -26,10 +26,18 @@ def test_width_is_the_power_of_two_that_holds_the_tokens():
         [MIN_WIDTH, MIN_WIDTH, 2 * MIN_WIDTH, 1024, 1024, 2048]
 
 
-def test_decode_step_is_batch_invariant_across_buckets():
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test; the count it had is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_decode_step_is_batch_invariant_across_buckets(one_torch_thread):
     """A request's logits are bit-identical alone and in a batch whose others sit in other
     buckets, including one that moves to a wider bucket in this very step."""
-    torch.set_num_threads(1)
     model = build_model(load_model("small"), seed=0)
     spec = model.spec
     gen = torch.Generator().manual_seed(0)

@@ -390,7 +390,8 @@ class LaggingDevice:
 
     def __init__(self, lag: float) -> None:
         self.lag, self.marks = lag, queue.SimpleQueue()
-        threading.Thread(target=self._run, daemon=True).start()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
 
     def mark_ready(self, backend):
         mark = HostMark(backend.clock)
@@ -398,17 +399,36 @@ class LaggingDevice:
         return mark
 
     def _run(self) -> None:
-        while True:
-            due, mark = self.marks.get()
+        while (item := self.marks.get()) is not None:
+            due, mark = item
             time.sleep(max(0.0, due - time.perf_counter()))
             mark.set()
 
+    def close(self) -> None:
+        """Stop the device thread (after the marks already recorded) and wait for it."""
+        self.marks.put(None)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the lagging device never stopped"
 
-def test_host_running_ahead_emits_computed_late_and_still_overlaps(monkeypatch):
+
+@pytest.fixture
+def lagging_device():
+    """Makes LaggingDevices for the test; their threads are stopped after it."""
+    made = []
+
+    def make(lag: float) -> LaggingDevice:
+        made.append(LaggingDevice(lag))
+        return made[-1]
+    yield make
+    for device in made:
+        device.close()
+
+
+def test_host_running_ahead_emits_computed_late_and_still_overlaps(monkeypatch, lagging_device):
     """With readiness marks completing behind the host, each `computed` comes after its
     step's mark, spans go out as their steps complete (the first before the last step is
     done), and the handoff is still exact and checks."""
-    device = LaggingDevice(0.02)
+    device = lagging_device(0.02)
     monkeypatch.setattr(Backend, "mark_ready", lambda backend: device.mark_ready(backend))
     request = [Request("r", _tokens(96), 0)]
     lagging = _run("chunk", request, chunk=16)
@@ -424,12 +444,13 @@ def test_host_running_ahead_emits_computed_late_and_still_overlaps(monkeypatch):
     assert _check(lagging).ok
 
 
-def test_step_loop_never_waits_for_a_readiness_mark_while_steps_remain(monkeypatch):
+def test_step_loop_never_waits_for_a_readiness_mark_while_steps_remain(monkeypatch,
+                                                                     lagging_device):
     """With a device running behind the host, the compute thread launches every step without
     waiting for any step's readiness mark (only the lanes wait for them); it may wait once
     the last step is launched. The CPU analog of the CUDA test that the host never
     synchronizes in the step loop."""
-    device = LaggingDevice(0.05)
+    device = lagging_device(0.05)
     monkeypatch.setattr(Backend, "mark_ready", lambda backend: device.mark_ready(backend))
     launched, waits, steps = [0], [], 96 // 16
     compute, wait = Engine._compute, HostMark.wait
