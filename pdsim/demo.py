@@ -50,7 +50,7 @@ class DemoConfig:
     requests: int = 3
     device: str | None = None
     progress: bool = True
-    http: bool = False  # also a few served prompts streamed through `pdgpu serve --http`
+    http: bool = True  # also a few served prompts streamed through `pdgpu serve --http`
 
 
 def say(text: str) -> None:
@@ -221,9 +221,10 @@ def add_args(p) -> None:
                    help="requests per engine run (the first is warm-up, left out)")
     p.add_argument("--device", default=None, help="engine device (default: cuda if any)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--http", action="store_true", help="also stream a few served prompts "
-                   "through `pdgpu serve --http` with the openai client (one more server "
-                   "start: 10..40 s on a 2-core CPU)")
+    p.add_argument("--no-http", dest="http", action="store_false",
+                   help="skip streaming three served prompts through `pdgpu serve --http` "
+                        "with the openai client (one more server start: about 10 s on a quiet "
+                        "2-core CPU, up to 40 s on a loaded one)")
 
 
 def _config(args) -> DemoConfig:

@@ -9,7 +9,8 @@ from pdsim.cli import main
 
 
 def test_demo_tiny_end_to_end(tmp_path, capsys):
-    """A tiny demo writes a report whose PNG links exist, every trace legal, parity ok."""
+    """A tiny demo writes a report whose PNG links exist, every trace legal, parity ok, and
+    its served prompts streamed through `pdgpu serve --http` give the chunk run's tokens."""
     out = tmp_path / "demo"
     code = main(["demo", "--out", str(out), "--model", "tiny", "--prompt", "128",
                  "--chunks", "32,64", "--requests", "1", "--quiet"])
@@ -19,7 +20,8 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert len(links) == 3 and all((out / p).read_bytes()[:4] == b"\x89PNG" for p in links)
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["runs"]) == 6 and all(r["parity"] for r in summary["runs"])
-    assert len(summary["checks"]) == 14 and all(c["ok"] for c in summary["checks"])
+    assert len(summary["checks"]) == 15 and all(c["ok"] for c in summary["checks"])
+    assert summary["served"]["http"]["tokens_equal"] is True
     served = summary["served"]
     assert served["parity"]["ok"] and [r["mode"] for r in served["runs"]] == ["whole", "chunk"]
     assert all(r["ok"] == 6 and r["leaked_pages"] == 0 for r in served["runs"])
@@ -83,3 +85,13 @@ def test_demo_http_streams_the_served_prompts(tmp_path):
     http = run_http(demo, tmp_path, lines, chunk_run, count=2)
     assert http["tokens_equal"] and http["ok"] and http["summary"]["ok"] == 2
     assert (tmp_path / "http.jsonl").exists()
+
+
+def test_demo_without_http_starts_no_server(tmp_path):
+    """--no-http: the demo's served part runs in batch mode only (no HTTP trace)."""
+    out = tmp_path / "demo"
+    code = main(["demo", "--out", str(out), "--model", "tiny", "--prompt", "64",
+                 "--chunks", "32", "--requests", "1", "--quiet", "--no-http"])
+    assert code == 0
+    assert not (out / "serve" / "http.jsonl").exists()
+    assert json.loads((out / "summary.json").read_text())["served"]["http"] == {}
