@@ -2,8 +2,11 @@
 
 Modules (one concept each):
   model         Qwen3 / Llama decoder with chunked prefill over a paged KV store
+  attention     prefill attention over a request's contiguous K/V (no mask tensor, no
+                repeated K/V), decode attention over rows of one width
   checkpoint    local Hugging Face checkpoints (config.json + *.safetensors), validated first
-  source_cache  the producer's paged KV cache and the gather of a span out of it
+  source_cache  the producer's paged KV cache (and the contiguous workspace attention reads),
+                and the gather of a span out of it
   decoder_pool  the decoder's paged pool; slabs come from pdref's allocator
   copier        the copy path of one producer: a span's gather, d2h and h2d each on its own
                 lane, a watcher that lands spans as they complete (with streams.py, the
@@ -22,7 +25,7 @@ Modules (one concept each):
   cli           `pdgpu run` and `pdgpu compare` (and registers serve_cli's commands)
   cli_types     argument types shared by the command lines (integer >= n, finite > 0)
   interrupt     Ctrl-C and SIGTERM: one line, exit 130 / 143, children stopped, no C++ abort
-  decode_kv     a request's K/V for decoding and the batch the model's decode_step takes
+  decode_kv     the running requests' K/V in power-of-two-wide rows, and the decode batch
   generate      `pdgpu generate`: single-process greedy reference, no handoff
   serve/        `pdgpu serve`: decoder and producer processes over torch.distributed
   serve_cli     `pdgpu serve` and `pdgpu generate` on the command line
