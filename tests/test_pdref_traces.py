@@ -9,6 +9,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from legal_helpers import first_problem
 from vacuity_helpers import Vacuity
 
 from pdref import events as ev
@@ -120,10 +121,12 @@ def assert_sane(result, n_lines):
 @SETTINGS
 @given(legal_traces())
 def test_legal_traces_check_ok(trace):
-    """Every synthetic trace checks ok, counting its events and requests."""
+    """Every synthetic trace checks ok, counting its events and requests; the independent
+    reading of the contract (legal_helpers, no pdref code) finds no problem either."""
     header, events = trace
     result = check(to_objs(header, events))
     assert result.ok, result.text()
+    assert first_problem(to_lines(to_objs(header, events))) is None
     assert result.events == len(events)
     assert result.requests == len({e.req for e in events if e.kind == "reserve"})
 
