@@ -9,7 +9,6 @@ import functools
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -22,6 +21,7 @@ from serve_helpers import (
     watch_decoder,
     write_sensitive_checkpoint,
 )
+from wait_helpers import in_thread
 
 from pdgpu.serve.faults import Fate, FaultSpec
 
@@ -178,28 +178,6 @@ def started(monkeypatch):
     return watch_decoder(monkeypatch)
 
 
-def _in_thread(target):
-    """Start `target` on a daemon thread; the returned `finish()` joins it and re-raises on the
-    test's thread whatever it raised (raised on its own thread, it would be a mere warning)."""
-    raised = []
-
-    def run():
-        try:
-            target()
-        except BaseException as e:  # handed back to the test's thread by finish()
-            raised.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-
-    def finish():
-        thread.join(180)
-        assert not thread.is_alive(), "the background step never finished"
-        if raised:
-            raise raised[0]
-    return finish
-
-
 def test_a_hung_producer_is_declared_dead_by_its_heartbeat(tmp_path, capsys, checkpoint,
                                                           started):
     """A producer stopped (SIGSTOP: alive, silent) while serving is declared dead after
@@ -212,7 +190,7 @@ def test_a_hung_producer_is_declared_dead_by_its_heartbeat(tmp_path, capsys, che
             os.kill(started["decoder"].members.processes.procs[1].pid, signal.SIGSTOP)
             stopped.append(True)
 
-    finish = _in_thread(stop_p1)
+    finish = in_thread(stop_p1)
     _, results, trace, summary = _run(
         tmp_path, capsys, checkpoint, 60, 4, "--producers", "2", "--concurrency", "4",
         "--heartbeat-timeout", "1", "--link-gbps", "0.0005")
@@ -261,7 +239,7 @@ def test_the_cancel_call_ends_a_request_in_any_phase(tmp_path, capsys, checkpoin
         if chosen["decoding"] is not None:
             decoder.cancel(chosen["decoding"])
 
-    finish = _in_thread(cancel_some)
+    finish = in_thread(cancel_some)
     _, results, trace, summary = _run(
         tmp_path, capsys, checkpoint, 12, 24, "--concurrency", "2", "--link-gbps", "0.0002")
     finish()

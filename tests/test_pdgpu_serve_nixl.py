@@ -23,6 +23,7 @@ from serve_helpers import (
     trace_ok,
     watch_decoder,
 )
+from wait_helpers import in_thread
 
 from pdgpu.cli import main
 from pdgpu.serve import transport_nixl
@@ -191,12 +192,10 @@ def _signal_p1_mid_span(monkeypatch, sig: int):
         os.kill(decoder.members.processes.procs[1].pid, sig)
         sent.append(sig)
 
-    thread = threading.Thread(target=signal_p1, daemon=True)
-    thread.start()
+    joined = in_thread(signal_p1)
 
     def finish():
-        thread.join(180)
-        assert not thread.is_alive(), "the signalling thread never finished"
+        joined()
         assert sent == [sig], "p1 was never signalled (no decoder, or no span of p1 in flight)"
     return finish
 

@@ -13,3 +13,25 @@ def wait_for(condition, polls: int = 20000) -> None:
         if condition():
             return
         pause.wait(0.001)
+
+
+def in_thread(target):
+    """Start `target` on a daemon thread; the returned `finish()` joins it and re-raises on the
+    test's thread whatever it raised (raised on its own thread, it would be a mere warning)."""
+    raised = []
+
+    def run():
+        try:
+            target()
+        except BaseException as e:  # handed back to the test's thread by finish()
+            raised.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def finish():
+        thread.join(180)
+        assert not thread.is_alive(), "the background step never finished"
+        if raised:
+            raise raised[0]
+    return finish
