@@ -52,16 +52,20 @@ def _split_causal_cpu(q, k, v, start: int) -> torch.Tensor:
     return merged.to(q.dtype)  # [1, H, n, D]
 
 
+def key_padding(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """The keys past each row's length, [b, 1, 1, W] (True: masked): the same for every layer
+    of a decode step, so it is made once a step."""
+    return (torch.arange(width, device=lengths.device)[None, :] >= lengths[:, None])[:, None, None]
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
-    """q [b, H, D]; k/v [b, KVH, W, D] whose first lengths[i] keys are row i's -> [b, H, D].
+                     pad: torch.Tensor) -> torch.Tensor:
+    """q [b, H, D]; k/v [b, KVH, W, D]; pad [b, 1, 1, W] from key_padding -> [b, H, D].
 
     Keys past a row's length must be finite (they are masked, then multiplied by 0)."""
     b, heads, head_dim = q.shape
-    kv_heads, width = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
     qg = (q * head_dim ** -0.5).view(b, kv_heads, heads // kv_heads, head_dim)  # [b, KVH, G, D]
-    scores = qg @ k.transpose(-1, -2)  # [b, KVH, G, W]
-    pad = torch.arange(width, device=q.device)[None, :] >= lengths[:, None]  # [b, W]
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    scores = (qg @ k.transpose(-1, -2)).masked_fill(pad, float("-inf"))  # [b, KVH, G, W]
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [b, KVH, G, W]
     return (probs @ v).view(b, heads, head_dim)  # [b, H, D]

@@ -13,9 +13,11 @@ bucket in use: a handful (1k..4k contexts fill three), never one per request.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from pdgpu.attention import decode_attention
+from pdgpu.attention import decode_attention, key_padding
 
 MIN_WIDTH = 256
 
@@ -126,6 +128,16 @@ class DecodeCache:
         return sum(b.kv.numel() * b.kv.element_size() for b in self.buckets.values())
 
 
+class _Group(NamedTuple):
+    """One bucket's part of a decode step, made once for every layer of it."""
+
+    bucket: Bucket
+    order: torch.Tensor  # [n] the batch row of each of the bucket's rows
+    rows: torch.Tensor  # [n] 0..n-1
+    positions: torch.Tensor  # [n] where each row's new token goes
+    pad: torch.Tensor  # [n, 1, 1, W] keys past each row's new length
+
+
 class DecodeBatch:
     """One decode step over every request of a cache, in the caller's order (batch rows)."""
 
@@ -140,11 +152,11 @@ class DecodeBatch:
         where = {id(s): i for i, s in enumerate(seqs)}
         self.groups = [self._group(b, where) for b in cache.buckets.values() if b.seqs]
 
-    def _group(self, bucket: Bucket, where: dict) -> tuple:
-        """(bucket, batch rows of its rows [n], their new token's position [n])."""
+    def _group(self, bucket: Bucket, where: dict) -> _Group:
         order = torch.tensor([where[id(s)] for s in bucket.seqs], device=self.device)
         positions = torch.tensor([s.length for s in bucket.seqs], device=self.device)
-        return bucket, order, positions
+        rows = torch.arange(len(bucket.seqs), device=self.device)
+        return _Group(bucket, order, rows, positions, key_padding(positions + 1, bucket.width))
 
     def positions(self, device) -> torch.Tensor:
         """Where each row's new token sits: its request's current length -> [B]."""
@@ -154,13 +166,12 @@ class DecodeBatch:
         """q [B, H, D], k/v [B, KVH, D]: store each row's k/v at its next position, then each
         bucket's attention in one call -> [B, H, D]."""
         out = torch.empty_like(q)
-        for bucket, order, positions in self.groups:
-            n = len(bucket.seqs)
-            rows = torch.arange(n, device=self.device)
-            keys, values = bucket.kv[layer, 0], bucket.kv[layer, 1]  # [rows, KVH, W, D]
-            keys[rows, :, positions] = k[order]  # [n, KVH, D]
-            values[rows, :, positions] = v[order]
-            out[order] = decode_attention(q[order], keys[:n], values[:n], positions + 1)
+        for g in self.groups:
+            n = len(g.rows)
+            keys, values = g.bucket.kv[layer, 0], g.bucket.kv[layer, 1]  # [rows, KVH, W, D]
+            keys[g.rows, :, g.positions] = k[g.order]  # [n, KVH, D]
+            values[g.rows, :, g.positions] = v[g.order]
+            out[g.order] = decode_attention(q[g.order], keys[:n], values[:n], g.pad)
         return out
 
     def advance(self) -> None:

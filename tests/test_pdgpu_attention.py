@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pdgpu.attention import decode_attention, prefill_attention
+from pdgpu.attention import decode_attention, key_padding, prefill_attention
 from pdgpu.model import build_model
 from pdgpu.source_cache import SourceCache
 from pdref.models import load_model
@@ -51,7 +51,7 @@ def test_decode_attention_equals_each_request_alone_over_its_length():
     lengths = torch.tensor([1, 7, 256, 100])
     q = torch.randn(4, 4, 16, generator=gen)
     k, v = (torch.randn(4, 2, 256, 16, generator=gen) * 50 for _ in range(2))
-    got = decode_attention(q, k, v, lengths)
+    got = decode_attention(q, k, v, key_padding(lengths, 256))
     for i, c in enumerate(lengths.tolist()):
         expected = masked_reference(q[i:i + 1], k[i, :, :c], v[i, :, :c], c - 1)[0]
         torch.testing.assert_close(got[i], expected, atol=1e-4, rtol=1e-5)
@@ -143,7 +143,7 @@ def test_cuda_decode_attention_equals_each_request_alone():
     q = torch.randn(4, 16, 128, generator=gen)
     k, v = (torch.randn(4, 8, 1024, 128, generator=gen) for _ in range(2))
     got = decode_attention(q.cuda().bfloat16(), k.cuda().bfloat16(), v.cuda().bfloat16(),
-                           lengths.cuda())
+                           key_padding(lengths.cuda(), 1024))
     for i, c in enumerate(lengths.tolist()):
         expected = masked_reference(q[i:i + 1], k[i, :, :c], v[i, :, :c], c - 1)[0]
         torch.testing.assert_close(got[i].float().cpu(), expected, atol=2e-2, rtol=2e-2)
