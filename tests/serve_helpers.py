@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pdgpu.checkpoint import save_checkpoint
 from pdgpu.cli import main
@@ -151,3 +153,24 @@ def watch_decoder(monkeypatch) -> dict:
 
     monkeypatch.setattr(launch, "Decoder", Watched)
     return box
+
+
+def linked_pair(make, join_s: float) -> list:
+    """Two transports of this process, `make(store, rank)` for ranks 0 and 1, joined by one
+    link (rank 1 connects to rank 0; its join waited on for at most `join_s`)."""
+    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=20),
+                           wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", master.port, 2, is_master=False,
+                           timeout=timedelta(seconds=20), wait_for_workers=False)
+    ends = [make(store, rank) for rank, store in enumerate((master, client))]
+    joiner = threading.Thread(target=ends[1].connect, args=(0, 0))
+    joiner.start()
+    ends[0].connect(1, 0)
+    joiner.join(timeout=join_s)
+    return ends
+
+
+def close_ends(ends) -> None:
+    """Close transports at once (nothing left to wait for), flushing for a second at most."""
+    for end in ends:
+        end.close(wait_s=0.0, flush_s=1.0)

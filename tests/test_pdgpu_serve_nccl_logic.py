@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from serve_helpers import close_ends, linked_pair
 
 from pdgpu.serve.rendezvous import NCCL, TransportError
 from pdgpu.serve.transport_nccl import NcclTransport
@@ -90,21 +91,10 @@ class GlooStandIn(NcclTransport):
 
 def _pair(timeout_s: float = 20.0):
     """A decoder (rank 0) and a producer (rank 1) on 'two GPUs', linked in this process."""
-    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=20),
-                           wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", master.port, 2, is_master=False,
-                           timeout=timedelta(seconds=20), wait_for_workers=False)
-    decoder, producer = GlooStandIn(master, 0, "A", timeout_s), GlooStandIn(client, 1, "B")
-    joiner = threading.Thread(target=producer.connect, args=(0, 0))
-    joiner.start()
-    decoder.connect(1, 0)
-    joiner.join(timeout=20)
+    decoder, producer = linked_pair(
+        lambda store, rank: GlooStandIn(store, 0, "A", timeout_s) if rank == 0
+        else GlooStandIn(store, 1, "B"), join_s=20)
     return decoder, producer
-
-
-def _close(*ends) -> None:
-    for end in ends:
-        end.close(wait_s=0.0, flush_s=1.0)
 
 
 def test_kv_takes_the_tensor_lane_one_way_only():
@@ -124,7 +114,7 @@ def test_kv_takes_the_tensor_lane_one_way_only():
         assert back.op == "probe" and torch.equal(back.tensors[0], torch.ones(3))
         assert decoder.data_sends == []  # the decoder -> producer direction stays on gloo
     finally:
-        _close(decoder, producer)
+        close_ends((decoder, producer))
 
 
 def test_a_receive_from_a_dead_peer_ends_when_the_link_is_dropped():

@@ -10,14 +10,14 @@ import os
 import signal
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from serve_helpers import (
+    close_ends,
     drawn_prompts,
     events_of,
+    linked_pair,
     reference,
     serve,
     trace_ok,
@@ -61,21 +61,11 @@ def test_the_lane_without_the_package_is_refused_in_one_line(capsys, monkeypatch
 
 def _pair():
     """Two NIXL transports of this process joined by one link (rank 1 writes)."""
-    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=20),
-                           wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", master.port, 2, is_master=False,
-                           timeout=timedelta(seconds=20), wait_for_workers=False)
-    ends = [NixlTransport(store, r, 20) for r, store in enumerate((master, client))]
-    joiner = threading.Thread(target=ends[1].connect, args=(0, 0))
-    joiner.start()
-    ends[0].connect(1, 0)
-    joiner.join(timeout=30)
-    return ends
+    return linked_pair(lambda store, rank: NixlTransport(store, rank, 20), join_s=30)
 
 
 def _closed_cleanly(ends) -> None:
-    for end in ends:
-        end.close(wait_s=0.0, flush_s=1.0)
+    close_ends(ends)
     for end in ends:
         for link in list(end.links.values()) + end.dropped:
             assert link.nixl.agent is None and link.nixl.registered == 0

@@ -9,12 +9,17 @@ import errno
 import json
 import os
 import threading
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-from serve_helpers import drawn_prompts, reference, serve, shm_segments
+from serve_helpers import (
+    close_ends,
+    drawn_prompts,
+    linked_pair,
+    reference,
+    serve,
+    shm_segments,
+)
 
 from pdgpu.serve import transport_shm
 from pdgpu.serve.rendezvous import GLOO, NCCL, SHM, SHM_PINNED, STAGED, choose_lane
@@ -49,21 +54,7 @@ class _Pinned(GlooTransport):
 
 def _pair(cls=GlooTransport, shm=(True, True)):
     """Two transports of this process joined by one link (rank 1 writes, rank 0 reads)."""
-    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=20),
-                           wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", master.port, 2, is_master=False,
-                           timeout=timedelta(seconds=20), wait_for_workers=False)
-    ends = [cls(store, r, 20, shm[r]) for r, store in enumerate((master, client))]
-    joiner = threading.Thread(target=ends[1].connect, args=(0, 0))
-    joiner.start()
-    ends[0].connect(1, 0)
-    joiner.join(timeout=20)
-    return ends
-
-
-def _close(ends) -> None:
-    for end in ends:
-        end.close(wait_s=0.0, flush_s=1.0)
+    return linked_pair(lambda store, rank: cls(store, rank, 20, shm[rank]), join_s=20)
 
 
 def test_a_slot_is_not_reused_before_the_reader_consumed_it():
@@ -91,7 +82,7 @@ def test_a_slot_is_not_reused_before_the_reader_consumed_it():
         assert all(torch.equal(m.tensors[0], torch.full((1000,), float(i)))
                    for i, m in enumerate(held) if i != 3)
     finally:
-        _close([reader, writer])
+        close_ends([reader, writer])
 
 
 def test_tensors_of_every_size_and_dtype_cross_and_a_slot_grows():
@@ -113,10 +104,10 @@ def test_tensors_of_every_size_and_dtype_cross_and_a_slot_grows():
         assert torch.equal(msg.tensors[0], big) and msg.slots == (0,)
         reader.done(msg)
     finally:
-        _close([reader, writer])
+        close_ends([reader, writer])
     gloo = _pair(shm=(True, False))
     assert gloo[0].lanes() == {1: GLOO}
-    _close(gloo)
+    close_ends(gloo)
 
 
 def test_segments_are_unlinked_however_the_link_ends():
@@ -136,7 +127,7 @@ def test_segments_are_unlinked_however_the_link_ends():
         ring.take(10)
         assert len(shm_segments()) == 1
     finally:
-        _close([reader, writer])
+        close_ends([reader, writer])
     assert shm_segments() == []
 
 
@@ -162,7 +153,7 @@ def test_the_pinned_lane_pins_and_unpins_every_mapping(monkeypatch):
         reader.done(msg)
         assert len(pinned) == 2 and all(n == 1 for n in pinned.values())  # both ends' maps
     finally:
-        _close([reader, writer])
+        close_ends([reader, writer])
     assert all(n == 0 for n in pinned.values())
 
 
@@ -213,7 +204,7 @@ def test_a_full_dev_shm_sends_the_message_over_gloo(monkeypatch):
         assert torch.equal(msg.tensors[0], torch.arange(10.0)) and msg.slots == ()
         assert shm_segments() == []
     finally:
-        _close([reader, writer])
+        close_ends([reader, writer])
 
 
 def test_a_staged_slot_is_sent_without_a_copy_or_freed_when_not_sent():
@@ -241,13 +232,13 @@ def test_a_staged_slot_is_sent_without_a_copy_or_freed_when_not_sent():
         assert other[0].slots == (unsent.index,) and ring.staged is None  # FREE, then reused
         assert torch.equal(other[0].tensors[0], torch.ones(3))
     finally:
-        _close([reader, writer])
+        close_ends([reader, writer])
     gloo = _pair(shm=(True, False))
     try:
         (plain,) = gloo[1].staging(0, [((8,), torch.float32)], "cpu")
         assert plain.shape == (8,) and gloo[1].links[0].ring is None
     finally:
-        _close(gloo)
+        close_ends(gloo)
 
 
 def in_slot_ptr(slot, index: int) -> int:
