@@ -1,6 +1,7 @@
 """The NIXL KV lane (pdgpu/serve/transport_nixl.py, `--kv-lane nixl`): served tokens equal
-generate in every mode, a killed or stopped producer is found and fenced, a transfer past its
-deadline fails without reusing its slot, nothing leaks (agents, registrations, pollers), and
+generate in every mode, spans are READ straight into pool rows, a killed or stopped producer
+is found and fenced, a READ past its deadline fails without its slot reused, a producer
+cannot write into the decoder's pool, nothing leaks (agents, registrations, pollers), and
 the lane is refused in one line without the package. Skipped where nixl is not installed."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from wait_helpers import in_thread
 
 from pdgpu.cli import main
 from pdgpu.serve import transport_nixl
+from pdgpu.serve.link import local, rows_into
 from pdgpu.serve.rendezvous import GLOO, NIXL, SHM, TransportError, choose_lane
 from pdgpu.serve.transport_nixl import SLOT_BYTES, SLOTS, NixlTransport, nixl_module
 
@@ -72,21 +74,26 @@ def _closed_cleanly(ends) -> None:
             assert not link.nixl.poller.is_alive()
 
 
+def _read(msg, i: int = 0) -> torch.Tensor:
+    return local(msg.tensors[i], "cpu")  # a RemoteSlice READ from the writer's slot
+
+
 @needs_nixl
 def test_messages_cross_whole_and_slots_wait_for_the_reader():
-    """Tensors of every size (a slot grown past SLOT_BYTES, an empty one, staged ones) arrive
-    equal; with every slot out the next send waits until the reader is done with one; after
-    close no agent, registration or poller is left."""
+    """Tensors of every size (a slot grown past SLOT_BYTES, an empty one, staged ones) are
+    READ equal; with every slot out the next send waits until the reader is done with one;
+    after close no agent, registration or poller is left."""
     reader, writer = _pair()
     try:
         assert reader.lanes() == {1: NIXL} and writer.lanes() == {0: NIXL}
         sizes = [10, 3 * SLOT_BYTES // 4, 100] + [1000] * (SLOTS - 3)
+        sizes[0] = SLOT_BYTES  # float32: 4 x a slot's first size, so it grows
         for i, n in enumerate(sizes):
             writer.send(0, "span", {"i": i}, (torch.full((n,), float(i)), torch.empty(0)))
         held = [reader.get(timeout=20) for _ in sizes]
         for i, msg in enumerate(held):
-            assert msg.body["i"] == i and torch.equal(msg.tensors[0],
-                                                      torch.full((sizes[i],), float(i)))
+            assert msg.body["i"] == i and torch.equal(_read(msg), torch.full((sizes[i],),
+                                                                             float(i)))
         late = threading.Thread(target=writer.send, args=(0, "span", {"i": 99},
                                                           (torch.full((7,), 99.0),)))
         late.start()
@@ -94,37 +101,98 @@ def test_messages_cross_whole_and_slots_wait_for_the_reader():
         reader.done(held[1])
         late.join(timeout=20)
         msg = reader.get(timeout=20)
-        assert msg.slots == held[1].slots and torch.equal(msg.tensors[0], torch.full((7,), 99.))
-        assert all(torch.equal(m.tensors[0], torch.full((sizes[i],), float(i)))
-                   for i, m in enumerate(held) if i != 1)  # no unconsumed slot overwritten
+        assert msg.slots == held[1].slots and torch.equal(_read(msg), torch.full((7,), 99.))
+        assert all(torch.equal(_read(m), torch.full((sizes[i],), float(i)))
+                   for i, m in enumerate(held) if i != 1)  # no slot out overwritten
         reader.done(msg)
         staged = writer.staging(0, [((4, 5), torch.float32)], "cpu")
         staged[0].fill_(7)
         writer.send(0, "span", {}, staged)
-        assert (reader.get(timeout=20).tensors[0] == 7).all()
+        assert (_read(reader.get(timeout=20)) == 7).all()
+    finally:
+        _closed_cleanly((reader, writer))
+
+
+def _scattered(num_slots: int, tokens: int, seed: int) -> torch.Tensor:
+    """`tokens` pool slots made of shuffled pages of 4 (runs broken at page ends)."""
+    pages = torch.randperm(num_slots // 4, generator=torch.Generator().manual_seed(seed))
+    return (pages[:, None] * 4 + torch.arange(4)).reshape(-1)[:tokens]
+
+
+@needs_nixl
+@pytest.mark.parametrize("index", ["scattered", "contiguous"])
+def test_a_span_is_read_straight_into_its_pool_rows(index, monkeypatch):
+    """A span [nl, 2, nt, KVH, D] in the writer's slot, READ into pool rows [nl, 2, S, KVH,
+    D] at `index`: the pool equals index_copy_ of the same bytes, every other row untouched;
+    one descriptor per layer plane and run of consecutive slots (a contiguous span: one
+    per plane)."""
+    reader, writer = _pair()
+    try:
+        span = torch.randn(3, 2, 10, 2, 4)  # [nl, 2, nt, KVH, D]
+        rows = _scattered(64, 10, 1) if index == "scattered" else torch.arange(20, 30)
+        pool = torch.randn(5, 2, 64, 2, 4)  # [L, 2, S, KVH, D]
+        want = pool.clone()
+        want[1:4].index_copy_(2, rows, span)
+        writer.send(0, "span", {}, (span,))
+        msg = reader.get(timeout=20)
+        end, sizes = reader.links[1].nixl, []
+        real = end.agent.get_xfer_descs
+        monkeypatch.setattr(end.agent, "get_xfer_descs",
+                            lambda descs, mem: (sizes.append(len(descs)), real(descs, mem))[1])
+        rows_into(pool[1:4], msg.tensors[0], rows)
+        assert torch.equal(pool, want)
+        runs = 1 + int((rows.diff() != 1).sum())
+        assert sizes == [3 * 2 * runs] * 2 and (index == "scattered") == (runs > 1)
+        reader.done(msg)
     finally:
         _closed_cleanly((reader, writer))
 
 
 @needs_nixl
-def test_a_transfer_past_its_deadline_fails_and_its_slot_is_never_reused(monkeypatch):
-    """A WRITE that never completes (NIXL says PROC for ever, as to a stopped peer): the send
-    fails with TransportError once the deadline passed, its handle is released (cancelled),
-    the slot it held is not handed out again, and close still leaves nothing registered."""
+def test_a_read_past_its_deadline_fails_is_released_and_its_slot_stays_out(monkeypatch):
+    """A READ that never completes (NIXL says PROC for ever, as from a stopped peer) raises
+    TransportError once its deadline passed, with its handle released (NIXL cancels it);
+    the writer's slot is not handed out again until the reader is done with the message,
+    and close still leaves nothing registered."""
     reader, writer = _pair()
     try:
-        writer.timeout_s = 0.5
-        end = writer.links[0].nixl
-        released = []
-        real = end.agent.check_xfer_state
+        writer.send(0, "span", {}, (torch.ones(100),))
+        msg = reader.get(timeout=20)
+        msg.tensors[0].deadline_s = 0.5
+        end, handles = reader.links[1].nixl, []
+        real_state, real_transfer = end.agent.check_xfer_state, end.agent.transfer
         monkeypatch.setattr(end.agent, "check_xfer_state", lambda h: "PROC")
-        monkeypatch.setattr(end.agent, "transfer", lambda h: (released.append(h), "PROC")[1])
-        free = set(end.free)
+        monkeypatch.setattr(end.agent, "transfer", lambda h: (handles.append(h), "PROC")[1])
         with pytest.raises(TransportError, match="not done in time"):
-            writer.send(0, "span", {}, (torch.ones(100),))
-        assert released and released[0]._released  # the handle was let go: NIXL cancels it
-        assert end.free == free - {min(free)}  # the slot it held stays out of use
-        monkeypatch.setattr(end.agent, "check_xfer_state", real)
+            rows_into(torch.zeros(100), msg.tensors[0])
+        assert handles and handles[0]._released  # let go: NIXL cancels it
+        assert msg.slots[0] not in writer.links[0].nixl.free  # still the reader's
+        monkeypatch.setattr(end.agent, "check_xfer_state", real_state)
+        monkeypatch.setattr(end.agent, "transfer", real_transfer)
+        assert torch.equal(_read(msg), torch.ones(100))  # the slot's bytes are intact
+    finally:
+        _closed_cleanly((reader, writer))
+
+
+@needs_nixl
+def test_the_writer_cannot_write_into_the_readers_pool():
+    """The safety READ buys: the decoder's pool is registered after connect and its
+    registration never goes to the producer, so a producer's WRITE into it (a stale writer
+    after an abort) is refused by NIXL itself, and the pool keeps its bytes."""
+    reader, writer = _pair()
+    try:
+        writer.send(0, "span", {}, (torch.ones(64),))
+        msg = reader.get(timeout=20)
+        pool = torch.zeros(64)
+        rows_into(pool, msg.tensors[0])  # registers the pool with the reader's agent
+        mine = writer.links[0].nixl
+        src = mine.agent.get_xfer_descs([(mine.slots[0].memory.data_ptr(), 256, 0)], "DRAM")
+        dst = mine.agent.get_xfer_descs([(pool.data_ptr(), 256, 0)], "DRAM")
+        with pytest.raises(Exception):  # noqa: B017 - NIXL raises its own types
+            mine.agent.initialize_xfer("WRITE", src, dst, mine.peer)
+        assert torch.equal(pool, torch.ones(64))
+        mine.add_peer(reader.links[1].nixl.metadata())  # the control: with the pool's
+        mine.agent.initialize_xfer("WRITE", src, dst, mine.peer).release()  # registration
     finally:
         _closed_cleanly((reader, writer))
 

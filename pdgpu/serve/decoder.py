@@ -224,9 +224,17 @@ class Decoder(Recovery):
             kv, digests = msg.tensors
             error = self.ledger.land(life.req, span, kv, digests if self.verify else None)
             self._stage(life, msg, "gather", *msg.body["gather"], span=span)
-            self._stage(life, msg, "link", *msg.body["link"], span=span)
+            self._stage(life, msg, "link", *self._crossed(msg, kv), span=span)
         if error is not None:
             self._fail_life(life, error)
+
+    def _crossed(self, msg: Message, kv) -> tuple[float, float]:
+        """The span's `link` stage on the producer's clock: from its gather to its send, or
+        to the end of the READ that just landed it (NIXL: the bytes crossed in `land`)."""
+        start, sent = msg.body["link"]
+        if isinstance(kv, torch.Tensor):
+            return start, sent
+        return start, max(sent, time.perf_counter() - self.members.offset(msg.src))
 
     def _on_produced(self, life: Life, msg: Message) -> None:
         if not life.ended:

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from pdgpu.serve.link import rows_into
 from pdgpu.serve.rendezvous import Endpoint, open_store
 from pdgpu.serve.transport_nccl import open_transport
 from pdgpu.serve.transport_shm import MAX_SLOTS
@@ -85,7 +86,7 @@ def _read(transport, nbytes: int, count: int, device: str, warm: int) -> float:
             raise RuntimeError(f"lane probe: expected bytes, got {msg and msg.op}")
         if i == warm:
             start = time.perf_counter()
-        dst.copy_(msg.tensors[0])
+        rows_into(dst, msg.tensors[0])  # NIXL: READ straight into dst
         transport.done(msg)
     return time.perf_counter() - start
 

@@ -29,6 +29,8 @@ import torch
 
 from pdgpu.audit import BOUND, Audit, Disagreement
 from pdgpu.serve.digest import first_mismatch
+from pdgpu.serve.link import local, rows_into
+from pdgpu.serve.rendezvous import TransportError
 from pdgpu.serve.tracelog import TraceLog
 from pdgpu.source_cache import paged_kv, token_slots
 from pdref import events as ev
@@ -149,9 +151,11 @@ class Ledger:
         self._emit(ev.Issue, req, span, tuple(layers), tuple(tokens), nbytes)
         return span
 
-    def land(self, req: str, span: int, kv: torch.Tensor, digests: torch.Tensor | None):
-        """Write the span's kv [nl, 2, nt, KVH, D] into the slab; `land`, or `fail` when its
-        bytes in the slab differ from the compute-time digests. The error text or None.
+    def land(self, req: str, span: int, kv, digests):
+        """Write the span's kv [nl, 2, nt, KVH, D] into the slab (a tensor, or the NIXL
+        lane's RemoteSlice, READ straight into the pages: then this call is the writer, and
+        its READ has ended when it returns); `land`, or `fail` when its bytes in the slab
+        differ from the compute-time digests or could not be read. The error text or None.
         pdref is asked first whether the `land` would be accepted (`landing`), so a span it
         would refuse (not in flight, REQ-1; over tokens that already landed, COV-2) writes
         nothing."""
@@ -164,10 +168,14 @@ class Ledger:
                                          f"layers [{l0}, {l1}) x tokens [{a}, {b})")
         prefix = self.prefixes[req]
         index = self.slots[req][a - prefix:b - prefix]  # [nt]
-        self.kv[l0:l1].index_copy_(2, index, kv.to(self.kv.device))
+        try:
+            rows_into(self.kv[l0:l1], kv, index)  # over NIXL: READ into the pages here
+            digests = None if digests is None else local(digests, index.device)
+        except TransportError as e:
+            return self._fail(req, span, f"KV not read: {e}")
         if digests is not None:
             start = time.perf_counter()
-            bad = first_mismatch(self.kv[l0:l1].index_select(2, index), digests.to(index.device))
+            bad = first_mismatch(self.kv[l0:l1].index_select(2, index), digests)
             self.verify_s += time.perf_counter() - start  # --verify's cost, in the loop
             if bad is not None:
                 return self._fail(req, span, f"checksum mismatch at layer {l0 + bad[0]} "

@@ -19,9 +19,26 @@ class Message:
     src: int
     op: str
     body: dict
-    tensors: tuple[torch.Tensor, ...] = ()
+    tensors: tuple = ()  # torch.Tensor, or a NIXL lane's RemoteSlice: `rows_into`, `local`
     generation: int = 0  # of the link it came over
     slots: tuple[int, ...] = ()  # shared-memory slots its tensors sit in (until `done`)
+
+
+def rows_into(dst: torch.Tensor, src, index: torch.Tensor | None = None) -> None:
+    """dst[:, :, index] = src (all of dst when `index` is None). A tensor is copied; bytes
+    still in the producer's memory (the NIXL lane's RemoteSlice) are READ straight into
+    dst (TransportError when that fails)."""
+    if not isinstance(src, torch.Tensor):
+        src.copy_into(dst, index)
+    elif index is None:
+        dst.copy_(src)
+    else:
+        dst.index_copy_(2, index, src.to(dst.device))
+
+
+def local(src, device) -> torch.Tensor:
+    """A message's tensor on `device` (a RemoteSlice READ into a new one)."""
+    return src.to(device) if isinstance(src, torch.Tensor) else src.read(device)
 
 
 class Transport(Protocol):

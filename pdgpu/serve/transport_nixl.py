@@ -5,28 +5,33 @@ attach or TCP on one host, CUDA IPC and RDMA with GPUs and NICs); this lane lets
 and checks run on that transfer layer. Only the bytes move here: every message's header and
 JSON (issue, land, fence, handshake, beats) stay on the link's gloo group, as for `shm`.
 - Each link has a NIXL agent at each end (created at connect, removed when the link is
-  dropped: a dead producer's agent goes with its link). The decoder (the link's rank 0, the
-  reader) registers a ring of SLOTS staging slots once; the producer (rank 1, the writer)
-  registers a local ring of the same shape and gathers a span straight into a local slot.
-- WRITE, not READ (measured on this 2-core box, 4 MiB transfers over UCX `cma`: p50 0.4-0.6
-  ms per WRITE, 0.4-0.5 ms per READ, equal within noise): with WRITE the producer stays the
-  writer (the contract's fence is about it), and the decoder's loop never waits on a transfer.
-- A message's bytes go by one WRITE into the same slot of the decoder's ring, with a NIXL
-  notification; the producer sends the control message only once NIXL reports the transfer
-  DONE, and the decoder's receiving thread takes it only once that notification arrived (NIXL
-  delivers it after the data), so `land` never sees bytes in flight. The slot is the
-  decoder's until its owner copied the tensors out (`done`): a notification `free` hands it
-  back. A slot too small for a message is replaced first (`grow`, asked over gloo, answered
-  through the link's store with the new slot's registration).
+  dropped: a dead producer's agent goes with its link). The producer (the link's rank 1)
+  registers a ring of SLOTS staging slots once and gathers a span straight into one; the
+  decoder (rank 0) registers its pool the first time a span lands in it.
+- READ by the decoder, straight into its slab pages, not WRITE by the producer. Both cost
+  the same here (4 MiB over UCX `cma` on this 2-core box: p50 0.4-0.6 ms per WRITE, 0.4-0.5
+  ms per READ); READ decides by safety: the decoder's Ledger starts it inside `land`, after
+  pdref's `landing` check and before the `land` event, and it has ended (done, or its handle
+  released) when `land` returns. So every byte written into a page is written by the one
+  process that checks, for a span pdref holds in flight, and no producer, however stale,
+  can write into a page freed and handed to another request meanwhile (a WRITE into the
+  pool would need a grant per span from the decoder, one more round trip, to say the same).
+- The producer's `span` message names the slot and offset of each tensor (`via`); the
+  decoder's receiving thread hands the owner `RemoteSlice`s (nothing is copied before the
+  owner asks). The slot is the decoder's until its owner is done with the message (`done`):
+  a notification `free` hands it back. A slot too small for a message is replaced first
+  (`grow`: its new registration rides a control message ahead of the span, loaded by the
+  decoder's reading thread before its next READ).
 - No wait is unbounded: a killed peer makes NIXL raise (nixlRemoteDisconnectError), but a
-  stopped one never errors, so every wait has the connect timeout as its deadline and gives up
-  when the link is dropped. A transfer past it is released (NIXL cancels it) and the link
-  fails: the producer exits and is fenced as dead (specs/contract.md, 'writer stopped').
+  stopped one never errors, so every wait has the connect timeout as its deadline and gives
+  up when the link is dropped. A READ past it is released (NIXL cancels it) and its span
+  fails; where NIXL cannot cancel, the agent goes (specs/contract.md, 'writer stopped').
+  The decoder's loop waits on its READ (bounded): with `cma` or CUDA IPC that is a copy.
 - The progress thread is off (`enable_prog_thread=False`: the default one spun ~65% of a core
   and cut throughput 3-6x here), so each end polls its agent every POLL_S in a thread of its
   own; one lock per agent (an agent is not thread-safe without a listener thread).
-- On CUDA both rings are device memory ("VRAM" descriptors): KV goes device to device where
-  UCX can (not yet run on a GPU: scripts/gpu_check.sh).
+- On CUDA the slots and the pool are device memory ("VRAM" descriptors): KV goes device to
+  device where UCX can (not yet run on a GPU: scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -45,19 +50,20 @@ import torch
 
 from pdgpu.serve.link import Link, Message
 from pdgpu.serve.nixl_end import (  # noqa: F401 - SLOTS, SLOT_BYTES: imported from here
-    ALIGN,
     POLL_S,
     SLOT_BYTES,
     SLOTS,
     NixlEnd,
+    RemoteSlice,
     check_wait,
     layout,
     view,
 )
-from pdgpu.serve.rendezvous import NIXL, TransportError, first_line, peer_name
+from pdgpu.serve.rendezvous import NIXL, TransportError
 from pdgpu.serve.transport import GlooTransport
 
-GROW = "nixl-grow"  # a control message the decoder's receiving thread answers itself
+GROW = "nixl-grow"  # a control message the decoder's receiving thread takes itself
+HELLO = b"hello"  # READ from the producer's first slot at connect: the lane works
 
 
 def nixl_module():
@@ -94,7 +100,6 @@ class NixlTransport(GlooTransport):
     def __init__(self, store, rank: int, timeout_s: float = 60.0, device: str = "cpu") -> None:
         super().__init__(store, rank, timeout_s, shm=False)
         self.device = torch.device(device)
-        self.serial = 0  # names this end's transfers and grows
         self.placing = threading.local()  # `via`s of the message the calling thread sends
 
     def descriptor(self) -> dict:
@@ -106,26 +111,28 @@ class NixlTransport(GlooTransport):
     # -- connect and teardown -----------------------------------------------------------------
 
     def _open_data(self, link: Link, store) -> None:
-        """Both agents, the rings, each other's metadata, then a first WRITE and a first
-        notification back: a link that cannot carry NIXL fails at connect."""
+        """Both agents, the producer's ring, each other's metadata, then a first READ and a
+        first notification back: a link that cannot carry NIXL fails at connect."""
         if link.lane != NIXL:
             return
         name = f"pdgpu-{self.rank}-{link.peer}-{link.generation}-{os.getpid()}"
-        link.nixl = end = NixlEnd(nixl_module(), name, self.device)
+        writer = link.me == 1
+        link.nixl = end = NixlEnd(nixl_module(), name, self.device, SLOTS if writer else 0)
         store.set(f"nixl/md/{link.me}", end.metadata())
-        if link.me == 0:
+        if writer:
+            end.slots[0].memory[:len(HELLO)].copy_(torch.frombuffer(bytearray(HELLO),
+                                                                    dtype=torch.uint8))
             store.set("nixl/ring", orjson.dumps([end.describe(i) for i in range(SLOTS)]))
         end.add_peer(store.get(f"nixl/md/{link.other}"))
-        deadline = time.monotonic() + self.timeout_s
-        if link.me == 1:
-            for slot, remote in zip(end.slots, orjson.loads(store.get("nixl/ring")),
-                                    strict=True):
-                slot.remote = tuple(remote)
-            end.write(0, ALIGN, b"hello", deadline, lambda: None)
-            end.wait_note(b"ready", deadline, lambda: None)
-        else:
-            end.wait_note(b"hello", deadline, lambda: None)
-            end.notify(b"ready")
+        if writer:
+            end.wait_note(b"ready", self._deadline(), lambda: None)
+            return
+        end.remote = {i: tuple(d) for i, d in enumerate(orjson.loads(store.get("nixl/ring")))}
+        hello = RemoteSlice(end, 0, 0, torch.uint8, (len(HELLO),), self.timeout_s,
+                            lambda: None).read("cpu")
+        if bytes(hello.numpy()) != HELLO:
+            raise TransportError(f"NIXL lane check: read {bytes(hello.numpy())!r}")
+        end.notify(b"ready")
 
     def _abort_data(self, link: Link) -> None:
         end = self._end(link)
@@ -155,8 +162,9 @@ class NixlTransport(GlooTransport):
         return list(views)
 
     def send(self, dst: int, op: str, body: dict | None = None, tensors=()) -> None:
-        """A message whose tensors go by NIXL: WRITten (on the caller's thread) before its
-        control message is queued, each tensor's `via` naming slot and offset."""
+        """A message whose tensors go by NIXL: each in a slot of this end's ring (staged
+        there, or copied in on the caller's thread), its `via` naming slot and offset; the
+        decoder READs them from there."""
         link = self.links.get(dst)
         tensors = [t.contiguous() for t in tensors]
         if not (self._writes(link) and link.error is None and any(t.numel() for t in tensors)):
@@ -179,15 +187,8 @@ class NixlTransport(GlooTransport):
             for t, offset in zip(tensors, offsets, strict=True):
                 view(end.slots[index].memory, offset, t.dtype, t.shape).copy_(t)
         if end.device.type == "cuda":  # the gather or copy into the slot ran on a stream
-            torch.cuda.current_stream(end.device).synchronize()
-        self.serial += 1
-        try:
-            end.write(index, nbytes, b"w%d" % self.serial, self._deadline(),
-                      lambda: self._broken(link))
-        except Exception as e:  # noqa: BLE001 - NIXL raises its own types: the link broke
-            raise TransportError(f"send to {peer_name(link.peer)} failed: {first_line(e)}") \
-                from None
-        return [f"{NIXL}:{index}:{o}:{self.serial}" for o in offsets]
+            torch.cuda.current_stream(end.device).synchronize()  # (the decoder READs it next)
+        return [f"{NIXL}:{index}:{o}" for o in offsets]
 
     def _acquire(self, link: Link, nbytes: int) -> int:
         """A free slot of at least `nbytes` (grown first if smaller), now the message's."""
@@ -212,25 +213,12 @@ class NixlTransport(GlooTransport):
         end.free.update(int(n[4:]) for n in frees)
 
     def _grow(self, link: Link, index: int, nbytes: int) -> None:
-        """Both ends replace slot `index` by a larger one; the decoder's new registration
-        comes back through the link's store (its agent metadata, loaded again here)."""
+        """Slot `index` replaced by a larger one; its registration (this agent's metadata
+        again) goes to the decoder ahead of the message that uses it."""
         end = self._end(link)
         end.replace(index, nbytes)
-        self.serial += 1
-        key = f"nixl/grow/{self.serial}"
-        super().send(link.peer, GROW, {"slot": index, "bytes": end.slots[index].memory.numel(),
-                                       "key": key})
-        try:
-            answer = orjson.loads(self._link_store(link).get(key))
-        except Exception as e:  # noqa: BLE001 - the store's errors: the decoder is gone
-            raise TransportError(f"NIXL slot {index} not grown: {first_line(e)}") from None
-        end.add_peer(bytes.fromhex(answer["md"]))
-        end.slots[index].remote = tuple(answer["slot"])
-
-    def _link_store(self, link: Link):
-        import torch.distributed as dist
-        low, high = sorted((self.rank, link.peer))
-        return dist.PrefixStore(f"link/{low}/{high}/{link.generation}", self.store)
+        super().send(link.peer, GROW, {"slot": index, "md": end.metadata().hex(),
+                                       "desc": end.describe(index)})
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
@@ -248,43 +236,34 @@ class NixlTransport(GlooTransport):
     # -- the reader ---------------------------------------------------------------------------
 
     def _receive_one(self, link: Link) -> Message:
-        """GlooTransport's, after the message's NIXL notification came; a `grow` is
-        answered here (the owner never sees it)."""
-        link.viewed = {}
+        """GlooTransport's, its tensors in the producer's slots left there (RemoteSlice); a
+        `grow` is taken here (the owner never sees it)."""
+        link.viewed = set()
         msg = super()._receive_one(link)
         while msg.op == GROW:
-            self._answer_grow(link, msg.body)
+            end, body = self._end(link), msg.body
+            with end.lock:
+                end.grown.append((bytes.fromhex(body["md"]), body["slot"], tuple(body["desc"])))
             msg = super()._receive_one(link)
-        if not link.viewed:
-            return msg
-        end = self._end(link)
-        for serial in sorted(set(link.viewed.values())):
-            end.wait_note(b"w%d" % serial, self._deadline(), lambda: self._broken(link))
-        return attrs.evolve(msg, slots=tuple(sorted(link.viewed)))
-
-    def _answer_grow(self, link: Link, body: dict) -> None:
-        end = self._end(link)
-        end.replace(body["slot"], body["bytes"])
-        self._link_store(link).set(body["key"], orjson.dumps(
-            {"md": end.metadata().hex(), "slot": end.describe(body["slot"])}))
+        return attrs.evolve(msg, slots=tuple(sorted(link.viewed))) if link.viewed else msg
 
     def _recv_payload(self, link: Link, dtype: torch.dtype, shape, via: str | None):
         if via is None or not via.startswith(NIXL):
             return super()._recv_payload(link, dtype, shape, via)
-        _, index, offset, serial = via.split(":")
-        link.viewed[int(index)] = int(serial)
-        return view(self._end(link).slots[int(index)].memory, int(offset), dtype, shape)
+        _, index, offset = via.split(":")
+        link.viewed.add(int(index))
+        return RemoteSlice(self._end(link), int(index), int(offset), dtype, shape,
+                           self.timeout_s, lambda: self._broken(link))
 
     def done(self, msg: Message) -> None:
-        """The owner copied `msg`'s tensors out: their slots go back to the writer."""
+        """The owner is done with `msg` (its slices READ, or dropped): their slots go back
+        to the producer."""
         link = self.links.get(msg.src)
         end = self._end(link) if link is not None else None
         if end is None:
             return super().done(msg)
         if link.generation != msg.generation:
             return None
-        if msg.slots and end.device.type == "cuda":  # the owner's copy out ran on a stream
-            torch.cuda.current_stream(end.device).synchronize()
         for index in msg.slots:
-            with suppress(Exception):  # the writer died meanwhile: its link is dropped
+            with suppress(Exception):  # the producer died meanwhile: its link is dropped
                 end.notify(b"free%d" % index)
