@@ -28,9 +28,14 @@ from wait_helpers import in_thread
 
 from pdgpu.cli import main
 from pdgpu.serve import transport_nixl
+from pdgpu.serve.digest import row_digests
+from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.link import local, rows_into
 from pdgpu.serve.rendezvous import GLOO, NIXL, SHM, TransportError, choose_lane
+from pdgpu.serve.tracelog import TraceLog
 from pdgpu.serve.transport_nixl import SLOT_BYTES, SLOTS, NixlTransport, nixl_module
+from pdref import events as ev
+from pdref.geometry import Geometry
 
 CHUNK = 16
 needs_nixl = pytest.mark.skipif(nixl_module() is None, reason="nixl is not installed "
@@ -194,6 +199,44 @@ def test_the_writer_cannot_write_into_the_readers_pool():
         mine.add_peer(reader.links[1].nixl.metadata())  # the control: with the pool's
         mine.agent.initialize_xfer("WRITE", src, dst, mine.peer).release()  # registration
     finally:
+        _closed_cleanly((reader, writer))
+
+
+GEO = Geometry(layers=2, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)
+
+
+@needs_nixl
+def test_the_ledger_lands_a_read_span_and_fails_and_fences_a_failed_read(tmp_path,
+                                                                         monkeypatch):
+    """Through the decoder's Ledger: a span READ straight into its slab is what admit hands
+    to decoding; a READ that NIXL ends in error is `fail` ("KV not read") then `fence` (the
+    READ is over), and that life is never admitted."""
+    reader, writer = _pair()
+    header = ev.Header("test", "chunk", GEO, 4, 2)
+    ledger = Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"))
+    try:
+        kv = {}
+        for req in ("ok", "bad"):
+            ledger.reserve(req, 8, 0, "p1")
+            ledger.computed(req, (0, 2), (0, 8))
+            span = ledger.issue(req, (0, 2), (0, 8), GEO.region_bytes((0, 2), (0, 8)))
+            kv[req] = torch.randn(2, 2, 8, 2, 4)  # [nl, 2, nt, KVH, D]
+            writer.send(0, "span", {}, (kv[req], row_digests(kv[req])))
+            msg = reader.get(timeout=20)
+            if req == "bad":
+                monkeypatch.setattr(reader.links[1].nixl.agent, "transfer", lambda h: "ERR")
+            error = ledger.land(req, span, *msg.tensors)
+            reader.done(msg)
+            assert (error is None) == (req == "ok"), error
+        assert "KV not read" in error and [type(e) for e in list(ledger.recent)[-2:]] == \
+            [ev.Fail, ev.Fence]
+        prefix = torch.zeros(2, 2, 0, 2, 4)
+        for req in kv:
+            ledger.produced(req, 3)
+            ledger.reuse(req, (0, 8))
+        assert torch.equal(ledger.admit("ok", prefix), kv["ok"]) and not ledger.can_admit("bad")
+    finally:
+        ledger.stop()
         _closed_cleanly((reader, writer))
 
 
