@@ -5,13 +5,12 @@ run, and a served CPU run names its transport."""
 from __future__ import annotations
 
 import json
-import threading
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from serve_helpers import producers_alive, serve
+from serve_helpers import close_ends, linked_pair, producers_alive, serve
 
 from pdgpu.cli import main
 from pdgpu.serve.config import Capabilities, producer_capabilities, refusal
@@ -106,11 +105,6 @@ def test_handshake_refuses_a_producer_on_another_kind_of_device():
     assert Capabilities.from_json(old).device == "cpu"
 
 
-def _store(port: int, master: bool):
-    return dist.TCPStore("127.0.0.1", port, 2, is_master=master,
-                         timeout=timedelta(seconds=20), wait_for_workers=False)
-
-
 class _ClaimsGpu(GlooTransport):
     """A CPU transport that says it runs on a GPU: the lane agreement without CUDA."""
 
@@ -127,14 +121,8 @@ class _ClaimsGpu(GlooTransport):
 def test_both_ends_agree_on_the_lane_and_messages_cross(gpus, lane):
     """Two transports in this process connect one link; each end reports the same lane and
     a message's tensors (float and int64, one empty) arrive equal."""
-    master = _store(0, True)
-    stores = (master, _store(master.port, False))  # a client each, like two processes
-    ends = [GlooTransport(stores[r], r, 20) if gpus is None else
-            _ClaimsGpu(stores[r], r, gpus[r]) for r in (0, 1)]
-    joiner = threading.Thread(target=ends[1].connect, args=(0, 0))
-    joiner.start()
-    ends[0].connect(1, 0)
-    joiner.join(timeout=20)
+    ends = linked_pair(lambda store, rank: GlooTransport(store, rank, 20) if gpus is None
+                       else _ClaimsGpu(store, rank, gpus[rank]), join_s=20)
     try:
         assert ends[0].lanes() == {1: lane} and ends[1].lanes() == {0: lane}
         kv = torch.randn(2, 2, 3, 4)  # [nl, 2, nt, D]
@@ -145,8 +133,7 @@ def test_both_ends_agree_on_the_lane_and_messages_cross(gpus, lane):
         assert torch.equal(msg.tensors[0], kv) and torch.equal(msg.tensors[1], digests)
         assert msg.tensors[2].shape == (0, 4)
     finally:
-        for end in ends:
-            end.close(wait_s=0.0, flush_s=1.0)
+        close_ends(ends)
 
 
 def test_a_served_cpu_run_names_its_transport(tmp_path, capsys):

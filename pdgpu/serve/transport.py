@@ -52,6 +52,9 @@ HEADER_LEN = 2  # [json bytes, number of tensors]
 DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
                               torch.int32, torch.uint8)}
 IDLE_WAIT = timedelta(days=7)  # a receiving thread may wait this long for the next message
+HANG_UP_TAG = 1  # no message uses it (all go on tag 0): an operation on it never completes
+HANG_UP_WAIT = timedelta(milliseconds=1)
+HANG_UP_JOIN_S = 5.0  # a hung-up link's threads end at once; this only bounds the wait
 
 
 class GlooTransport:
@@ -245,7 +248,9 @@ class GlooTransport:
     def close(self, wait_s: float = 5.0, flush_s: float = 2.0) -> bool:
         """Send what is queued (up to `flush_s`), then quiet the receiving threads and wait
         until each one's peer hung up (call once the peers are told to stop or are stopped);
-        False when one is still blocked. Every tensor group is aborted at the end."""
+        False when one is still blocked. Every tensor group is aborted at the end, and every
+        link still blocked is hung up from this side, so no thread of the transport outlives
+        it (its peer sees the link break, as it would at this process's exit)."""
         links = list(self.links.values())
         deadline = time.monotonic() + flush_s
         for link in links:
@@ -257,10 +262,25 @@ class GlooTransport:
         for link in links:
             link.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         quiet = not any(link.thread.is_alive() for link in links)
+        self._hang_up(links + self.dropped)
         for link in links + self.dropped:
             self._abort_data(link)
             shared.close_ends(link.ring, link.views)
         return quiet
+
+    def _hang_up(self, links: list[Link]) -> None:
+        """End the threads of links whose peer did not hang up: a blocked gloo operation
+        cannot be cancelled (the group's abort does not reach it), but one that times out
+        closes the link's connection, which fails every other pending on it at once, both
+        ends'. Waits HANG_UP_JOIN_S at most for the threads to see it."""
+        blocked = [link for link in links if _alive(link.thread) or _alive(link.sender)]
+        for link in blocked:
+            hang_up(link.pg, link.other)
+        deadline = time.monotonic() + HANG_UP_JOIN_S
+        for link in blocked:
+            for thread in (link.sender, link.thread):
+                if _alive(thread):
+                    thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _receive(self, link: Link) -> None:
         try:
@@ -300,3 +320,16 @@ class GlooTransport:
             work.wait()
         else:
             work.wait(wait)
+
+
+def hang_up(pg, other: int) -> None:
+    """Close a two-rank gloo group's connection from this side: a receive that cannot
+    complete times out, and gloo closes the connection on a timeout."""
+    try:
+        pg.recv([torch.zeros(1)], other, HANG_UP_TAG).wait(HANG_UP_WAIT)
+    except RuntimeError:  # the timeout (or the connection was already closed): hung up
+        pass
+
+
+def _alive(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive()
