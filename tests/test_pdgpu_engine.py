@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import contextmanager
 
 import attrs
 import pytest
@@ -231,32 +232,41 @@ def test_warm_up_zeroes_the_caches_it_used():
     engine = Engine(MODELS["qwen3"], EngineConfig("whole", chunk=32))
     request = Request("r", _tokens(64), 0)
     plan = setup_check(MODELS["qwen3"].spec, engine.config, [request])
-    engine._allocate(plan, Recorder(engine._header(plan.pool_pages)))
+    rec = Recorder(engine._header(plan.pool_pages))
+    engine._allocate(plan, rec)
     try:
         engine._warm_up([request])
     finally:
         engine.copier.close()
+        rec.stop()
     assert not engine.pool.kv.any() and not engine.source.kv.any()
     assert all(ring.host.abs().sum() > 0 for ring in engine.copier.rings)  # touched
 
 
+@contextmanager
 def _engine_with_ledger(mode="chunk", prompt=64, **kw):
-    """An engine with its buffers, copier and Ledger set up (no request served yet)."""
+    """An engine with its buffers, copier and Ledger set up (no request served yet); on the
+    way out its copier is closed and its recorder's audit thread stopped (a run cut short
+    never closes its recorder, and a test's exception keeps it alive until collected)."""
     engine = Engine(MODELS["qwen3"], EngineConfig(mode, chunk=16, **kw))
     request = Request("r", _tokens(prompt), 0)
     plan = setup_check(MODELS["qwen3"].spec, engine.config, [request])
     rec = Recorder(engine._header(plan.pool_pages))
-    engine._allocate(plan, rec)
-    engine.ledger = Ledger(rec, engine.source, engine.pool, engine.copier, engine.geometry,
-                           engine.faults)
-    return engine, rec, request
+    try:
+        engine._allocate(plan, rec)
+        engine.ledger = Ledger(rec, engine.source, engine.pool, engine.copier, engine.geometry,
+                               engine.faults)
+        yield engine, rec, request
+    finally:
+        if getattr(engine, "copier", None) is not None:
+            engine.copier.close()
+        rec.stop()
 
 
 def test_freeing_source_pages_under_a_copy_in_flight_is_refused_before_freeing():
     """Ledger.free_source emits `reuse` first: with a span in flight it is COPY-3, live, and
     the source pages are still held afterwards."""
-    engine, rec, request = _engine_with_ledger(link_gbps=0.0002)
-    try:
+    with _engine_with_ledger(link_gbps=0.0002) as (engine, rec, request):
         src = engine.source.open(request.prompt)
         life = engine.ledger.reserve(request, src, torch.tensor(request.tokens))
         engine.ledger.computed("r", (0, TINY.layers), (0, 16))
@@ -267,8 +277,6 @@ def test_freeing_source_pages_under_a_copy_in_flight_is_refused_before_freeing()
         assert info.value.code == "COPY-3"
         assert engine.source.pool.free_pages == free_before
         assert engine.copier.drain(timeout=60), "spans never reported within 60 s"
-    finally:
-        engine.copier.close()
 
 
 def test_live_check_cost_times_every_call_into_the_monitor():
@@ -284,22 +292,18 @@ def test_live_check_cost_times_every_call_into_the_monitor():
 def test_issue_pdref_never_allows_with_nothing_in_flight_is_refused_not_hung():
     """When pdref refuses every issue and no copy is in flight (nothing will ever land), the
     producer stops with EngineError instead of waiting for ever."""
-    engine, rec, _ = _engine_with_ledger()
     asked = []
-    rec.ask = lambda query, *args: asked.append(query) and False
-    try:
+    with _engine_with_ledger() as (engine, rec, _):
+        rec.ask = lambda query, *args: asked.append(query) and False
         with pytest.raises(EngineError, match="refuses an issue"):
             engine._wait_for_slot(rec, "r")
-    finally:
-        engine.copier.close()
     assert asked == ["can_issue"]
 
 
 def test_computed_waits_for_the_steps_readiness_mark():
     """`computed` (and the span it readies) comes only once the step's readiness mark is done:
     a launched step whose mark is pending emits nothing yet."""
-    engine, rec, request = _engine_with_ledger()
-    try:
+    with _engine_with_ledger() as (engine, rec, request):
         src = engine.source.open(request.prompt)
         loop = _Loop(engine.ledger.reserve(request, src, torch.tensor(request.tokens)))
         step = plan_steps("chunk", engine.geometry, request.prompt, 0, 16)[0]
@@ -311,8 +315,6 @@ def test_computed_waits_for_the_steps_readiness_mark():
         engine._emit_computed(rec, loop)
         assert [e.kind for e in rec.protocol].count("computed") == 1
         assert [r for r, _ in loop.ready] == list(step.spans)
-    finally:
-        engine.copier.close()
 
 
 @pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
@@ -343,8 +345,7 @@ def test_export_only_lands_the_payload_byte_exact(mode):
 
 def test_payload_check_catches_a_misplaced_token():
     """payload_matches refuses a slab where one token's K/V is another token's payload."""
-    engine, rec, request = _engine_with_ledger(prompt=40)
-    try:
+    with _engine_with_ledger(prompt=40) as (engine, rec, request):
         slab = engine.pool.slab(tuple(range(3)), 0, 40)
         src = engine.source.open(40)
         fill_payload(src, (0, TINY.layers), (0, 40))
@@ -352,8 +353,6 @@ def test_payload_check_catches_a_misplaced_token():
         assert payload_matches(engine.pool, slab)
         engine.pool.kv[1, 0, int(slab.slots[7])] = engine.pool.kv[1, 0, int(slab.slots[8])]
         assert not payload_matches(engine.pool, slab)
-    finally:
-        engine.copier.close()
 
 
 def test_failure_path_fences_before_abort_and_pages_follow_the_spec():
@@ -474,8 +473,7 @@ def test_step_loop_never_waits_for_a_readiness_mark_while_steps_remain(monkeypat
 def test_abort_is_refused_while_a_failed_span_is_unfenced():
     """Ledger.abort refuses to abort a life whose failed span's writer was not fenced (the
     pages must not go back while a writer may still write them); nothing is scrubbed."""
-    engine, rec, request = _engine_with_ledger(link_gbps=0.0002)
-    try:
+    with _engine_with_ledger(link_gbps=0.0002) as (engine, rec, request):
         src = engine.source.open(request.prompt)
         life = engine.ledger.reserve(request, src, torch.tensor(request.tokens))
         engine.ledger.computed("r", (0, TINY.layers), (0, 16))
@@ -487,5 +485,3 @@ def test_abort_is_refused_while_a_failed_span_is_unfenced():
         assert not any(e.kind == "abort" for e in rec.protocol)
         assert not engine.pool.kv.isnan().any()
         assert engine.copier.drain(timeout=60), "spans never reported within 60 s"
-    finally:
-        engine.copier.close()

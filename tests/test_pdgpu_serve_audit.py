@@ -121,18 +121,21 @@ def test_after_the_audit_refuses_the_ledger_writes_nothing_more(tmp_path):
     header = ev.Header("test", "chunk", GEO, 4, 2)
     ledger = Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"),
                     audit_monitor=_RefusesSecondIssue)
-    ledger.reserve("r", 8, 0, "p1")
-    ledger.computed("r", (0, 2), (0, 8))
-    spans = [ledger.issue("r", (0, 2), t, GEO.region_bytes((0, 2), t))
-             for t in ((0, 4), (4, 8))]
-    wait_for(lambda: ledger.audit.error is not None)  # the audit saw the second issue
-    kv = torch.randn(2, 2, 4, 2, 4)
-    before = ledger.kv.clone()
-    with pytest.raises(Violation, match="refused by the audit alone"):
-        ledger.land("r", spans[0], kv, row_digests(kv))
-    with pytest.raises(Violation, match="COPY-2"):
-        ledger.raise_audit_error()
-    assert torch.equal(ledger.kv, before)
+    try:
+        ledger.reserve("r", 8, 0, "p1")
+        ledger.computed("r", (0, 2), (0, 8))
+        spans = [ledger.issue("r", (0, 2), t, GEO.region_bytes((0, 2), t))
+                 for t in ((0, 4), (4, 8))]
+        wait_for(lambda: ledger.audit.error is not None)  # the audit saw the second issue
+        kv = torch.randn(2, 2, 4, 2, 4)
+        before = ledger.kv.clone()
+        with pytest.raises(Violation, match="refused by the audit alone"):
+            ledger.land("r", spans[0], kv, row_digests(kv))
+        with pytest.raises(Violation, match="COPY-2"):
+            ledger.raise_audit_error()
+        assert torch.equal(ledger.kv, before)
+    finally:
+        ledger.stop()  # its audit thread (the exceptions above keep the ledger alive)
 
 
 def test_serve_summary_reports_live_check_cost_and_audit_lag(tmp_path, capsys):

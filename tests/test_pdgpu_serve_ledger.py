@@ -16,9 +16,14 @@ from pdref.violations import Violation
 GEO = Geometry(layers=2, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)
 
 
-def _ledger(tmp_path, pool_pages: int = 4) -> Ledger:
-    header = ev.Header("test", "chunk", GEO, pool_pages, 2)
-    return Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"))
+@pytest.fixture
+def ledger(tmp_path):
+    """A ledger over a 4-page pool, its audit thread stopped at teardown (a test's exception
+    info keeps the ledger alive, and its thread running, until collected)."""
+    header = ev.Header("test", "chunk", GEO, 4, 2)
+    made = Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"))
+    yield made
+    made.stop()
 
 
 def _span(ledger: Ledger, req: str, tokens) -> tuple[int, torch.Tensor]:
@@ -28,9 +33,8 @@ def _span(ledger: Ledger, req: str, tokens) -> tuple[int, torch.Tensor]:
     return span, torch.randn(2, 2, n, 2, 4)  # [nl, 2, nt, KVH, D]
 
 
-def test_landed_bytes_are_what_admit_hands_to_decoding(tmp_path):
+def test_landed_bytes_are_what_admit_hands_to_decoding(ledger):
     """Two spans land; the admitted context is the prefix cache then exactly their bytes."""
-    ledger = _ledger(tmp_path)
     ledger.reserve("r", 8, 0, "p1")
     parts = []
     for tokens in ((0, 4), (4, 8)):
@@ -43,9 +47,8 @@ def test_landed_bytes_are_what_admit_hands_to_decoding(tmp_path):
     assert torch.equal(context, torch.cat(parts, dim=2))
 
 
-def test_a_span_landing_twice_or_over_landed_tokens_writes_nothing(tmp_path):
+def test_a_span_landing_twice_or_over_landed_tokens_writes_nothing(ledger):
     """A second land is REQ-1 and a span over landed tokens is COV-2: slab bytes unchanged."""
-    ledger = _ledger(tmp_path)
     ledger.reserve("r", 4, 0, "p1")
     span, kv = _span(ledger, "r", (0, 4))
     ledger.land("r", span, kv, None)
@@ -60,10 +63,9 @@ def test_a_span_landing_twice_or_over_landed_tokens_writes_nothing(tmp_path):
     assert torch.equal(ledger.kv, before)
 
 
-def test_a_checksum_mismatch_is_fail_then_fence_and_never_admitted(tmp_path):
+def test_a_checksum_mismatch_is_fail_then_fence_and_never_admitted(ledger):
     """Bytes that differ from the compute-time digests: fail + fence; admit refused; the
     abort gives every page back."""
-    ledger = _ledger(tmp_path)
     ledger.reserve("r", 4, 0, "p1")
     span, kv = _span(ledger, "r", (0, 4))
     digests = row_digests(kv)
