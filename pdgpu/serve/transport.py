@@ -248,9 +248,9 @@ class GlooTransport:
     def close(self, wait_s: float = 5.0, flush_s: float = 2.0) -> bool:
         """Send what is queued (up to `flush_s`), then quiet the receiving threads and wait
         until each one's peer hung up (call once the peers are told to stop or are stopped);
-        False when one is still blocked. Every tensor group is aborted at the end, and every
-        link still blocked is hung up from this side, so no thread of the transport outlives
-        it (its peer sees the link break, as it would at this process's exit)."""
+        False when one is still blocked. Then every tensor group is aborted and every link
+        still blocked is hung up from this side, so no thread of the transport outlives it
+        (its peer sees the link break, as it would at this process's exit)."""
         links = list(self.links.values())
         deadline = time.monotonic() + flush_s
         for link in links:
@@ -262,9 +262,10 @@ class GlooTransport:
         for link in links:
             link.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         quiet = not any(link.thread.is_alive() for link in links)
-        self._hang_up(links + self.dropped)
         for link in links + self.dropped:
-            self._abort_data(link)
+            self._abort_data(link)  # first: a thread waiting on a tensor lane ends too
+        self._hang_up(links + self.dropped)
+        for link in links + self.dropped:  # once no receiving thread reads its slots
             shared.close_ends(link.ring, link.views)
         return quiet
 
