@@ -1,6 +1,8 @@
 """Hypothesis runs without its per-example deadline: CI machines are shared and noisy, and a
 slow example says nothing about correctness (speed is measured by bench/, side by side).
 Every test has a timeout (pytest-timeout, pyproject.toml): a stuck one fails with its stack.
+Every test stops what it starts: one that leaves a thread or a process running fails
+(`no_leaks`, leak_helpers.py).
 Shared helpers live in this folder's *_helpers.py modules, imported by their plain names: this
 folder is put on sys.path here, so any test file collects alone (`pytest tests/FILE.py`), from
 any directory, under any import mode."""
@@ -18,6 +20,7 @@ settings.load_profile("noisy-machine")
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
+import leak_helpers  # noqa: E402 - found through the folder just put on sys.path
 
 SLOW_TIMEOUT_S = 900  # a slow test's own bound (the default, pyproject's `timeout`, is 120 s)
 
@@ -27,3 +30,13 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    """Fail the test if a thread or process it started outlives it (after a short grace)."""
+    before = leak_helpers.snapshot()
+    yield
+    left = leak_helpers.leaks(before)
+    if left:
+        pytest.fail(f"{request.node.nodeid} left running: {', '.join(left)}", pytrace=False)
