@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check (issues 4, 9, 11 and 24), about 5 minutes on one GPU (each step has its own time
-# limit; together they are 395 s, the steps' usual times well under):
+# limit; together they are 425 s, the steps' usual times well under):
 #   1. the CUDA tests (pytest -m gpu): every one must run, a skipped one fails the check
 #      (the engine on CUDA, and the attention kernels in bf16 and float32)
 #   1b. pdgpu serve on CUDA (tests/test_pdgpu_serve_gpu.py, pytest -m gpu): served tokens
@@ -23,6 +23,8 @@
 #      messages): shm-pinned (d2h into page-locked shared memory, h2d out of it) and
 #      gloo-staged, each against the pinned copy bandwidth of the same bytes (target >= 0.5);
 #      and nixl (VRAM to VRAM where UCX can) when its package is installed, as in step 1b.
+#   5b. with nixl: which UCX transport carried the decoder's READ (UCX_PROTO_INFO's tables,
+#      in ucx_read.txt: cuda_ipc is device to device, cuda_copy or cma went through the host)
 # Results go to $OUT_DIR (default gpu_check_out/, or gpu_check_out/dry-run/), with each
 # step's seconds in timings.txt.
 # Decoder: cuda:1 with two GPUs, else the same GPU (a host-staged round trip through pinned
@@ -127,6 +129,13 @@ step 55 export_curve "$PY" bench/engine_overlap.py --model "$MODEL" --chunk "$CH
 echo "== 5. KV between processes on $DEV: shm vs gloo lanes, against a same-size copy"
 step 40 kv_lane "$PY" bench/serve.py --modes "" --lanes "gloo,shm${NIXL:+,nixl}" --device "$DEV" \
     --lane-mb "$LANE_MB" --lane-messages 20 --rounds "$LANE_ROUNDS"
+if [ "${#NIXL[@]}" -gt 0 ]; then
+    echo "== 5b. which UCX transport carried the NIXL lane's READ on $DEV (UCX_PROTO_INFO)"
+    step 30 ucx_transport env UCX_PROTO_INFO=y "$PY" -c "from pdgpu.serve.lane_probe import \
+transfer_rate; print('nixl B/s, lane:', transfer_rate('nixl', 1 << 22, 12, '$DEV', warm=2, staged=True))"
+    grep -A5 "remote memory read" "$OUT/ucx_transport.txt" | grep -E "read|zero-copy|copy" \
+        | sed 's/^\[[^]]*\] \[[^]]*\] *//' | sort | uniq -c | tee "$OUT/ucx_read.txt" || true
+fi
 if [ -s "$OUT/failed.txt" ]; then
     echo "gpu_check: FAILED steps, results in $OUT/:"; cat "$OUT/failed.txt"; exit 1
 fi

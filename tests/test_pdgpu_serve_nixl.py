@@ -6,6 +6,7 @@ the lane is refused in one line without the package. Skipped where nixl is not i
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -198,6 +199,46 @@ def test_the_writer_cannot_write_into_the_readers_pool():
         assert torch.equal(pool, torch.ones(64))
         mine.add_peer(reader.links[1].nixl.metadata())  # the control: with the pool's
         mine.agent.initialize_xfer("WRITE", src, dst, mine.peer).release()  # registration
+    finally:
+        _closed_cleanly((reader, writer))
+
+
+@needs_nixl
+def test_a_stale_region_hides_a_new_one_so_grown_slots_never_reuse_an_address():
+    """Why `replace` keeps a grown slot's old memory: NIXL keeps a region a peer loaded even
+    after its owner deregistered it, and such a stale region hides a new one over a reused
+    address (NOT_FOUND at createXferReq, as once in a serving run). With the old memory
+    kept, the writer's ring regions, old and new, never overlap however often slots grow."""
+    api = nixl_module()
+    owner, peer_end = (api.nixl_agent(n, api.nixl_agent_config(enable_prog_thread=False,
+                                                                backends=["UCX"]))
+                       for n in ("stale-owner", "stale-peer"))
+    memory, mb = torch.ones(4 << 20, dtype=torch.uint8), 1 << 20
+    old = owner.register_memory([(memory.data_ptr() + mb, mb, 0, "")], "DRAM")
+    peer = peer_end.add_remote_agent(owner.get_agent_metadata())
+    owner.deregister_memory(old)
+    owner.register_memory([(memory.data_ptr(), 3 * mb, 0, "")], "DRAM")
+    peer_end.add_remote_agent(owner.get_agent_metadata())
+    here = torch.zeros(mb, dtype=torch.uint8)
+    peer_end.register_memory([(here.data_ptr(), mb, 0, "")], "DRAM")
+    with pytest.raises(Exception, match="NOT_FOUND"):
+        peer_end.initialize_xfer("READ", peer_end.get_xfer_descs([(here.data_ptr(), mb, 0)],
+                                                                  "DRAM"),
+                                 peer_end.get_xfer_descs([(memory.data_ptr() + mb + 1, mb, 0)],
+                                                         "DRAM"), peer)
+    reader, writer = _pair()
+    try:
+        end = writer.links[0].nixl
+        for size in (SLOT_BYTES, 2 * SLOT_BYTES, 4 * SLOT_BYTES):  # floats: every slot grows
+            for _ in range(SLOTS):
+                writer.send(0, "span", {}, (torch.ones(size),))
+                msg = reader.get(timeout=20)
+                assert torch.equal(_read(msg), torch.ones(size))
+                reader.done(msg)
+        ranges = sorted((m.data_ptr(), m.data_ptr() + m.numel())
+                        for m in end.retired + [slot.memory for slot in end.slots])
+        assert len(end.retired) >= SLOTS and all(a[1] <= b[0] for a, b in itertools.pairwise(
+            ranges))
     finally:
         _closed_cleanly((reader, writer))
 

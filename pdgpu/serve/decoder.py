@@ -222,19 +222,20 @@ class Decoder(Recovery):
             self.ledger.fence(life.req, span)  # the writer reported it and stopped
         else:
             kv, digests = msg.tensors
+            landing = time.perf_counter()
             error = self.ledger.land(life.req, span, kv, digests if self.verify else None)
             self._stage(life, msg, "gather", *msg.body["gather"], span=span)
-            self._stage(life, msg, "link", *self._crossed(msg, kv), span=span)
+            self._stage(life, msg, "link", *self._crossed(msg, kv, landing), span=span)
         if error is not None:
             self._fail_life(life, error)
 
-    def _crossed(self, msg: Message, kv) -> tuple[float, float]:
+    def _crossed(self, msg: Message, kv, landing: float) -> tuple[float, float]:
         """The span's `link` stage on the producer's clock: from its gather to its send, or
-        to the end of the READ that just landed it (NIXL: the bytes crossed in `land`)."""
-        start, sent = msg.body["link"]
+        (NIXL: the bytes crossed in `land`, READ by this process) the `land` call itself."""
         if isinstance(kv, torch.Tensor):
-            return start, sent
-        return start, max(sent, time.perf_counter() - self.members.offset(msg.src))
+            return tuple(msg.body["link"])
+        offset = self.members.offset(msg.src)
+        return landing - offset, time.perf_counter() - offset
 
     def _on_produced(self, life: Life, msg: Message) -> None:
         if not life.ended:

@@ -53,6 +53,7 @@ class NixlEnd:
         self.notes: list[bytes] = []
         self.free: set[int] = set(range(slots))  # producer: slots it may fill
         self.slots: list[Slot] = [self._slot(SLOT_BYTES) for _ in range(slots)]
+        self.retired: list[torch.Tensor] = []  # replaced slots' memory, kept (`replace`)
         self.peer: str | None = None  # the other end's agent name, once added
         self.remote: dict[int, tuple[int, int, int]] = {}  # decoder: the producer's slots
         self.grown: list[tuple[bytes, int, tuple]] = []  # (metadata, slot, desc) to load
@@ -113,9 +114,14 @@ class NixlEnd:
         return [memory.data_ptr(), memory.numel(), self.dev_id]
 
     def replace(self, index: int, nbytes: int) -> None:
-        """A larger slot `index` (the old one is free: nothing writes it)."""
+        """A larger slot `index` (the old one is free: nothing reads it). The old memory is
+        deregistered but kept until close: a peer that loads this agent's metadata again
+        keeps the old region too (NIXL adds, never drops), and a stale region overlapping a
+        new one at a reused address hides it (createXferReq: NIXL_ERR_NOT_FOUND, seen in a
+        serving run), so no address of this agent's is ever registered twice."""
         old = self.slots[index]
         self.slots[index] = self._slot(max(nbytes, 2 * old.memory.numel()))
+        self.retired.append(old.memory)
         with self.lock:
             self.agent.deregister_memory(old.reg)
 
