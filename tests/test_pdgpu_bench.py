@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import runpy
@@ -70,13 +71,16 @@ def test_gpu_check_parses_and_stops_loudly_without_cuda(tmp_path):
 def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     """--dry-run: every step's command runs on CPU at toy sizes (CUDA tests collected only):
     checked traces, the overlap bench's JSON, a five-point export curve and the KV lanes'
-    bytes/s, each step timed."""
+    bytes/s, each step timed; with nixl installed, the UCX transport its READ took."""
     run = _gpu_check(tmp_path, "--dry-run")
     assert run.returncode == 0, run.stderr[-2000:]
     out = tmp_path / "out"
     steps = [line.split()[0] for line in (out / "timings.txt").read_text().splitlines()]
+    nixl = importlib.util.find_spec("nixl_cu13") is not None
     assert steps == ["pytest_gpu", "serve_gpu", "compare", "kernels", "engine_overlap",
-                     "export_curve", "kv_lane"]
+                     "export_curve", "kv_lane"] + ["ucx_transport"] * nixl
+    if nixl:  # which UCX transport carried the NIXL READ, from UCX's own tables
+        assert "remote memory read" in (out / "ucx_read.txt").read_text()
     collected = (out / "pytest_gpu.txt").read_text().split("test_pdgpu_gpu.py: ")[1]
     assert int(collected.split()[0]) >= 10  # the CUDA tests, collected
     served = (out / "serve_gpu.txt").read_text().split("test_pdgpu_serve_gpu.py: ")[1]
