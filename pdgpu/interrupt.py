@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 
 class Terminated(KeyboardInterrupt):
@@ -51,6 +53,29 @@ def restore(previous: dict) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     _received.clear()
+
+
+@contextmanager
+def held():
+    """SIGINT and SIGTERM held back while the block runs (only recorded), then delivered to
+    the handlers from before: for a step that must not be cut in two, like a producer's
+    start, whose pid is recorded only at its end (an interrupt inside lost the process, left
+    to wait out its rendezvous). Python runs handlers in the main thread whichever thread
+    the kernel signals, so replacing them holds the signal, where a thread's mask does not;
+    off the main thread (no handler can be set there) the block just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)
 
 
 def exit_code(error: BaseException) -> int:

@@ -45,6 +45,24 @@ def test_sigterm_is_the_same_path_with_exit_143(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("pdgpu: terminated (SIGTERM)")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_held_is_raised_once_the_block_ends(sig):
+    """interrupt.held() (around a producer's start, whose pid is known only at its end): a
+    signal inside the block is not raised there but as the block ends, by the handler from
+    before, which is back in place."""
+    previous = interrupt.install()
+    reached = []
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised, interrupt.held():
+            signal.raise_signal(sig)
+            reached.append("end of block")
+        assert reached == ["end of block"]
+        assert isinstance(raised.value, interrupt.Terminated) == (sig == signal.SIGTERM)
+        assert signal.getsignal(sig) is interrupt._first_signal
+    finally:
+        interrupt.restore(previous)
+
+
 def _group(pgid: int) -> list[int]:
     return [pid for pid, (_, group, _) in processes().items() if group == pgid]
 

@@ -27,6 +27,7 @@ import attrs
 import torch
 import torch.multiprocessing as mp
 
+from pdgpu import interrupt
 from pdgpu.serve import clock
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
 from pdgpu.serve.decoder import Decoder, ServeError
@@ -100,7 +101,8 @@ class LocalProducers:
         p = self.ctx.Process(target=producer_process, daemon=True, name=f"pdgpu-p{rank}",
                              args=(rank, generation, self.endpoint.host, self.endpoint.port,
                                    self.opts))
-        p.start()
+        with interrupt.held():  # an interrupt inside start would lose the process's pid
+            p.start()
         return p
 
     @property
