@@ -15,6 +15,7 @@ import pytest
 from serve_helpers import descendants, kill, processes, producers_alive, serve, trace_ok
 
 from pdgpu.cli import main
+from pdgpu.serve.transport_nixl import nixl_module
 
 PDGPU = [sys.executable, "-m", "pdgpu"]
 
@@ -149,14 +150,19 @@ def test_ctrl_c_stops_every_process_and_closes_the_trace(tmp_path):
         kill(_group_alive(proc.pid))
 
 
-def test_roles_on_separate_machines(tmp_path):
-    """Decoder and producers started on their own with --init-method/--rank/--world-size."""
+@pytest.mark.parametrize("lane", [
+    "shm", pytest.param("nixl", marks=pytest.mark.skipif(
+        nixl_module() is None, reason="nixl is not installed (pip install --no-deps nixl-cu13)"))])
+def test_roles_on_separate_machines(tmp_path, lane):
+    """Decoder and producers started on their own with --init-method/--rank/--world-size,
+    KV over each lane every process asks for (nixl: the decoder READs from the producers)."""
     port, results = _free_port(), tmp_path / "r.jsonl"
     common = ["--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "3",
-              "--connect-timeout", "60"]
+              "--connect-timeout", "60", "--kv-lane", lane]
     decoder = subprocess.Popen(
         [*PDGPU, "serve", "--role", "decoder", "--rank", "0", *common, "--requests", "3",
-         "--output-tokens", "3", "--results", str(results), "--verify", "--no-progress"],
+         "--output-tokens", "3", "--results", str(results), "--verify", "--no-progress",
+         "--trace", str(tmp_path / "t.jsonl")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     procs = [decoder] + [subprocess.Popen(
         [*PDGPU, "serve", "--role", "producer", "--rank", str(r), *common],
@@ -167,6 +173,8 @@ def test_roles_on_separate_machines(tmp_path):
         assert codes == [0, 0, 0], [p.stderr.read().decode()[-500:] for p in procs]
         lines = [json.loads(x) for x in results.read_text().splitlines()]
         assert [x["status"] for x in lines] == ["ok"] * 3
+        assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])["transport"] \
+            == lane
     finally:
         for p in procs:
             if p.poll() is None:
