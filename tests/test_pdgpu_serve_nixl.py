@@ -145,6 +145,8 @@ def test_a_span_is_read_straight_into_its_pool_rows(index, monkeypatch):
         real = end.agent.get_xfer_descs
         monkeypatch.setattr(end.agent, "get_xfer_descs",
                             lambda descs, mem: (sizes.append(len(descs)), real(descs, mem))[1])
+        with pytest.raises(ValueError, match="float32 into torch.float64"):
+            rows_into(pool[1:4].double(), msg.tensors[0], rows)  # never reinterpreted
         rows_into(pool[1:4], msg.tensors[0], rows)
         assert torch.equal(pool, want)
         runs = 1 + int((rows.diff() != 1).sum())

@@ -250,6 +250,8 @@ class RemoteSlice:
         self.end.read(local, remote, time.monotonic() + self.deadline_s, self.broken)
 
     def _descriptors(self, dst: torch.Tensor, index) -> tuple[np.ndarray, np.ndarray]:
+        if dst.dtype != self.dtype:  # bytes are copied as they are: never reinterpreted
+            raise ValueError(f"READ of {self.dtype} into {dst.dtype}")
         address, size, device = self.end.remote[self.index]
         if self.offset + self.nbytes > size:
             raise TransportError(f"NIXL slot {self.index} holds {size} bytes, not "
