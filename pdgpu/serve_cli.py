@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from pdgpu import interrupt
 from pdgpu.checkpoint import CheckpointError
 from pdgpu.serve.args import add_parsers  # noqa: F401 - pdgpu.cli registers it from here
@@ -50,6 +48,7 @@ from pdgpu.serve.workload import (
     read_prompts,
     shared_prefix,
 )
+from pdgpu.streams import compute_threads
 from pdgpu.workload import WorkloadError
 from pdref.cli_format import format_metrics
 from pdref.models import ProfileError, context_error
@@ -292,13 +291,13 @@ def cmd_generate(args) -> int:
     _check_eos(args.eos_token, spec.vocab)
     device = check_device(args.device)
     from pdgpu.generate import generate
-    torch.set_num_threads(args.threads)
     use_device(device)
-    model = load_served_model(args.model, args.seed, args.dtype, device)
-    start = time.perf_counter()
-    output = generate(model, tokens, args.output_tokens, args.chunk, args.prefix,
-                      args.page_tokens, args.eos_token)
-    wall = time.perf_counter() - start
+    with compute_threads("cpu", args.threads):  # as before once it returns (main() in-process)
+        model = load_served_model(args.model, args.seed, args.dtype, device)
+        start = time.perf_counter()
+        output = generate(model, tokens, args.output_tokens, args.chunk, args.prefix,
+                          args.page_tokens, args.eos_token)
+        wall = time.perf_counter() - start
     if args.json:
         print(json.dumps({"output": output, "prompt": len(tokens), "model": spec.name,
                           "wall_s": wall}))

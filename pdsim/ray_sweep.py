@@ -35,7 +35,6 @@ from pdsim.sweep import Point, evaluate
 OBJECT_STORE_BYTES = 128 * 2**20  # rows are a few hundred bytes; Ray's default is 30% of RAM
 TCP_TIMEOUT_S = 5.0  # a head that does not accept a connection by then is unreachable
 BATCHES_PER_CPU = 8  # small batches keep the bar moving and the CPUs evenly loaded
-RAY_ENVIRONMENT = ("RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")
 QUIET = dict(logging_level=logging.ERROR, log_to_driver=False)
 PROBE = """
 import logging, sys, ray
@@ -55,17 +54,21 @@ def run_on_ray(base: SimConfig, points: list[Point], prefix: int, address: str |
 
 @contextlib.contextmanager
 def _restored_environment() -> Iterator[None]:
-    """Ray's settings for this command only: ray.init itself sets RAY_AUTH_MODE in os.environ."""
-    saved = {name: os.environ.get(name) for name in RAY_ENVIRONMENT}
+    """Ray's settings for this command only: ray.init sets variables of os.environ
+    (RAY_AUTH_MODE, RAY_CLIENT_MODE, PYTHONBREAKPOINT) and a SIGTERM handler, and
+    ray.shutdown undoes neither; a caller in the same process gets its own back."""
+    saved = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a sweep reports nothing anywhere
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        os.environ.update(saved)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """Hypothesis runs without its per-example deadline: CI machines are shared and noisy, and a
 slow example says nothing about correctness (speed is measured by bench/, side by side).
 Every test has a timeout (pytest-timeout, pyproject.toml): a stuck one fails with its stack.
-Every test stops what it starts: one that leaves a thread or a process running fails
-(`no_leaks`, leak_helpers.py).
+Every test stops what it starts and restores what it changes: one that leaves a thread or a
+process running, or the environment, working directory, signal handlers or torch's thread
+count changed, fails (`no_leaks`, leak_helpers.py).
 Shared helpers live in this folder's *_helpers.py modules, imported by their plain names: this
 folder is put on sys.path here, so any test file collects alone (`pytest tests/FILE.py`), from
 any directory, under any import mode."""
@@ -34,9 +35,15 @@ def pytest_collection_modifyitems(items) -> None:
 
 @pytest.fixture(autouse=True)
 def no_leaks(request):
-    """Fail the test if a thread or process it started outlives it (after a short grace)."""
-    before = leak_helpers.snapshot()
+    """Fail the test if a thread or process it started outlives it (after a short grace), or
+    if it left the process's state changed (environment, working directory, signal
+    handlers, torch's thread count and default dtype). Autouse: torn down after the test's
+    own fixtures, so what monkeypatch undoes is undone by then."""
+    before, state = leak_helpers.snapshot(), leak_helpers.process_state()
     yield
     left = leak_helpers.leaks(before)
     if left:
         pytest.fail(f"{request.node.nodeid} left running: {', '.join(left)}", pytrace=False)
+    changed = leak_helpers.changed_state(state)
+    if changed:
+        pytest.fail(f"{request.node.nodeid} left changed: {'; '.join(changed)}", pytrace=False)

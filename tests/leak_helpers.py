@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -110,3 +112,35 @@ def _command(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
     except OSError:
         return "ended"
+
+
+PYTEST_SETS = {"PYTEST_CURRENT_TEST"}  # pytest's own, naming the test and its phase
+
+
+def process_state() -> dict:
+    """What a test must give back as it found it: the environment, the working directory,
+    the SIGINT and SIGTERM handlers and, once torch is loaded, its thread count and default
+    dtype (`torch.set_num_threads(1)` left behind slows every later test)."""
+    environment = {k: v for k, v in os.environ.items() if k not in PYTEST_SETS}
+    state = {"environment": environment, "working directory": os.getcwd(),
+             "SIGINT handler": signal.getsignal(signal.SIGINT),
+             "SIGTERM handler": signal.getsignal(signal.SIGTERM)}
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_num_threads"):  # (not while it imports)
+        state["torch threads"] = torch.get_num_threads()
+        state["torch default dtype"] = torch.get_default_dtype()
+    return state
+
+
+def changed_state(before: dict) -> list[str]:
+    """What differs from `before` (a key first seen now, e.g. torch loaded by the test, is
+    not a change)."""
+    after, changes = process_state(), []
+    for key, was in before.items():
+        now = after[key]
+        if key == "environment":
+            changes += [f"${name} {was.get(name)!r} -> {now.get(name)!r}"
+                        for name in sorted(set(was) | set(now)) if was.get(name) != now.get(name)]
+        elif now != was:
+            changes.append(f"{key} {was!r} -> {now!r}")
+    return changes

@@ -1,9 +1,11 @@
 """The leak check every test runs under (conftest.py's `no_leaks`, leak_helpers.py): what a
 test started and left running is named, what ended by itself is not, and a test that leaves a
-thread fails."""
+thread, or the process's state changed, fails."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import leak_helpers
 import pytest
-from leak_helpers import leaks, snapshot
+from leak_helpers import changed_state, leaks, process_state, snapshot
 
 HERE = Path(__file__).parent
 GRACE_S = 0.05  # the checks below wait on blocked threads: a short grace changes nothing
@@ -80,3 +82,43 @@ def test_a_test_that_leaves_a_thread_fails(tmp_path):
     assert "test_inner.py::test_leaves_a_thread left running: thread 'left-behind'" in run.stdout
     assert "ERROR test_inner.py::test_leaves_a_thread" in run.stdout
     assert "2 passed, 1 error" in run.stdout, run.stdout  # (its body passed; teardown errs)
+
+
+def test_changed_state_names_each_change_and_nothing_once_restored():
+    """An environment variable set and one changed, a signal handler replaced and torch's
+    thread count changed are each named; once each is put back, nothing is."""
+    import torch
+    before = process_state()
+    threads, handler = torch.get_num_threads(), signal.getsignal(signal.SIGTERM)
+    os.environ["PD_LEAK_PROBE"] = "1"
+    torch.set_num_threads(threads + 1)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        changes = changed_state(before)
+        assert changes[0] == "$PD_LEAK_PROBE None -> '1'" and len(changes) == 3, changes
+        assert any(c.startswith("SIGTERM handler") for c in changes)
+        assert f"torch threads {threads} -> {threads + 1}" in changes
+    finally:
+        del os.environ["PD_LEAK_PROBE"]
+        torch.set_num_threads(threads)
+        signal.signal(signal.SIGTERM, handler)
+    assert changed_state(before) == []
+
+
+def test_a_test_that_leaves_the_environment_changed_fails(tmp_path):
+    """Under this folder's conftest, a test that sets a variable and leaves it errors at
+    teardown naming it; one that sets it through monkeypatch (undone) passes."""
+    for name in ("conftest.py", "leak_helpers.py"):
+        (tmp_path / name).write_text((HERE / name).read_text())
+    (tmp_path / "test_inner.py").write_text(
+        "import os\n\n"
+        "def test_leaves_a_variable():\n"
+        "    os.environ['PD_LEFT'] = 'x'\n\n"
+        "def test_restores_it(monkeypatch):\n"
+        "    monkeypatch.setenv('PD_RESTORED', 'y')\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "test_inner.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PD_LEFT": "was"})
+    assert "test_inner.py::test_leaves_a_variable left changed: $PD_LEFT 'was' -> 'x'" \
+        in run.stdout, run.stdout + run.stderr
+    assert "2 passed, 1 error" in run.stdout, run.stdout

@@ -46,6 +46,7 @@ from pdgpu.serve.transport import Endpoint, open_store
 from pdgpu.serve.transport_nccl import open_transport
 from pdgpu.serve.workload import Workload
 from pdgpu.source_cache import SourceCache
+from pdgpu.streams import compute_threads
 from pdgpu.workload import WorkloadError
 from pdref import events as ev
 from pdref.plan import plan_chunks
@@ -230,11 +231,18 @@ def run_decoder(transport, config: ServeConfig, workload: Workload, policy: Faul
                 run: ServeRun | None = None, eos: int | None = None, trace=None,
                 device: str = "cpu"):
     """The decoder rank on `device`: handshake, models, the serving loop; fills and returns
-    `run` (its trace written to `trace`, or to a temporary file when None)."""
+    `run` (its trace written to `trace`, or to a temporary file when None). Torch runs on
+    `config.threads` threads meanwhile, and on as many as before once it returns."""
+    with compute_threads("cpu", config.threads):
+        return _run_decoder(transport, config, workload, policy, timeout_s, processes,
+                            progress, run, eos, trace, device)
+
+
+def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: FaultPolicy,
+                 timeout_s: float, processes, progress, run, eos, trace, device: str):
     run = run if run is not None else ServeRun()
     check_peers = processes.check if processes is not None else (lambda: None)
     handshake(transport, config, timeout_s, check_peers, device)
-    torch.set_num_threads(config.threads)
     model = load_served_model(config.model, config.seed, config.dtype, device)
     prefix_kv = prefix_cache(model, config)  # [L, 2, prefix, KVH, D] on `device`
     header = _header(config, model.spec, len(transport.peers()), transport.lanes())
