@@ -61,12 +61,21 @@ def test_a_child_process_left_running_is_named(monkeypatch, listed):
     assert leaks(before, GRACE_S) == []  # reaped: gone
 
 
+def _inner_run(folder: Path, source: str, **env) -> subprocess.CompletedProcess:
+    """pytest in a subprocess on `source` (test_inner.py) beside copies of this folder's
+    conftest.py and leak_helpers.py; `env` added to its environment."""
+    for name in ("conftest.py", "leak_helpers.py"):
+        (folder / name).write_text((HERE / name).read_text())
+    (folder / "test_inner.py").write_text(source)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "test_inner.py"], cwd=folder, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
 def test_a_test_that_leaves_a_thread_fails(tmp_path):
     """Under this folder's conftest, a test leaving a thread errors at teardown naming it and
     the test; its neighbour that joins its thread passes."""
-    for name in ("conftest.py", "leak_helpers.py"):
-        (tmp_path / name).write_text((HERE / name).read_text())
-    (tmp_path / "test_inner.py").write_text(
+    run = _inner_run(tmp_path, (
         "import threading\n\n"
         "def test_leaves_a_thread():\n"
         "    threading.Thread(target=threading.Event().wait, args=(60,), name='left-behind',\n"
@@ -74,10 +83,7 @@ def test_a_test_that_leaves_a_thread_fails(tmp_path):
         "def test_joins_its_thread():\n"
         "    thread = threading.Thread(target=lambda: None)\n"
         "    thread.start()\n"
-        "    thread.join()\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "test_inner.py"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+        "    thread.join()\n"))
     assert run.returncode == 1, run.stdout + run.stderr
     assert "test_inner.py::test_leaves_a_thread left running: thread 'left-behind'" in run.stdout
     assert "ERROR test_inner.py::test_leaves_a_thread" in run.stdout
@@ -108,17 +114,12 @@ def test_changed_state_names_each_change_and_nothing_once_restored():
 def test_a_test_that_leaves_the_environment_changed_fails(tmp_path):
     """Under this folder's conftest, a test that sets a variable and leaves it errors at
     teardown naming it; one that sets it through monkeypatch (undone) passes."""
-    for name in ("conftest.py", "leak_helpers.py"):
-        (tmp_path / name).write_text((HERE / name).read_text())
-    (tmp_path / "test_inner.py").write_text(
+    run = _inner_run(tmp_path, (
         "import os\n\n"
         "def test_leaves_a_variable():\n"
         "    os.environ['PD_LEFT'] = 'x'\n\n"
         "def test_restores_it(monkeypatch):\n"
-        "    monkeypatch.setenv('PD_RESTORED', 'y')\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "test_inner.py"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PD_LEFT": "was"})
+        "    monkeypatch.setenv('PD_RESTORED', 'y')\n"), PD_LEFT="was")
     assert "test_inner.py::test_leaves_a_variable left changed: $PD_LEFT 'was' -> 'x'" \
         in run.stdout, run.stdout + run.stderr
     assert "2 passed, 1 error" in run.stdout, run.stdout
