@@ -114,14 +114,17 @@ def _command(pid: int) -> str:
         return "ended"
 
 
-PYTEST_SETS = {"PYTEST_CURRENT_TEST"}  # pytest's own, naming the test and its phase
+# Not a test's change: pytest's own variable naming the test and its phase, and one torch sets
+# on a first use inside itself and keeps for the process (inductor's cache folder, the same
+# value every time; which test makes that first use depends on the order tests run in).
+NOT_CHANGES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 def process_state() -> dict:
     """What a test must give back as it found it: the environment, the working directory,
     the SIGINT and SIGTERM handlers and, once torch is loaded, its thread count and default
     dtype (`torch.set_num_threads(1)` left behind slows every later test)."""
-    environment = {k: v for k, v in os.environ.items() if k not in PYTEST_SETS}
+    environment = {k: v for k, v in os.environ.items() if k not in NOT_CHANGES}
     state = {"environment": environment, "working directory": os.getcwd(),
              "SIGINT handler": signal.getsignal(signal.SIGINT),
              "SIGTERM handler": signal.getsignal(signal.SIGTERM)}
