@@ -127,17 +127,15 @@ class NixlEnd:
 
     def target(self, memory: torch.Tensor) -> None:
         """Register the storage under `memory` (the decoder's pool) once: READs land in it."""
-        storage = memory.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+        key = _storage(memory)
         if key not in self.targets:
             with self.lock:
                 self.targets[key] = self.agent.register_memory([(*key, self.dev_id, "")],
                                                                self.mem)
 
     def untarget(self, memory: torch.Tensor) -> None:
-        storage = memory.untyped_storage()
         with self.lock:
-            reg = self.targets.pop((storage.data_ptr(), storage.nbytes()), None)
+            reg = self.targets.pop(_storage(memory), None)
             if reg is not None and self.agent is not None:
                 self.agent.deregister_memory(reg)
 
@@ -215,8 +213,17 @@ def check_wait(why: str | None, deadline: float, what: str) -> None:
 
 
 def view(memory: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return memory[offset:offset + nbytes].view(dtype).view(shape)
+    return memory[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def _storage(memory: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the storage under `memory`: what a registration covers."""
+    storage = memory.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
 class RemoteSlice:
@@ -228,16 +235,17 @@ class RemoteSlice:
         self.end, self.index, self.offset = end, index, offset
         self.dtype, self.shape = dtype, torch.Size(shape)
         self.deadline_s, self.broken = deadline_s, broken
-        self.nbytes = self.shape.numel() * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = _nbytes(dtype, self.shape)
 
     def read(self, device=None) -> torch.Tensor:
-        """The bytes, READ into a new tensor on this end's device."""
-        out = torch.empty(self.shape, dtype=self.dtype, device=device or self.end.device)
+        """The bytes, READ into a new tensor on this end's device (the memory type its
+        agent registers: DRAM or VRAM), then moved to `device` if another is asked for."""
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.end.device)
         try:
             self.copy_into(out)
         finally:
             self.end.untarget(out)  # its memory goes back to torch: no registration stays
-        return out
+        return out if device is None else out.to(device)
 
     def copy_into(self, dst: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """dst = the bytes (same shape, contiguous); with `index`: dst[:, :, index] = them,

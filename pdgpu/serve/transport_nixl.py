@@ -145,8 +145,8 @@ class NixlTransport(GlooTransport):
         return link is not None and link.me == 1 and self._end(link) is not None
 
     def staging(self, dst: int, specs, device) -> list[torch.Tensor]:
-        """Views of a free local slot (the producer gathers straight into it: `send` then
-        WRITEs it as it is), else GlooTransport's."""
+        """Views of a free local slot (the producer gathers straight into it, and `send`
+        names it as it is for the decoder to READ), else GlooTransport's."""
         link = self.links.get(dst)
         if not self._writes(link) or not all(torch.Size(s).numel() for s, _ in specs):
             return super().staging(dst, specs, device)
@@ -230,7 +230,7 @@ class NixlTransport(GlooTransport):
         return super()._via(link, tensor)
 
     def _send_payload(self, link: Link, tensor: torch.Tensor, via: str | None) -> None:
-        if via is None or not via.startswith(NIXL):  # else: already in the decoder's slot
+        if via is None or not via.startswith(NIXL):  # else: in this end's slot, READ there
             super()._send_payload(link, tensor, via)
 
     # -- the reader ---------------------------------------------------------------------------
