@@ -29,17 +29,18 @@ def _first_signal(signum, frame) -> None:
     if _received:
         return  # the clean-up of the first one is running: let it finish
     _received.append(signum)
-    raise _error(signum)
+    raise error_for(signum)
 
 
-def _error(signum: int) -> KeyboardInterrupt:
+def error_for(signum: int) -> KeyboardInterrupt:
+    """What signal `signum` raises: Terminated for SIGTERM, KeyboardInterrupt otherwise."""
     return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def received() -> KeyboardInterrupt | None:
     """The interrupt a signal raised, if one came: an import that swallows every exception
     (a bare `except:` in a dependency) must not make it as if none had."""
-    return _error(_received[0]) if _received else None
+    return error_for(_received[0]) if _received else None
 
 
 def install() -> dict:

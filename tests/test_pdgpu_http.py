@@ -118,7 +118,7 @@ def server(tmp_path_factory):
     srv = Server(tmp, str(folder), "--http-queue", "4", "--http-max-prompt", "64")
     yield srv
     code, values = srv.stop()
-    assert code == 0 and values["leaked_pages"] == 0, (code, values)
+    assert code == 143 and values["leaked_pages"] == 0, (code, values)  # SIGTERM: 143
     trace_ok(srv.trace.read_bytes().splitlines())
 
 
@@ -228,6 +228,38 @@ def test_client_disconnect_cancels_and_frees_pages(server):
         time.sleep(0.05)
 
 
+def test_hang_up_before_the_first_token_cancels_the_request(tmp_path):
+    """A stream whose response ends before its first event was pulled (the client is gone
+    when the server sends the headers, so the body generator never starts): its request is
+    cancelled all the same, or it would decode to max_tokens holding its queue slot."""
+    import asyncio
+
+    from pdgpu.serve.frontend import Frontend
+    from pdgpu.serve.http import Answer, Service
+    from pdgpu.serve.openai_api import Limits, parse_completion
+    from pdgpu.serve.texts import Texts
+    from pdref.models import load_model
+    frontend = Frontend(bound=4, drain_s=1.0)
+    texts = Texts.for_model("tiny")
+    limits = Limits("tiny", 256, 64, load_model("tiny"))
+    ask = parse_completion({"model": "tiny", "prompt": [1, 2], "max_tokens": 9, "stream": True},
+                           limits, texts)
+
+    async def hung_up(message):
+        raise OSError("the client hung up")
+
+    async def never():
+        await asyncio.Event().wait()
+
+    async def respond():
+        response = Answer(Service(frontend, texts, limits, None), ask, False).stream()
+        with pytest.raises(OSError):
+            await response({"type": "http", "asgi": {"spec_version": "2.3"}}, never, hung_up)
+    asyncio.run(respond())
+    handle = frontend.inbox.get_nowait()
+    assert handle.cancelled
+
+
 def test_plain_request_whose_client_gives_up_is_cancelled(server):
     """An unstreamed request whose client closes the connection while it waits (a read
     timeout) is cancelled; its pages come back."""
@@ -324,7 +356,7 @@ def test_preset_token_ids_only_and_sigterm_drains(tmp_path):
         assert rest[-1].finish_reason == "length"
     finally:
         code, values = srv.stop()
-    assert code == 0 and values["ok"] == 1 and values["leaked_pages"] == 0
+    assert code == 143 and values["ok"] == 1 and values["leaked_pages"] == 0
     trace_ok(srv.trace.read_bytes().splitlines())
 
 
@@ -406,5 +438,5 @@ def test_health_is_503_once_no_producer_serves(tmp_path):
         assert r.status_code == 500 and "no producer left" in r.json()["error"]["message"]
     finally:
         code, values = srv.stop()
-    assert code == 1 and values["failed"] == 1 and values["leaked_pages"] == 0
+    assert code == 143 and values["failed"] == 1 and values["leaked_pages"] == 0
     trace_ok(srv.trace.read_bytes().splitlines())

@@ -35,3 +35,14 @@ def in_thread(target):
         if raised:
             raise raised[0]
     return finish
+
+
+def wait_until(condition, what: str, deadline_s: float = 120.0, poll_s: float = 0.05) -> None:
+    """Poll `condition` until it holds; fail naming `what` after a generous deadline (a
+    loaded machine is slow, never this slow)."""
+    import time
+    end = time.monotonic() + deadline_s
+    pause = threading.Event()
+    while not condition():
+        assert time.monotonic() < end, f"not seen within {deadline_s:.0f} s: {what}"
+        pause.wait(poll_s)

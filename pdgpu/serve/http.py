@@ -126,10 +126,14 @@ class Answer:
 
     def stream(self) -> StreamingResponse:
         handle, events = self.service.submit(self.ask)  # 429/503 before the stream begins
-        return StreamingResponse(self._events(handle, events), media_type="text/event-stream")
+        ended: list[bool] = []  # set once the request ended (its last event was sent)
 
-    async def _events(self, handle, events):
-        ended = False
+        def gone() -> None:  # the response is over: unless the request ended, cancel it
+            if not ended:
+                self.service.frontend.cancel(handle)
+        return _Stream(self._events(handle, events, ended), gone)
+
+    async def _events(self, handle, events, ended: list):
         try:
             async for text, token in _tokens(self.service, handle, events, self.out):
                 ids = [] if token is None else [token]
@@ -139,14 +143,28 @@ class Answer:
                 _choice(self.chat, "", [], self.out.finish_reason(), True)]})
             if self.ask.include_usage:
                 yield _sse({**self._head(True), "choices": [], "usage": self.out.usage()})
-            ended = True
+            ended.append(True)
         except ApiError as e:
-            ended = True  # the request ended (failed or cancelled by the server)
+            ended.append(True)  # the request ended (failed or cancelled by the server)
             yield _sse(e.body())
-        finally:
-            if not ended:  # the client went away (the server cancelled this stream)
-                self.service.frontend.cancel(handle)
         yield "data: [DONE]\n\n"
+
+
+class _Stream(StreamingResponse):
+    """A stream that calls `on_end` once the response is over, however it ended. A client
+    that hangs up before the first event is pulled ends the response before its generator
+    ever starts (so no `finally` inside the generator runs): the request must still be
+    cancelled there, or it decodes to `max_tokens` holding its queue slot."""
+
+    def __init__(self, content, on_end) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
 
 
 def _sse(obj: dict) -> str:

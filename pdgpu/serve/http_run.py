@@ -7,7 +7,8 @@ same process (the bridge, frontend.py, is the only state both threads touch). Th
 socket is bound here before any producer starts, so a port in use is one line, exit 2.
 SIGINT or SIGTERM drains: no new requests (503), requests in flight finish (those still
 running `--http-drain` seconds later are cancelled), then the producers stop and the trace
-closes as after a batch run; a second signal stops at once (exit 130, live requests aborted).
+closes as after a batch run, exit 130 (SIGINT) or 143 (SIGTERM); a second signal stops at once
+(the same codes, live requests aborted).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import threading
 from contextlib import contextmanager
 
+from pdgpu import interrupt
 from pdgpu.serve.launch import ServeRun
 from pdgpu.serve.workload import ServeRequest, Workload
 from pdgpu.workload import WorkloadError
@@ -112,16 +114,20 @@ class ServerThread:
 
 @contextmanager
 def drain_on_signals(frontend):
-    """First SIGINT/SIGTERM: drain; the second: KeyboardInterrupt (stop now)."""
+    """First SIGINT/SIGTERM: drain; the second: KeyboardInterrupt or Terminated (stop now).
+    Yields the list the first signal's number is put in (the exit code: 130 or 143)."""
+    signalled: list[int] = []
+
     def handler(signum, frame):
-        if frontend.closing:
-            raise KeyboardInterrupt
+        if signalled:
+            raise interrupt.error_for(signum)
+        signalled.append(signum)
         print(f"pdgpu: {signal.Signals(signum).name}: draining (no new requests; again to "
               "stop now)", file=sys.stderr, flush=True)
         frontend.close()
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield signalled
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -157,8 +163,9 @@ def serve_http(args) -> int:
     # long for the decoder thread's Python to let go of it.
     sys.setswitchinterval(SWITCH_S)
     run = ServeRun(frontend=frontend)
+    signalled: list[int] = []
     try:
-        with drain_on_signals(frontend):
+        with drain_on_signals(frontend) as signalled:
             parts._serve(args, config, policy, workload, producers, endpoint, run)
     except BaseException as e:
         if type(e).__name__ == "Violation":
@@ -168,13 +175,20 @@ def serve_http(args) -> int:
         frontend.abandon("the server stopped")
         server.stop()
         parts._write_outputs(args, run)
-    return _report(args, run)
+    return _report(args, run, signalled)
 
 
-def _report(args, run: ServeRun) -> int:
+def _report(args, run: ServeRun, signalled: list[int]) -> int:
+    """The summary; the exit code: 130/143 after a drain a signal began (the README's
+    promise for every run a signal stops), else 1 if a request failed, else 0."""
     from pdgpu.serve.report import summary
     values = summary(run.decoder, run.ledger, run.wall_s)
     run.ledger.log.discard()
     from pdgpu.serve_cli import _summary_text
     print(json.dumps(values) if args.json else _summary_text(values))
+    if signalled:
+        stop = interrupt.error_for(signalled[0])
+        print(f"pdgpu: {interrupt.describe(stop)}: drained, every process stopped",
+              file=sys.stderr)
+        return interrupt.exit_code(stop)
     return 1 if values["failed"] else 0
