@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import attrs
 
+from pdgpu.serve.detok import Detokenizer
 from pdgpu.serve.texts import TextError, Texts
 from pdref.models import context_error
 
@@ -185,17 +186,13 @@ def parse_chat(body, limits: Limits, texts: Texts) -> Ask:
 
 class Output:
     """A request's tokens as text, ended by a stop token or string; `add` gives the text
-    that is final so far (held back while it may still become a stop string).
-
-    Text grows by decoding a short window (vLLM's incremental detokenizing): the tokens from
-    `start` decoded, minus those up to `read` decoded, is what the last tokens added; a
-    character still in parts (U+FFFD at the end) waits for its next token. Decoding the whole
-    output at every token would cost O(n^2) in the HTTP thread."""
+    that is final so far (held back while it may still change: an unfinished character
+    (detok.py), or the start of a stop string, as vLLM holds the longest stop's length - 1)."""
 
     def __init__(self, ask: Ask, texts: Texts) -> None:
-        self.ask, self.texts = ask, texts
+        self.ask = ask
+        self.detok = Detokenizer(texts)
         self.tokens: list[int] = []
-        self.start = self.read = 0  # the window: tokens[start:read] are decoded already
         self.shown = 0  # characters of the text given out
         self.text = ""
         self.stopped = False  # by a stop token or string
@@ -205,29 +202,19 @@ class Output:
         if self.stopped:  # tokens the decoder made before it heard of the stop: not output
             return ""
         self.tokens.append(token)
-        if token in self.ask.stop_ids:
+        if token in self.ask.stop_ids:  # its text is not output (OpenAI, vLLM)
             self.stopped = True
-            return self._flush()
-        self.text += self._delta()
+            return self._end()
+        self._grow(self.detok.add(token))
+        return self._flush() if self.stopped else self._upto(len(self.text) - self.hold)
+
+    def _grow(self, piece: str) -> None:
+        """Text added; cut at the first stop string it completes."""
+        self.text += piece
         for stop in self.ask.stop_texts:
             at = self.text.find(stop, max(0, self.shown - len(stop)))
             if at >= 0:
                 self.text, self.stopped = self.text[:at], True
-        if self.stopped:
-            return self._flush()
-        return self._upto(len(self.text) - self.hold)
-
-    def _delta(self) -> str:
-        """The text the tokens after `read` add."""
-        if not self.texts.has_tokenizer:
-            new, self.read = self.tokens[self.read:], len(self.tokens)
-            return self.texts.decode(new)
-        before = self.texts.decode(self.tokens[self.start:self.read])
-        after = self.texts.decode(self.tokens[self.start:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        self.start, self.read = self.read, len(self.tokens)
-        return after[len(before):]
 
     def _upto(self, end: int) -> str:
         out = self.text[self.shown:max(self.shown, end)]
@@ -235,12 +222,17 @@ class Output:
         return out
 
     def _flush(self) -> str:
-        """What is left, at the end."""
         return self._upto(len(self.text))
 
-    def finish(self) -> str:
-        """The request ended: the text held back for a stop string that never came."""
+    def _end(self) -> str:
+        """The output ended: the characters held back too (a stop string may end in one)."""
+        self._grow(self.detok.flush())
         return self._flush()
+
+    def finish(self) -> str:
+        """The request ended: the text held back for a stop string that never came, and an
+        unfinished character as the tokenizer decodes it."""
+        return "" if self.stopped else self._end()
 
     def finish_reason(self) -> str:
         return "stop" if self.stopped or len(self.tokens) < self.ask.max_tokens else "length"
