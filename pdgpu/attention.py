@@ -9,6 +9,8 @@ tensor is built and K/V are never repeated for GQA (`enable_gqa`):
               (square: upper-left = lower-right), merged by their log-sum-exp. torch's CPU
               SDPA has no lower-right flash path: it would build the [n, start + n] mask
               and run the math kernel (3x slower at 2048 tokens in chunks of 256).
+A sliding-window layer (`window` W: a query at p sees keys (p - W, p]) whose chunk reaches
+past the first W positions attends only the keys its chunk can see, under a band mask.
 
 Decode. One query per request over its own length. A batch is split into groups whose K/V
 rows all have the same width (a power of two, decode_kv.py); each group is one batched
@@ -26,10 +28,12 @@ from torch.nn.attention.bias import causal_lower_right
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      start: int) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                      window: int | None = None) -> torch.Tensor:
     """q [n, H, D] at positions [start, start + n); k/v [KVH, start + n, D] -> [n, H, D]."""
     n = q.shape[0]
+    if window is not None and start + n > window:
+        return _windowed(q, k, v, start, window)
     qh, kh, vh = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, n, D], [1, KVH, c, D]
     if start == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
@@ -38,6 +42,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         bias = causal_lower_right(n, k.shape[1])
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [n, H, D]
+
+
+def _windowed(q, k, v, start: int, window: int) -> torch.Tensor:
+    """q [n, H, D] at [start, start + n) over the keys of the last `window` positions of each
+    query (k/v [KVH, start + n, D]) -> [n, H, D]."""
+    end = k.shape[1]
+    first = max(0, start - window + 1)  # the oldest key any query of the chunk sees
+    queries = torch.arange(start, end, device=q.device)[:, None]  # [n, 1]
+    keys = torch.arange(first, end, device=q.device)[None, :]  # [1, c]
+    band = (keys <= queries) & (keys > queries - window)  # [n, c] True: attended
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None, :, first:],
+                                         v[None, :, first:], attn_mask=band, enable_gqa=True)
     return out[0].transpose(0, 1)  # [n, H, D]
 
 

@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from pdgpu import interrupt, serve_cli
+from pdgpu.arch import arch_of
 from pdgpu.audit import Disagreement
 from pdgpu.checkpoint import CheckpointError, inspect_checkpoint, load_checkpoint
 from pdgpu.cli_types import int_at_least, positive_float
@@ -216,8 +217,10 @@ def _prepare(args):
     _check_context(args, spec, len(tokens))
     for mode in _modes(args, spec):
         setup_check(spec, _config(args, mode, device, decoder), _requests(args, tokens))
-    if spec.arch not in ("qwen3", "llama"):
-        raise BadInput(f"model: arch {spec.arch!r} has no engine implementation (qwen3, llama)")
+    try:
+        arch_of(spec)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
     if Path(args.model).is_dir():
         return load_checkpoint(args.model, device, args.dtype), tokens, device, decoder
     return build_model(spec, device=device, seed=args.seed), tokens, device, decoder

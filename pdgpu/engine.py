@@ -121,7 +121,8 @@ class Engine:
     def _allocate(self, plan: Plan, rec: Recorder) -> None:
         """Every buffer of the run, once: source cache, decoder pool, the copier's ring."""
         dtype = self.model.model.embed_tokens.weight.dtype
-        self.source = SourceCache(self.geometry, plan.source_pages, self.config.device, dtype)
+        self.source = SourceCache(self.geometry, plan.source_pages, self.config.device, dtype,
+                                  self.model.state_shape)
         self.pool = DecoderPool(self.geometry, plan.pool_pages, self.config.decoder_device, dtype)
         cfg = CopierConfig(plan.ring_slots, plan.span_elems, self.config.link_gbps)
         self.copier = Copier(cfg, self.source.kv, self.pool, rec.now)

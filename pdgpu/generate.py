@@ -36,7 +36,8 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
     device = model.inv_freq.device
     geometry = model.spec.geometry(page_tokens)
     dtype = model.model.embed_tokens.weight.dtype
-    cache = SourceCache(geometry, geometry.pages_for(len(tokens)), device, dtype)
+    cache = SourceCache(geometry, geometry.pages_for(len(tokens)), device, dtype,
+                        model.state_shape)
     kv = cache.open(len(tokens))
     ids = torch.tensor(tokens, dtype=torch.int64, device=device)  # [prompt]
     hidden = None
@@ -44,7 +45,7 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
         hidden = model.prefill_chunk(ids[a:b], a, kv)[-1:]  # [1, E]
     out = [first_token(model, hidden)]
     context = kv.kv.index_select(2, kv.slots)  # [L, 2, prompt, KVH, D]
-    seq = DecodeCache.for_model(model).add(context)
+    seq = DecodeCache.for_model(model).add(context, kv.read_state())
     while len(out) < output_tokens and out[-1] != eos:
         out.append(decode_tokens(model, DecodeBatch([seq]), [out[-1]])[0])
     return out

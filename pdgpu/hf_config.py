@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import attrs
 
+from pdgpu.hf_hybrid import hybrid_fields
 from pdref.models import ModelSpec, ProfileError, RopeScaling, model_from_dict
 
-ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+         "Qwen3_5ForCausalLM": "qwen3_5", "Gemma3ForCausalLM": "gemma3"}
+MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_5": "qwen3_5_text",
+               "gemma3": "gemma3_text"}
+HYBRIDS = ("qwen3_5", "gemma3")  # their own fields: hf_hybrid.py
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -32,13 +37,17 @@ class CheckpointError(ValueError):
 def spec_from_config(config: dict, name: str, where: str) -> ModelSpec:
     """The ModelSpec a Hugging Face config.json describes, or CheckpointError naming the field."""
     arch = _arch(config, where)
-    _refuse_unsupported(config, where)
     fields = {spec_key: _required(config, key, where) for key, spec_key in REQUIRED.items()}
     fields["rms_eps"] = _positive(fields["rms_eps"], "rms_norm_eps", where)
-    theta, scaling = _rope(config, where)
     fields.update(name=name, arch=arch, kv_heads=_kv_heads(config, arch, where),
                   head_dim=_head_dim(config, arch, where), dtype=_dtype(config, where),
-                  rope_theta=theta, max_context=_context(config, where))
+                  max_context=_context(config, where))
+    scaling = None
+    if arch in HYBRIDS:
+        fields.update(hybrid_fields(config, arch, where, CheckpointError))
+    else:
+        _refuse_unsupported(config, where)
+        fields["rope_theta"], scaling = _rope(config, where)
     try:
         spec = model_from_dict(fields, default_name=name, where=where)
     except (ProfileError, TypeError, ValueError) as e:
@@ -64,13 +73,14 @@ def _context(config: dict, where: str) -> int | None:
 def _arch(config: dict, where: str) -> str:
     archs = config.get("architectures") or []
     known = sorted({ARCHS[a] for a in archs if a in ARCHS})
-    if not archs and config.get("model_type") in ARCHS.values():
-        known = [config["model_type"]]
+    by_type = {t: a for a, t in MODEL_TYPES.items()}
+    if not archs and config.get("model_type") in by_type:
+        known = [by_type[config["model_type"]]]
     if len(known) != 1 or any(a not in ARCHS for a in archs):
         raise CheckpointError(f"{where}: field 'architectures' {archs!r}: unknown architecture "
                               f"(supported: {', '.join(ARCHS)})")
-    model_type = config.get("model_type", known[0])
-    if model_type != known[0]:
+    model_type = config.get("model_type", MODEL_TYPES[known[0]])
+    if model_type != MODEL_TYPES[known[0]]:
         raise CheckpointError(f"{where}: field 'model_type' {model_type!r} contradicts "
                           f"'architectures' {archs!r}")
     return known[0]
@@ -91,8 +101,9 @@ def _refuse_unsupported(config: dict, where: str) -> None:
 
 
 def _kv_heads(config: dict, arch: str, where: str) -> int:
-    """Qwen3Config's default (32) is not num_attention_heads, so only Llama may leave it out."""
-    if config.get("num_key_value_heads") is not None or arch == "qwen3":
+    """Qwen3Config's default (32) is not num_attention_heads (nor are the hybrids'), so only
+    Llama may leave it out."""
+    if config.get("num_key_value_heads") is not None or arch != "llama":
         return _required(config, "num_key_value_heads", where)
     return config["num_attention_heads"]  # LlamaConfig's own rule: no GQA
 
@@ -184,7 +195,10 @@ def _llama3(params: dict, where: str) -> RopeScaling:
 
 
 def hf_config(spec: ModelSpec) -> dict:
-    """The Hugging Face config.json of a spec (transformers 4 layout)."""
+    """The Hugging Face config.json of a dense spec (transformers 4 layout)."""
+    if spec.arch in HYBRIDS:
+        raise CheckpointError(f"model {spec.name!r}: writing a {spec.arch} config.json is not "
+                              "supported (save the checkpoint with transformers)")
     config = {
         "architectures": [{v: k for k, v in ARCHS.items()}[spec.arch]],
         "model_type": spec.arch,

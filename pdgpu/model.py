@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pdgpu.arch import DENSE, Arch, arch_of
 from pdgpu.attention import prefill_attention
 from pdref.models import ModelSpec
 
@@ -166,11 +167,33 @@ class Block(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, arch: Arch) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.layers))
-        self.norm = RMSNorm(spec.hidden, spec.rms_eps)
+        if arch.family in DENSE:
+            self.layers = nn.ModuleList(Block(spec) for _ in range(spec.layers))
+            self.norm = RMSNorm(spec.hidden, spec.rms_eps)
+        else:  # the hybrid layers build on this module's primitives: imported here
+            from pdgpu.layers.hybrid_blocks import hybrid_layers
+            from pdgpu.layers.norms import OffsetRMSNorm
+            self.layers = nn.ModuleList(hybrid_layers(spec, arch))
+            self.norm = OffsetRMSNorm(spec.hidden, spec.rms_eps)
+
+
+def layer_frequencies(spec: ModelSpec, arch: Arch) -> dict[str, torch.Tensor]:
+    """RoPE inverse frequencies per rope kind ("full"; Gemma 3 also "sliding"), float32.
+    Qwen3.5 rotates `rotary_dim` dims of a head; Gemma 3's full layers may scale linearly."""
+    if arch.family in DENSE:
+        return {"full": inv_frequencies(spec)}
+    full = _plain_frequencies(spec.rope_theta, arch.rotary_dim)
+    if arch.family == "qwen3_5":
+        return {"full": full}
+    return {"full": full / spec.get("global_rope_factor"),
+            "sliding": _plain_frequencies(arch.local_rope_theta, spec.head_dim)}
+
+
+def _plain_frequencies(theta: float, dims: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
 
 
 class Transformer(nn.Module):
@@ -178,29 +201,60 @@ class Transformer(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.spec = spec
-        self.model = Body(spec)
+        self.spec, self.arch = spec, arch_of(spec)
+        self.model = Body(spec, self.arch)
         if not spec.tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        self.register_buffer("inv_freq", inv_frequencies(spec), persistent=False)
+        # per layer: which RoPE tables it uses, and its index among its storage's layers
+        self.rope_kind = tuple("sliding" if k == "sliding" else "full" for k in self.arch.kinds)
+        self.store_index = tuple(map(self.arch.store_index, range(spec.layers)))
+        self.set_frequencies()
+
+    def set_frequencies(self, device=None) -> None:
+        """The RoPE buffers (float32 whatever the model's dtype, like HF's): `inv_freq` of
+        full layers, `local_inv_freq` of Gemma 3's sliding layers."""
+        for kind, inv in layer_frequencies(self.spec, self.arch).items():
+            name = "inv_freq" if kind == "full" else "local_inv_freq"
+            self.register_buffer(name, inv if device is None else inv.to(device),
+                                 persistent=False)
+
+    @property
+    def state_shape(self):
+        """The per-request state of the linear layers (a StateShape), or None without any."""
+        from pdgpu.state_pool import StateShape  # torch-side pools import the model's types
+        return StateShape.for_arch(self.arch, self.model.embed_tokens.weight.dtype)
 
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [n] -> hidden [n, E]."""
-        return self.model.embed_tokens(tokens)
+        """tokens [n] -> hidden [n, E] (Gemma 3 scales by sqrt(E), rounded to the dtype)."""
+        h = self.model.embed_tokens(tokens)
+        if self.arch.family == "gemma3":
+            h = h * torch.tensor(self.spec.hidden ** 0.5).to(h.dtype)  # as HF rounds it
+        return h
 
     def rope(self, start: int, n: int, dtype: torch.dtype):
-        """RoPE tables [n, 1, D] of positions [start, start+n)."""
+        """RoPE tables [n, 1, D] of positions [start, start+n) (full layers)."""
         positions = torch.arange(start, start + n, device=self.inv_freq.device)  # [n]
         return rope_tables(self.inv_freq, positions, dtype)
 
+    def rope_by_kind(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """kind -> RoPE tables [n, 1, D'] of positions [n], for each kind the model has."""
+        tables = {"full": rope_tables(self.inv_freq, positions, dtype)}
+        if "sliding" in self.rope_kind:
+            tables["sliding"] = rope_tables(self.local_inv_freq, positions, dtype)
+        return tables
+
+    def _chunk_tables(self, start: int, n: int, dtype: torch.dtype) -> dict:
+        return self.rope_by_kind(torch.arange(start, start + n, device=self.inv_freq.device),
+                                 dtype)
+
     def run_layer(self, layer: int, h: torch.Tensor, start: int, kv: KVStore) -> torch.Tensor:
         """One layer over hidden states h [n, E] of positions [start, start+n)."""
-        cos, sin = self.rope(start, h.shape[0], h.dtype)
-        return self.model.layers[layer](h, cos, sin, kv, layer, start)
+        cos, sin = self._chunk_tables(start, h.shape[0], h.dtype)[self.rope_kind[layer]]
+        return self.model.layers[layer](h, cos, sin, kv, self.store_index[layer], start)
 
     def prefill_chunk(
         self,
@@ -214,9 +268,10 @@ class Transformer(nn.Module):
         `on_layer(l)` runs as soon as layer l's K/V of this chunk is in the store.
         """
         h = self.embed(tokens)  # [n, E]
-        cos, sin = self.rope(start, h.shape[0], h.dtype)  # once for every layer
+        tables = self._chunk_tables(start, h.shape[0], h.dtype)  # once for every layer
         for layer, block in enumerate(self.model.layers):
-            h = block(h, cos, sin, kv, layer, start)
+            cos, sin = tables[self.rope_kind[layer]]
+            h = block(h, cos, sin, kv, self.store_index[layer], start)
             if on_layer is not None:
                 on_layer(layer)
         return h
@@ -231,16 +286,21 @@ class Transformer(nn.Module):
         places = torch.zeros(rows, dtype=positions.dtype, device=positions.device)  # [R]
         places[:count] = positions
         h = self.embed(padded)  # [R, E]
-        cos, sin = rope_tables(self.inv_freq, places, h.dtype)  # [R, 1, D] each
+        tables = self.rope_by_kind(places, h.dtype)  # kind -> [R, 1, D] each
         for layer, block in enumerate(self.model.layers):
-            h = block.decode(h, cos, sin, kv, layer, count)  # [R, E]
+            cos, sin = tables[self.rope_kind[layer]]
+            h = block.decode(h, cos, sin, kv, self.store_index[layer], count)  # [R, E]
         return self.logits(h)[:count]  # [B, V]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [n, E] -> logits [n, V]."""
         h = self.model.norm(h)
         weight = self.model.embed_tokens.weight if self.spec.tie_embeddings else self.lm_head.weight
-        return F.linear(h, weight)
+        logits = F.linear(h, weight)
+        cap = self.spec.get("final_softcap")
+        if cap:  # Gemma's final logit soft-capping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def torch_dtype(spec: ModelSpec) -> torch.dtype:
@@ -261,13 +321,12 @@ def init_weights(model: Transformer, seed: int) -> None:
 
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int | None = 0):
     """A model of `spec`'s shape in its dtype on `device`; random weights when seed is set."""
-    if spec.arch not in ("qwen3", "llama"):
-        raise ValueError(f"model: arch {spec.arch!r} has no engine implementation (qwen3, llama)")
+    arch_of(spec)  # refuses an arch the engine cannot build
     with torch.device("meta"):
         model = Transformer(spec)
     model = model.to_empty(device=device)
     if seed is not None:
         init_weights(model, seed)
     model = model.to(torch_dtype(spec)).eval().requires_grad_(False)
-    model.inv_freq = inv_frequencies(spec).to(device)  # stays float32, like HF's
+    model.set_frequencies(device)  # stays float32, like HF's
     return model

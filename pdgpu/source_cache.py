@@ -12,6 +12,10 @@ pages: a chunk's extra memory traffic is its own rows (pages and workspace), wha
 context. One request is prefilled at a time per cache (the engine and a serving producer
 both work so). Rows [0, prefix) of the workspace are written by the prefix's own prefill and
 by no request after it (each writes [prefix, prompt)), so they stay valid across requests.
+
+A hybrid with linear layers (gated DeltaNet) also keeps each open request's state in a slot
+of the cache's state pool (state_pool.py), zeroed when the request opens: those layers read
+and update it chunk after chunk instead of K/V.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from pdgpu.state_pool import StatePool, StateShape
 from pdref.geometry import Geometry
 from pdref.intervals import Range
 from pdref.pool import Pool
@@ -47,6 +52,17 @@ class RequestKV:
     slots: torch.Tensor  # [prompt] flat slot per position
     pages: tuple[int, ...]
     work: torch.Tensor  # [L, 2, KVH, >= prompt, D] the workspace attention reads
+    state_pool: StatePool | None = None  # a hybrid's linear-layer states
+    state_slot: int | None = None  # this request's slot in it
+
+    def states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Linear layer `layer`'s state of this request: conv [C, K-1], recurrent
+        [Hv, Dk, Dv] (views: prefill updates them in place)."""
+        return self.state_pool.views(layer, self.state_slot)
+
+    def read_state(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A copy of the request's whole state (None for a model without linear layers)."""
+        return None if self.state_pool is None else self.state_pool.read(self.state_slot)
 
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store k/v [n, KVH, D] at positions [start, start+n); K/V [KVH, start+n, D] back."""
@@ -62,12 +78,14 @@ class RequestKV:
 class SourceCache:
     """Paged K/V of the producer: `kv` [L, 2, pages * page_tokens, KVH, D] on its device."""
 
-    def __init__(self, geometry: Geometry, pages: int, device, dtype: torch.dtype) -> None:
+    def __init__(self, geometry: Geometry, pages: int, device, dtype: torch.dtype,
+                 state: StateShape | None = None) -> None:
         self.geometry = geometry
         self.device = torch.device(device)
         self.kv = paged_kv(geometry, pages, self.device, dtype)  # [L, 2, S, KVH, D]
         self.work = self._workspace(0)  # [L, 2, KVH, tokens, D], grown on demand
         self.pool = Pool(pages)
+        self.states = None if state is None else StatePool(state, 1, self.device)
 
     @property
     def nbytes(self) -> int:
@@ -77,16 +95,18 @@ class SourceCache:
         """Allocate pages for a request of `prompt` tokens (lowest free ids first)."""
         self.pool, pages = self.pool.allocate(self.geometry.pages_for(prompt))
         slots = token_slots(pages, self.geometry.page_tokens, prompt, self.device)
-        return self.view(slots, pages)
+        return self.view(slots, pages, None if self.states is None else self.states.take())
 
-    def view(self, slots: torch.Tensor, pages: tuple[int, ...]) -> RequestKV:
+    def view(self, slots: torch.Tensor, pages: tuple[int, ...],
+             state_slot: int | None = None) -> RequestKV:
         """The KVStore of a request laid out over `pages` (slots [prompt]), workspace grown
-        to its length (earlier rows kept: the prefix's stay valid)."""
+        to its length (earlier rows kept: the prefix's stay valid), its state in
+        `state_slot` of the state pool (a hybrid's)."""
         if self.work.shape[3] < len(slots):
             grown = self._workspace(len(slots))
             grown[:, :, :, :self.work.shape[3]] = self.work
             self.work = grown
-        return RequestKV(self.kv, slots, pages, self.work)
+        return RequestKV(self.kv, slots, pages, self.work, self.states, state_slot)
 
     def _workspace(self, tokens: int) -> torch.Tensor:
         g = self.geometry
@@ -96,6 +116,8 @@ class SourceCache:
     def close(self, request: RequestKV) -> None:
         """Give the request's pages back: the next request may overwrite them at once."""
         self.pool = self.pool.give_back(request.pages)
+        if request.state_slot is not None:
+            self.states.give_back(request.state_slot)
 
 
 def gather(kv: torch.Tensor, slots: torch.Tensor, layers: Range, tokens: Range, out) -> None:

@@ -38,7 +38,9 @@ class ModelSpec:
     """A decoder-only transformer of the Qwen3 / Llama family, as a profile describes it."""
 
     name: str
-    arch: str = attrs.field(validator=attrs.validators.in_(("qwen3", "llama", "hybrid")))
+    # qwen3_5 and gemma3: the engine's hybrid families (their layer kinds are in `extra`)
+    arch: str = attrs.field(
+        validator=attrs.validators.in_(("qwen3", "llama", "hybrid", "qwen3_5", "gemma3")))
     layers: int
     hidden: int
     heads: int

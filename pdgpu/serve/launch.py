@@ -35,7 +35,7 @@ from pdgpu.serve.devices import use_device
 from pdgpu.serve.faults import FaultPolicy
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.members import Members
-from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
+from pdgpu.serve.models import SERVED_ARCHS, load_served_model, model_spec
 from pdgpu.serve.producer_rank import (  # noqa: F401 - run_producer: imported from here
     ProducerOptions,
     producer_process,
@@ -172,8 +172,8 @@ def handshake(transport, config: ServeConfig, timeout_s: float, check_peers,
     reason = refusal(config.mode, [Capabilities.from_json(m.body["caps"]) for m in caps],
                      device)
     spec = model_spec(config.model, config.dtype)
-    if reason is None and spec.arch not in ENGINE_ARCHS:
-        reason = f"model: arch {spec.arch!r} has no engine implementation (qwen3, llama)"
+    if reason is None and spec.arch not in SERVED_ARCHS:
+        reason = f"model: arch {spec.arch!r} is not served yet ({', '.join(SERVED_ARCHS)})"
     for rank in transport.peers():
         transport.send(rank, "refuse" if reason else "go", {"reason": reason})
     if reason is not None:

@@ -1,0 +1,172 @@
+"""The hybrid families (Qwen3.5 gated DeltaNet, Gemma 3 sliding window) against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_pdgpu_transformers_parity import agree_while_clear, hf_greedy
+
+from pdgpu import checkpoint as ckpt
+from pdgpu.compare import compare_modes
+from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
+from pdgpu.generate import first_token, generate
+from pdgpu.model import build_model
+from pdgpu.source_cache import SourceCache
+from pdgpu.workload import EngineConfig, Request
+from pdref.events import Mode
+
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+             initializer_range=0.2)
+QWEN35 = dict(SHAPE, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
+GEMMA3 = dict(SHAPE, num_hidden_layers=6, sliding_window=16, query_pre_attn_scalar=24,
+              final_logit_softcapping=30.0)
+
+
+def _randomize(model) -> None:
+    """Norm weights (stored as offsets from 1) and DeltaNet's gates away from their inits, so
+    a wrong offset, gate or decay shows in the tokens."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif "A_log" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
+
+
+def save_hf(folder, family: str) -> None:
+    """A random checkpoint of `family` saved by transformers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "qwen3_5":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**QWEN35))
+    else:
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA3))
+    _randomize(model)
+    model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "gemma3"])
+def family(request, tmp_path_factory):
+    """(folder, our model, transformers' model) of one hybrid family."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp(request.param)
+    save_hf(folder, request.param)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, ckpt.load_checkpoint(folder), hf
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize(("length", "chunk"), [(7, 32), (150, 32), (150, 64)])
+def test_generate_equals_transformers_greedy(family, length, chunk):
+    """`pdgpu generate` (chunked prefill carrying the DeltaNet state / windowed attention,
+    then recurrent / ring decode) gives transformers' greedy tokens where its margin is clear,
+    past the window and past one DeltaNet block."""
+    _, model, hf = family
+    tokens = _prompt(length, length)
+    ours = generate(model, tokens, 24, chunk=chunk)
+    theirs, margins = hf_greedy(hf, tokens, 24)
+    assert agree_while_clear(ours, theirs, margins) >= 12
+
+
+def test_decoding_in_a_batch_gives_the_tokens_of_decoding_alone(family):
+    """Requests decoded together (states gathered per layer, rings per bucket, one request
+    outgrowing its bucket) get bit-for-bit the tokens each gets alone."""
+    _, model, _ = family
+    prompts = [_prompt(n, n) for n in (250, 9, 40)]
+    alone = [generate(model, p, 10, chunk=32) for p in prompts]
+    cache, seqs, last = DecodeCache.for_model(model), [], []
+    for prompt in prompts:
+        source = SourceCache(model.spec.geometry(16), 32, "cpu", torch.float32,
+                             model.state_shape)
+        kv = source.open(len(prompt))
+        hidden = None
+        for a in range(0, len(prompt), 32):
+            ids = torch.tensor(prompt[a:a + 32])
+            hidden = model.prefill_chunk(ids, a, kv)[-1:]
+        last.append(first_token(model, hidden))
+        seqs.append(cache.add(kv.kv.index_select(2, kv.slots), kv.read_state()))
+    outs = [[t] for t in last]
+    for _ in range(9):
+        step = decode_tokens(model, DecodeBatch(seqs), [o[-1] for o in outs])
+        for out, token in zip(outs, step, strict=True):
+            out.append(token)
+    assert outs == alone
+
+
+def test_compare_whole_and_chunk_hand_off_the_same_kv(family):
+    """`pdgpu compare`'s engine runs (whole, chunk; layer for Gemma 3) give the same decoder
+    K/V and first token, and the first token is transformers' greedy one."""
+    _, model, hf = family
+    tokens = _prompt(70, 3)
+    modes = ["whole", "chunk"] + ([] if model.spec.recurrent else ["layer"])
+    configs = {m: EngineConfig(mode=Mode(m), chunk=32, keep_kv=True, warmup=False)
+               for m in modes}
+    report = compare_modes(model, configs, [Request("r0", tuple(tokens))])
+    assert report.parity_ok
+    theirs, margins = hf_greedy(hf, tokens, 1)
+    if margins[0] >= 1e-3:
+        assert report.results["whole"].outcomes[0].first_token == theirs[0]
+
+
+def test_the_geometry_counts_only_layers_that_keep_kv(family):
+    """A Qwen3.5's handoff carries its full-attention layers only (and is recurrent); a
+    Gemma 3's every layer."""
+    _, model, _ = family
+    geometry = model.spec.geometry(16)
+    if model.spec.arch == "qwen3_5":
+        assert (geometry.layers, geometry.recurrent) == (1, True)
+    else:
+        assert (geometry.layers, geometry.recurrent) == (6, False)
+
+
+def test_sliding_layers_decode_from_a_ring_that_does_not_grow(tmp_path):
+    """A Gemma 3 request's decoder memory for its sliding layers is the window's, whatever
+    its context: only the full layers' row grows."""
+    spec = ckpt.spec_from_config(_config(tmp_path, "gemma3"), "g", "config.json")
+    model = build_model(spec, seed=0)
+    sizes = []
+    for context in (300, 3000):
+        cache = DecodeCache.for_model(model)
+        cache.add(torch.zeros(6, 2, context, 2, 32))
+        bucket = next(iter(cache.buckets.values()))
+        sizes.append((bucket.ring.shape, bucket.kv.shape[0], cache.nbytes))
+    assert sizes[0][0] == sizes[1][0] == (5, 2, 1, 2, 16, 32)
+    assert sizes[0][1] == sizes[1][1] == 1  # one full layer in the growing rows
+
+
+def _config(tmp_path, family: str) -> dict:
+    save_hf(tmp_path / family, family)
+    return json.loads((tmp_path / family / "config.json").read_text())
+
+
+@pytest.mark.parametrize(("family_name", "edit", "named"), [
+    ("qwen3_5", lambda c: c.pop("layer_types"), "'layer_types'"),
+    ("qwen3_5", lambda c: c["rope_parameters"].pop("partial_rotary_factor"),
+     "'partial_rotary_factor'"),
+    ("qwen3_5", lambda c: c.pop("linear_conv_kernel_dim"), "'linear_conv_kernel_dim'"),
+    ("qwen3_5", lambda c: c.update(hidden_act="gelu"), "'hidden_act'"),
+    ("qwen3_5", lambda c: c["layer_types"].__setitem__(0, "mamba"), "'mamba'"),
+    ("gemma3", lambda c: c.pop("sliding_window"), "'sliding_window'"),
+    ("gemma3", lambda c: c.update(attn_logit_softcapping=50.0), "'attn_logit_softcapping'"),
+    ("gemma3", lambda c: c["rope_parameters"].pop("sliding_attention"),
+     "'rope_parameters.sliding_attention'"),
+    ("gemma3", lambda c: c.pop("query_pre_attn_scalar"), "'query_pre_attn_scalar'"),
+    ("gemma3", lambda c: c.update(model_type="gemma2"), "'model_type'"),
+])
+def test_a_missing_or_unsupported_field_is_named(tmp_path, family_name, edit, named):
+    """A hybrid config.json missing a field that changes the math, or with an unsupported
+    value, is refused in one line naming the field (never defaulted)."""
+    config = _config(tmp_path, family_name)
+    ckpt.spec_from_config(config, "m", "config.json")  # as transformers wrote it: loads
+    edit(config)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.spec_from_config(config, "m", "config.json")
+    assert named in str(err.value) and "\n" not in str(err.value)
