@@ -170,3 +170,22 @@ def test_a_missing_or_unsupported_field_is_named(tmp_path, family_name, edit, na
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.spec_from_config(config, "m", "config.json")
     assert named in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [7, 31, 32, 33, 64, 65, 129, 200, 300])
+def test_parity_sweep_over_prompt_lengths(family, length):
+    """Prompts of 7..300 tokens in chunks of 32 (chunk edges, DeltaNet block edges, past the
+    window): transformers' greedy tokens while its margin is clear, and the first token of
+    every engine mode equal to generate's."""
+    _, model, hf = family
+    tokens = _prompt(length, 100 + length)
+    ours = generate(model, tokens, 16, chunk=32)
+    theirs, margins = hf_greedy(hf, tokens, 16)
+    agree_while_clear(ours, theirs, margins)  # asserts every token up to the first unclear
+    modes = ["whole", "chunk"] + ([] if model.spec.recurrent else ["layer"])
+    configs = {m: EngineConfig(mode=Mode(m), chunk=32, keep_kv=True, warmup=False)
+               for m in modes}
+    report = compare_modes(model, configs, [Request("r0", tuple(tokens))])
+    assert report.parity_ok
+    assert report.results["whole"].outcomes[0].first_token == ours[0]

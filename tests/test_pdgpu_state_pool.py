@@ -1,0 +1,59 @@
+"""The linear-layer state pool: stable slots, zeroed on take, one gather/scatter per layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdgpu.state_pool import StatePool, StateShape
+
+SHAPE = StateShape(layers=3, conv=(6, 3), recurrent=(2, 4, 5), dtype=torch.float32)
+
+
+def test_a_taken_slot_is_zeroed_and_growing_keeps_the_others():
+    """`take` hands out the lowest free slot zeroed; when the pool doubles, states already
+    written stay in their slots."""
+    pool = StatePool(SHAPE, 1, "cpu")
+    first = pool.take()
+    pool.conv[:, first] = 1.0
+    pool.recurrent[:, first] = 2.0
+    second = pool.take()  # grows the pool
+    assert (first, second, pool.slots) == (0, 1, 2)
+    assert bool((pool.conv[:, first] == 1).all()) and bool((pool.recurrent[:, first] == 2).all())
+    pool.conv[:, second] = 5.0
+    pool.give_back(second)
+    assert pool.take() == 1 and not bool(pool.conv[:, 1].any())
+
+
+def test_gather_and_scatter_move_one_layer_of_the_slots_named():
+    """A decode batch's read of one layer is the slots' own states in batch order; its write
+    lands in those slots and that layer only."""
+    pool = StatePool(SHAPE, 4, "cpu")
+    for _ in range(4):
+        pool.take()
+    pool.recurrent.copy_(torch.arange(pool.recurrent.numel(), dtype=torch.float32)
+                         .view_as(pool.recurrent))
+    slots = torch.tensor([2, 0])
+    conv, rec = pool.gather(1, slots)
+    assert torch.equal(rec, pool.recurrent[1, [2, 0]])
+    before = pool.recurrent.clone()
+    pool.scatter(1, slots, conv + 1, rec * 0 - 1)
+    assert bool((pool.recurrent[1, [2, 0]] == -1).all())
+    assert torch.equal(pool.recurrent[1, [1, 3]], before[1, [1, 3]])
+    assert torch.equal(pool.recurrent[[0, 2]], before[[0, 2]])
+
+
+def test_giving_back_a_slot_not_taken_is_refused():
+    """A slot given back twice (or never taken) is an error, not a silent double free."""
+    pool = StatePool(SHAPE, 2, "cpu")
+    slot = pool.take()
+    pool.give_back(slot)
+    with pytest.raises(ValueError, match="not taken"):
+        pool.give_back(slot)
+
+
+def test_a_request_state_size_counts_every_linear_layer():
+    """Bytes per request: conv window in the model dtype, recurrent matrix in float32, per
+    linear layer."""
+    shape = StateShape(layers=2, conv=(10, 3), recurrent=(2, 4, 4), dtype=torch.bfloat16)
+    assert shape.nbytes == 2 * (10 * 3 * 2 + 2 * 4 * 4 * 4)
