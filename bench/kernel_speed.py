@@ -5,6 +5,7 @@ comes first on sys.path.)
     python bench/kernel_speed.py                  # CPU: `small`, 2048 tokens, float32 (~1 min)
     python bench/kernel_speed.py --device cuda    # GPU: qwen3-0.6b, 8192 tokens, bf16
     python bench/kernel_speed.py --json
+    python bench/kernel_speed.py --family qwen3_5   # a hybrid of `small`'s sizes (or gemma3)
 
 Both sides get the same weights (our random init, saved as a checkpoint and loaded by
 transformers' `AutoModelForCausalLM`, sdpa attention) and the same torch threads (the
@@ -19,6 +20,13 @@ is the median over rounds of the ratio within a round (a shared machine drifts s
                            DynamicCache of the same K/V, left-padded, with its attention mask)
 Targets (issue 24): CPU one chunk <= 1.10x, chunks <= 1.35x; GPU one chunk <= 1.0x,
 chunks <= 1.3x, decode step <= 8 ms at batch 16.
+
+`--family qwen3_5|gemma3` (issue 33): the same sides on a hybrid of the preset's sizes,
+random weights saved by transformers (Qwen3.5: 3 gated DeltaNet layers to 1 full; Gemma 3:
+5 sliding layers to 1 full, window --window; the last layer full). Its decode batch is
+real: both sides prefill the same `--batch` prompts (transformers left-padded in one
+forward), then time a step each (transformers' cache then grows by a token a step; ours
+decodes the same positions again).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import time
 
 import torch
 
-from pdgpu.checkpoint import save_checkpoint
+from pdgpu.checkpoint import load_checkpoint, save_checkpoint
 from pdgpu.decode_kv import DecodeBatch, DecodeCache
 from pdgpu.model import build_model
 from pdgpu.source_cache import SourceCache
@@ -59,6 +67,9 @@ def _parse(argv):
     p.add_argument("--profile", action="store_true",
                    help="also profile one call of each pdgpu side: aten calls, device kernels "
                         "(CUDA), device seconds, the top ops (where a launch-bound path shows)")
+    p.add_argument("--family", choices=("qwen3_5", "gemma3"),
+                   help="a hybrid family of the preset's sizes, saved by transformers")
+    p.add_argument("--window", type=int, default=512, help="gemma3's sliding window")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
@@ -91,7 +102,8 @@ def _transformers_model(model, device, dtype):
 
 def _ours_prefill(model, ids, chunk, geometry, dtype):
     """Prefill into a source cache allocated once (as a serving producer's is)."""
-    cache = SourceCache(geometry, geometry.pages_for(len(ids)), ids.device, dtype)
+    cache = SourceCache(geometry, geometry.pages_for(len(ids)), ids.device, dtype,
+                        model.state_shape)
     cache.close(cache.open(len(ids)))  # the workspace too
 
     def prefill():
@@ -158,21 +170,113 @@ def _left_pad(kv, length):
     return out
 
 
+def _hybrid_models(spec, args, device, dtype):
+    """(ours, transformers') of a random `args.family` checkpoint of the preset's sizes."""
+    import transformers
+    shape = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                 num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                 head_dim=spec.head_dim, intermediate_size=spec.intermediate,
+                 max_position_embeddings=max(spec.max_context or 0, 65536))
+    every = 4 if args.family == "qwen3_5" else 6  # each family's pattern: 1 full in `every`
+    local = "linear_attention" if args.family == "qwen3_5" else "sliding_attention"
+    shape["layer_types"] = [local if (i + 1) % every and i + 1 < spec.layers else
+                            "full_attention" for i in range(spec.layers)]  # the last: full
+    if args.family == "qwen3_5":
+        config = transformers.Qwen3_5TextConfig(
+            **shape, linear_num_key_heads=spec.kv_heads, linear_num_value_heads=spec.heads,
+            linear_key_head_dim=spec.head_dim, linear_value_head_dim=spec.head_dim)
+        net = transformers.Qwen3_5ForCausalLM(config)
+    else:
+        net = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **shape, sliding_window=args.window, query_pre_attn_scalar=spec.head_dim))
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        net.save_pretrained(folder)
+        model = load_checkpoint(folder, device, args.dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model, hf.to(device).eval()
+
+
+def _hybrid_prompts(spec, args, device) -> list[torch.Tensor]:
+    lo, hi = args.context_range
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(lo, hi + 1, (args.batch,), generator=gen).tolist()
+    return [torch.randint(0, spec.vocab, (n,), generator=gen).to(device) for n in lengths]
+
+
+@torch.no_grad()
+def _ours_hybrid_decode(model, prompts, chunk, device):
+    """Each prompt prefilled by the engine, then one batch over all of them."""
+    geometry, dtype = model.spec.geometry(16), model.model.embed_tokens.weight.dtype
+    cache = DecodeCache.for_model(model)
+    seqs = []
+    for ids in prompts:
+        source = SourceCache(geometry, geometry.pages_for(len(ids)), device, dtype,
+                             model.state_shape)
+        kv = source.open(len(ids))
+        for a in range(0, len(ids), chunk):
+            model.prefill_chunk(ids[a:a + chunk], a, kv)
+        seqs.append(cache.add(kv.kv.index_select(2, kv.slots), kv.read_state()))
+    tokens = torch.arange(len(seqs), device=device)
+
+    def step():
+        batch = DecodeBatch(seqs)
+        return model.decode_step(tokens, batch.positions(device), batch)
+    return step
+
+
+@torch.no_grad()
+def _hf_hybrid_decode(hf, prompts, device):
+    """The prompts left-padded through one transformers forward, then a step at a time."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.int64, device=device)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):], mask[i, longest - len(p):] = p, 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = hf(input_ids=ids, attention_mask=mask, position_ids=positions,
+               use_cache=True, logits_to_keep=1).past_key_values
+    state = {"mask": mask, "next": positions[:, -1:] + 1}
+    new = torch.arange(len(prompts), device=device)[:, None]  # [B, 1]
+
+    def step():
+        state["mask"] = torch.cat((state["mask"], state["mask"][:, -1:]), dim=1)
+        out = hf(input_ids=new, attention_mask=state["mask"], position_ids=state["next"],
+                 cache=cache, use_cache=True, logits_to_keep=1)
+        state["next"] = state["next"] + 1
+        return out.logits
+    return step
+
+
+def _models(spec, args, device, dtype):
+    if args.family:
+        return _hybrid_models(spec, args, device, dtype)
+    model = build_model(spec, device, seed=0).to(dtype)
+    return model, _transformers_model(model, device, dtype)
+
+
+def _decode_sides(spec, model, hf, args, device, dtype) -> dict:
+    if args.family:
+        prompts = _hybrid_prompts(spec, args, device)
+        return {"ours_decode": _ours_hybrid_decode(model, prompts, args.chunk, device),
+                "hf_decode": _hf_hybrid_decode(hf, prompts, device)}
+    contexts = _decode_contexts(spec, args, device, dtype)
+    return {"ours_decode": _ours_decode(model, contexts, device),
+            "hf_decode": _hf_decode(hf, contexts, device)}
+
+
 def measure(args) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     spec = load_model(args.model)
-    model = build_model(spec, device, seed=0).to(dtype)
-    hf = _transformers_model(model, device, dtype)
-    geometry = spec.geometry(16)
+    model, hf = _models(spec, args, device, dtype)
+    geometry = model.spec.geometry(16)
     ids = torch.randint(0, spec.vocab, (args.prompt,), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
-    contexts = _decode_contexts(spec, args, device, dtype)
     sides = {
         "ours_one_chunk": _ours_prefill(model, ids, args.prompt, geometry, dtype),
         "ours_chunked": _ours_prefill(model, ids, args.chunk, geometry, dtype),
         "hf_forward": lambda: hf(input_ids=ids[None], logits_to_keep=1, use_cache=True).logits,
-        "ours_decode": _ours_decode(model, contexts, device),
-        "hf_decode": _hf_decode(hf, contexts, device),
+        **_decode_sides(spec, model, hf, args, device, dtype),
     }
     times = _rounds(sides, args.repeats, _clock(device))
     profiles = _profile(sides, ("ours_chunked", "ours_decode"), device) if args.profile else {}
@@ -227,7 +331,8 @@ def summary(measured: tuple, args, threads: int) -> dict:
     out.update(prefill_one_chunk=ratio("ours_one_chunk", "hf_forward"),
                prefill_chunked=ratio("ours_chunked", "hf_forward"),
                decode_step=ratio("ours_decode", "hf_decode"),
-               model=args.model, device=args.device, dtype=args.dtype, prompt=args.prompt,
+               model=args.model, family=args.family, device=args.device, dtype=args.dtype,
+               prompt=args.prompt,
                chunk=args.chunk, batch=args.batch, contexts=args.contexts, threads=threads,
                repeats=args.repeats, profile=profiles)
     return out
@@ -235,7 +340,8 @@ def summary(measured: tuple, args, threads: int) -> dict:
 
 def _report(out: dict, cuda: bool) -> list[str]:
     targets = GPU_TARGETS if cuda else CPU_TARGETS
-    lines = [f"{out['model']} {out['dtype']} on {out['device']}, {out['threads']} threads, "
+    name = out["model"] + (f" as {out['family']}" if out["family"] else "")
+    lines = [f"{name} {out['dtype']} on {out['device']}, {out['threads']} threads, "
              f"prompt {out['prompt']}, chunk {out['chunk']}, decode batch {out['batch']} "
              f"of {out['contexts']} tokens, median of {out['repeats']} rounds"]
     for key in ("prefill_one_chunk", "prefill_chunked"):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,7 +66,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize(("length", "chunk"), [(7, 32), (150, 32), (150, 64)])
+@pytest.mark.parametrize(("length", "chunk"), [(7, 32), (150, 32), (150, 64), (150, 200)])
 def test_generate_equals_transformers_greedy(family, length, chunk):
     """`pdgpu generate` (chunked prefill carrying the DeltaNet state / windowed attention,
     then recurrent / ring decode) gives transformers' greedy tokens where its margin is clear,
@@ -189,3 +191,30 @@ def test_parity_sweep_over_prompt_lengths(family, length):
     report = compare_modes(model, configs, [Request("r0", tuple(tokens))])
     assert report.parity_ok
     assert report.results["whole"].outcomes[0].first_token == ours[0]
+
+
+def test_memory_bench_shows_the_window_and_the_state(capsys):
+    """bench/hybrid_memory.py: a Gemma 3's decoder memory grows with the context only in its
+    full layers (far less than its dense twin's), a Qwen3.5's state does not grow at all."""
+    main = runpy.run_path(str(Path(__file__).parent.parent / "bench" / "hybrid_memory.py"))
+    main["main"](["--contexts", "1000,8000", "--json"])
+    rows = {(r["model"], r["context"]): r for r in json.loads(capsys.readouterr().out)}
+    gemma = [rows["gemma-3-1b", c]["decoder_bytes"] for c in (1000, 8000)]
+    twin = [rows["gemma-3-1b dense twin", c]["decoder_bytes"] for c in (1000, 8000)]
+    assert gemma[1] - gemma[0] < (twin[1] - twin[0]) / 4
+    qwen = [rows["qwen3.5-9b", c] for c in (1000, 8000)]
+    assert qwen[0]["state_bytes"] == qwen[1]["state_bytes"] > 0
+    assert rows["gemma-3-1b", 8000]["window_kv_bytes"] < rows["gemma-3-1b", 8000]["kv_bytes"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3"])
+def test_kernel_speed_bench_runs_a_hybrid_beside_transformers(capsys, name):
+    """bench/kernel_speed.py --family: both sides prefill and decode a hybrid checkpoint."""
+    pytest.importorskip("transformers")
+    main = runpy.run_path(str(Path(__file__).parent.parent / "bench" / "kernel_speed.py"))
+    main["main"](["--model", "tiny", "--family", name, "--window", "16", "--prompt", "80",
+                  "--chunk", "32", "--batch", "2", "--contexts", "20:40", "--repeats", "1",
+                  "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["family"] == name
+    assert all(out[k] > 0 for k in ("prefill_one_chunk", "prefill_chunked", "decode_step"))

@@ -60,7 +60,7 @@ def chunked(q, k, v, g, beta, state: torch.Tensor):
         fresh = new_v[:, i] - k_decayed[:, i] @ state  # [H, T, Dv] what the state misses
         out[:, i] = q[:, i] @ state + inner[:, i] @ fresh
         state = state * block_decay[:, i] + k[:, i].transpose(-1, -2) @ fresh  # [H, Dk, Dv]
-    return out.view(heads, -1, out.shape[-1])[:, :n], state
+    return out.reshape(heads, -1, out.shape[-1])[:, :n], state
 
 
 def recurrent(q, k, v, g, beta, state: torch.Tensor):
