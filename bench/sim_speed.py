@@ -31,6 +31,7 @@ from pdref import accel
 from pdref.models import load_model
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.engines import load_engine
 from pdsim.core.metrics import workload_metrics
 from pdsim.core.profiles import load_hw, load_link
 from pdsim.core.sim import simulate
@@ -41,7 +42,7 @@ from pdsim.sweep import Point, run_sweep
 def base_config() -> SimConfig:
     spec = load_model("qwen3-0.6b")
     hw = load_hw("a100-pcie")
-    costs = costs_for(spec, hw, load_link(hw.link))
+    costs = costs_for(spec, hw, load_link(hw.link), load_engine("seed-eager"))
     return SimConfig(sim_geometry(spec), costs, "chunk", 256, pool_pages=1024)
 
 

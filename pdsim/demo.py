@@ -115,15 +115,16 @@ def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
     return out
 
 
-def base_sim_config(model: str, hw: str):
+def base_sim_config(model: str, hw: str, engine: str | None = None):
     from pdsim.core.config import SimConfig
-    from pdsim.core.costs import costs_for, sim_geometry
+    from pdsim.core.costs import costs_for, engine_of, sim_geometry
     from pdsim.core.profiles import link_of
 
     spec, profile = load_model(model), load_hw(hw)
-    costs = costs_for(spec, profile, link_of(profile))
+    used = engine_of(profile, engine)
+    costs = costs_for(spec, profile, link_of(profile), used)
     return SimConfig(sim_geometry(spec), costs, "whole", 256,
-                     labels=(("model", spec.name), ("hw", profile.name)))
+                     labels=(("model", spec.name), ("hw", profile.name), ("engine", used.name)))
 
 
 def serve_step(cfg: DemoConfig) -> dict:

@@ -11,7 +11,8 @@ from pdref.cli_format import DefaultsFormatter
 from pdref.events import Mode
 from pdref.models import context_error, list_models, load_model
 from pdsim.core.config import SENDERS, RequestSpec, SimConfig
-from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.costs import costs_for, engine_of, sim_geometry
+from pdsim.core.engines import DEFAULT_ENGINE, list_engines
 from pdsim.core.profiles import COPIERS, link_of, load_hw
 from pdsim.core.workload import WorkloadSpec, build_requests
 
@@ -53,6 +54,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-0.6b",
                    help=f"model preset ({', '.join(list_models())}) or a profile .toml")
     p.add_argument("--hw", default="a100-pcie", help="hardware profile name or .toml")
+    p.add_argument("--engine", default=None,
+                   help=f"engine profile ({', '.join(list_engines())}) or a .toml: what the "
+                        f"software reaches on the device (default: a calibrated hw "
+                        f"profile's own, else {DEFAULT_ENGINE!r})")
     p.add_argument("--link", default=None, help="link profile (default: the hw profile's)")
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page")
     p.add_argument("--bandwidth-scale", type=float, default=1.0,
@@ -156,8 +161,10 @@ def base_config(args) -> SimConfig:
     spec = load_model(args.model)
     hw = load_hw(args.hw)
     link = link_of(hw, args.link)
-    costs = costs_for(spec, hw, link).scaled(args.bandwidth_scale, args.compute_scale)
-    labels = (("model", spec.name), ("hw", hw.name), ("link", link.name))
+    engine = engine_of(hw, args.engine)
+    costs = costs_for(spec, hw, link, engine).scaled(args.bandwidth_scale, args.compute_scale)
+    labels = (("model", spec.name), ("hw", hw.name), ("engine", engine.name),
+              ("link", link.name))
     if args.copier is not None and args.copier != costs.copier:
         costs = attrs.evolve(costs, copier=args.copier)
         labels += (("copier", args.copier),)

@@ -24,7 +24,7 @@ import attrs
 
 from pdref.models import context_error, list_models, load_model
 from pdsim.core.config import RequestSpec, SimConfig
-from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.costs import costs_for, engine_of, sim_geometry
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.serving import serving_config, simulate_serving
 from pdsim.views.report import write_atomic
@@ -61,6 +61,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="qwen3-0.6b,qwen3-4b", help="model presets, comma "
                    f"separated ({', '.join(list_models())}) or profile .toml files")
     p.add_argument("--hw", default="a100-pcie", help="hardware profile")
+    p.add_argument("--engine", default=None, help="engine profile (default: the hw profile's "
+                   "own if calibrated, else the production-class one)")
     p.add_argument("--requests", type=int, default=64, help="requests per configuration")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens each request makes")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
@@ -87,10 +89,12 @@ def points(args) -> list[Point]:
             for axis, values in grid for mode in MODES]
 
 
-def run_point(point: Point, hw_name: str, requests: int, output_tokens: int, chunk: int) -> dict:
+def run_point(point: Point, hw_name: str, requests: int, output_tokens: int, chunk: int,
+              engine: str | None = None) -> dict:
     """Simulate one point; its row."""
     spec, hw = load_model(point.model), load_hw(hw_name)
-    costs = attrs.evolve(costs_for(spec, hw, link_of(hw)).scaled(bandwidth=point.bandwidth),
+    costs = attrs.evolve(costs_for(spec, hw, link_of(hw), engine_of(hw, engine))
+                         .scaled(bandwidth=point.bandwidth),
                          contended=CONTENDED)
     if point.contention is not None:
         costs = attrs.evolve(costs, contention=point.contention)
@@ -119,7 +123,7 @@ def with_gains(rows: list[dict]) -> list[dict]:
 
 def run_study(args) -> list[dict]:
     todo = points(args)
-    extra = (args.hw, args.requests, args.output_tokens, args.chunk)
+    extra = (args.hw, args.requests, args.output_tokens, args.chunk, args.engine)
     if args.jobs <= 1:
         return with_gains([run_point(p, *extra) for p in todo])
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -148,7 +152,7 @@ def command(args) -> int:
                                 "--prompt / the prompt axis")
         if problem:
             raise ValueError(problem)
-    load_hw(args.hw)
+    engine_of(load_hw(args.hw), args.engine)  # an unknown one is refused before any work
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run_study(args)

@@ -19,6 +19,7 @@ from pdref.models import load_model
 from pdref.trace import dumps
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.engines import load_engine
 from pdsim.core.faults import FaultSpec
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.sim import simulate
@@ -26,7 +27,7 @@ from pdsim.core.sim import simulate
 EXAMPLES = Path(__file__).resolve().parent.parent / "specs" / "examples"
 SPEC = load_model("qwen3-0.6b")
 A100 = load_hw("a100-pcie")
-COSTS = costs_for(SPEC, A100, link_of(A100))
+COSTS = costs_for(SPEC, A100, link_of(A100), load_engine("seed-eager"))
 # The illegal examples whose broken rule the independent reading knows (file name stem).
 KNOWN = ["ADM-1-admit-after-fenced-failure", "ADM-1-admit-before-produced",
          "ADM-1-admit-with-failed-span", "LIFE-1-release-before-admit",

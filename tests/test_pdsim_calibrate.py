@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from pdref.models import load_model
 from pdsim.cli import main
 from pdsim.core.config import RequestSpec, SimConfig
-from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.costs import costs_for, engine_of, sim_geometry
+from pdsim.core.engines import load_engine
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.sim import simulate
 from pdsim.fit.calibrate import calibrate, profile_toml
@@ -16,7 +17,7 @@ from pdsim.views.report import write_trace
 
 SPEC = load_model("qwen3-0.6b")
 A100 = load_hw("a100-pcie")
-COSTS = costs_for(SPEC, A100, link_of(A100))
+COSTS = costs_for(SPEC, A100, link_of(A100), load_engine("seed-eager"))
 RUNS = [("chunk", 256, 3000, 32), ("chunk", 384, 2000, 0), ("layer", 512, 1500, 16),
         ("whole", 256, 1000, 0)]
 TERMS = ("token_s", "pair_s", "chunk_s", "span_s", "gather_byte_s", "link_byte_s",
@@ -45,7 +46,7 @@ def recovered(folder, paths):
     profile = folder / "cal.toml"
     profile.write_text(profile_toml(calibrate(paths), A100, "cal"))
     hw = load_hw(str(profile))
-    return costs_for(SPEC, hw, link_of(hw))
+    return costs_for(SPEC, hw, link_of(hw), engine_of(hw))
 
 
 def test_calibrating_sim_traces_recovers_the_profile(tmp_path):
@@ -100,7 +101,7 @@ def test_serial_copier_from_whole_copies_only_makes_chunked_export_slower(tmp_pa
         assert cal.copier_basis == "given" and cal.fill_byte_s == pytest.approx(2e-12)
         profile.write_text(profile_toml(cal, A100, "whole-only"))
         hw = load_hw(str(profile))
-        fits[copier] = costs_for(SPEC, hw, link_of(hw))
+        fits[copier] = costs_for(SPEC, hw, link_of(hw), engine_of(hw))
     whole = _export_handoff(fits["serial"], "whole")
     assert whole == pytest.approx(_export_handoff(truth, "whole"), rel=0.01)
     assert _export_handoff(fits["serial"], "chunk") > 1.05 * whole

@@ -10,7 +10,7 @@ from serve_helpers import serve
 from pdref.models import load_model
 from pdref.trace import parse_lines, read_trace
 from pdsim.cli import main
-from pdsim.core.costs import costs_for
+from pdsim.core.costs import costs_for, engine_of
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.fit.fitting import fit_decode
@@ -71,7 +71,8 @@ def test_calibrate_cli_writes_the_decode_fields(tmp_path, capsys):
     out = tmp_path / "p.toml"
     assert main(["calibrate", str(tmp_path / "d.jsonl"), "-o", str(out), "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)["figures"]
-    costs = costs_for(load_model("tiny"), load_hw(str(out)), link_of(load_hw(str(out))))
+    hw = load_hw(str(out))
+    costs = costs_for(load_model("tiny"), hw, link_of(hw), engine_of(hw))
     for name, value in TRUTH.items():
         assert figures[name]["value"] == pytest.approx(value, rel=0.02)
         assert getattr(costs, name) == pytest.approx(value, rel=0.02)

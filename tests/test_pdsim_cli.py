@@ -119,9 +119,10 @@ def test_timeline_writes_png_and_perfetto(tmp_path, capsys):
 
 
 def test_copier_option_overrides_the_profile_and_labels_the_trace(tmp_path, capsys):
-    """`--copier pipelined` on the serial a100-pcie profile: a faster chunked export, and the
+    """`--copier pipelined` under the serial seed-eager engine: a faster chunked export, and the
     trace header says which copier ran; an unknown copier is one line, exit 2."""
-    argv = ["run", "--json", "--no-compute", "--payload", str(2**30), "--mode", "chunk"]
+    argv = ["run", "--json", "--no-compute", "--payload", str(2**30), "--mode", "chunk",
+            "--engine", "seed-eager"]
     assert main(argv) == 0
     serial = json.loads(capsys.readouterr().out)["handoff_s"]
     trace = tmp_path / "p.jsonl"

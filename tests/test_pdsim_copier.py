@@ -7,6 +7,7 @@ from pdref.models import load_model
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.copier import Copier
 from pdsim.core.costs import Costs, costs_for, sim_geometry
+from pdsim.core.engines import load_engine
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.sim import simulate
 
@@ -81,7 +82,7 @@ def test_a_hung_writer_holds_its_lanes_until_it_stops():
 def test_pipelined_chunked_export_beats_serial_on_the_a100_profile():
     """With no compute to hide behind, only the serial copier makes chunked export slower
     than whole export on the shipped a100-pcie profile (fitted to whole copies only)."""
-    base = costs_for(SPEC, A100, link_of(A100))
+    base = costs_for(SPEC, A100, link_of(A100), load_engine("seed-eager"))
     assert base.copier == "serial"
 
     def handoff(copier: str, mode: str) -> float:

@@ -15,6 +15,7 @@ from pdref.monitor import Monitor
 from pdsim.cli import main
 from pdsim.core.config import SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.engines import load_engine
 from pdsim.core.faults import FaultSpec, Kill
 from pdsim.core.metrics import workload_metrics
 from pdsim.core.profiles import load_hw, load_link
@@ -25,7 +26,8 @@ from pdsim.core.workload import WorkloadSpec, build_requests
 def slow_link_config(mode="chunk", producers=2, pool_pages=None, **changes) -> SimConfig:
     """qwen3-0.6b on a100-pcie with a link 20x slower: spans are in flight most of the time."""
     spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
-    costs = costs_for(spec, hw, load_link(hw.link)).scaled(bandwidth=0.05)
+    seed = load_engine("seed-eager")
+    costs = costs_for(spec, hw, load_link(hw.link), seed).scaled(bandwidth=0.05)
     cfg = SimConfig(sim_geometry(spec), costs, mode, 128, max_pending=2,
                     pool_pages=pool_pages or 4 * 64, producers=producers, output_tokens=8)
     return attrs.evolve(cfg, **changes)

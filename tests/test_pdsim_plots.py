@@ -16,13 +16,15 @@ def _figure_instead_of_png(monkeypatch, module):
 
 
 def test_sweep_png_title_is_words_not_a_json_dict(tmp_path, monkeypatch):
-    """`pdsim sweep --png` titles the figure "model on hw (link ...)", no raw dict."""
+    """`pdsim sweep --png` titles the figure "model on hw under engine (link ...)",
+    no raw dict."""
     titles = []
     monkeypatch.setattr(plots, "sweep_png",
                         lambda rows, best, title: titles.append(title) or b"png")
     assert main(["sweep", "--prompts", "512", "--chunks", "128,256", "--quiet",
                  "--bandwidth-scale", "2", "--png", str(tmp_path / "s.png")]) == 0
-    assert titles == ["qwen3-0.6b on a100-pcie (link pcie-gen4), bandwidth x2"]
+    assert titles == ["qwen3-0.6b on a100-pcie under production (link pcie-gen4), "
+                      "bandwidth x2"]
 
 
 def test_timeline_has_a_colour_key_for_each_stage_drawn(monkeypatch):

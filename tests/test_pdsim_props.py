@@ -13,6 +13,7 @@ from pdref.geometry import Geometry
 from pdref.models import MODELS_DIR, load_model
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import Costs, costs_for, sim_geometry
+from pdsim.core.engines import load_engine
 from pdsim.core.metrics import single_metrics
 from pdsim.core.profiles import load_hw, load_link
 from pdsim.core.sim import simulate
@@ -148,7 +149,8 @@ def test_shipped_profiles_give_legal_traces(model, hw, link, mode, prompt, chunk
     geo = sim_geometry(spec)
     if mode == "layer" and geo.recurrent:
         return
-    cfg = SimConfig(geo, costs_for(spec, hw_profile, load_link(link)), mode, chunk,
+    engine = load_engine(["seed-eager", "production"][prompt % 2])  # both cost models
+    cfg = SimConfig(geo, costs_for(spec, hw_profile, load_link(link), engine), mode, chunk,
                     max_pending=pending, pool_pages=geo.pages_for(prompt))
     verdict = checked(simulate(cfg, [RequestSpec("r0", 0.0, prompt)]))
     assert verdict.ok, verdict.text()

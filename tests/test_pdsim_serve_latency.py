@@ -10,6 +10,7 @@ from pdref.geometry import Geometry
 from pdref.models import load_model
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import Costs, costs_for
+from pdsim.core.engines import load_engine
 from pdsim.core.profiles import hw_from_dict, link_of, load_hw
 from pdsim.core.sim import simulate
 from pdsim.fit.calibrate import calibrate, profile_toml
@@ -44,11 +45,11 @@ def test_the_latency_delays_the_first_token_not_the_next_prefill(mode, host_core
 
 def test_a_profile_carries_the_latency_into_the_costs():
     """`[compute] serve_latency_s` of a profile becomes Costs.serve_latency_s (absent: 0)."""
-    base = load_hw("a100-pcie")
+    base, seed = load_hw("a100-pcie"), load_engine("seed-eager")
     spec = load_model("tiny")
-    with_it = attrs.evolve(base, compute=attrs.evolve(base.compute, serve_latency_s=0.02))
-    assert costs_for(spec, with_it, link_of(with_it)).serve_latency_s == 0.02
-    assert costs_for(spec, base, link_of(base)).serve_latency_s == 0.0
+    with_it = attrs.evolve(seed, compute=attrs.evolve(seed.compute, serve_latency_s=0.02))
+    assert costs_for(spec, base, link_of(base), with_it).serve_latency_s == 0.02
+    assert costs_for(spec, base, link_of(base), seed).serve_latency_s == 0.0
     bad = {"name": "x", "link": "pcie4-x16", "peak_flops": 1e12, "hbm_bandwidth": 1e11,
            "efficiency": 0.5, "chunk_s": 0.0, "gather_bandwidth": 1e10, "span_s": 0.0,
            "contention": 0.0, "compute": {"serve_latency_s": -1.0}}

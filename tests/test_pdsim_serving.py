@@ -15,6 +15,7 @@ from pdref.models import ProfileError, load_model
 from pdsim.cli import main
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import Costs, costs_for, sim_geometry
+from pdsim.core.engines import load_engine
 from pdsim.core.faults import FaultSpec, Kill
 from pdsim.core.metrics import workload_metrics
 from pdsim.core.profiles import hw_from_dict, load_hw, load_link
@@ -178,7 +179,8 @@ def test_faults_under_serving_stay_legal_and_leak_nothing(tmp_path, seed, host_c
     dedicated devices, and on shared host cores): legal trace, no page leaked, one outcome
     per request, retries spent."""
     spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
-    costs = attrs.evolve(costs_for(spec, hw, load_link(hw.link)).scaled(bandwidth=0.05),
+    eager = load_engine("seed-eager")
+    costs = attrs.evolve(costs_for(spec, hw, load_link(hw.link), eager).scaled(bandwidth=0.05),
                          host_cores=host_cores)
     config = SimConfig(sim_geometry(spec), costs, "chunk", 128, pool_pages=4 * 64, producers=2,
                        output_tokens=6, concurrency=4, sender="queued", source_pages=128)
@@ -266,14 +268,17 @@ def test_decode_terms_from_the_profile_or_derived():
     (weights once per step at HBM bandwidth, a KV token's bytes at HBM bandwidth); a
     negative one is refused naming it."""
     spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
-    derived = costs_for(spec, hw, load_link(hw.link))
+    seed = load_engine("seed-eager")
+    derived = costs_for(spec, hw, load_link(hw.link), seed)
     assert derived.decode_s == pytest.approx(derived.decode_token_s)
     assert derived.decode_kv_token_s == pytest.approx(
         sim_geometry(spec).bytes_per_token / hw.hbm_bandwidth)
-    data = attrs.asdict(hw, recurse=False) | {"compute": {"decode_s": 0.5}}
-    data.pop("source"), data.pop("model")
-    own = hw_from_dict({**data, "link": hw.link}, "x", "x.toml")
-    assert costs_for(spec, own, load_link(hw.link)).decode_s == 0.5
+    data = {"name": "x", "link": hw.link, "peak_flops": hw.peak_flops,
+            "hbm_bandwidth": hw.hbm_bandwidth, "efficiency": seed.efficiency, "chunk_s": 0.0,
+            "gather_bandwidth": 1e12, "span_s": 0.0, "contention": 0.0,
+            "compute": {"decode_s": 0.5}}
+    own = hw_from_dict(data, "x", "x.toml")
+    assert costs_for(spec, own, load_link(hw.link), own.engine).decode_s == 0.5
     with pytest.raises(ProfileError, match="decode_row_s"):
         hw_from_dict({**data, "compute": {"decode_row_s": -1.0}}, "x", "x.toml")
 
@@ -478,7 +483,7 @@ def test_land_contention_needs_host_cores():
         hw_from_dict(data, "mine", "mine.toml")
     assert len(str(e.value).splitlines()) == 1
     data["compute"]["host_cores"] = 2
-    assert hw_from_dict(data, "mine", "mine.toml").compute.land_contention == 1e-9
+    assert hw_from_dict(data, "mine", "mine.toml").engine.compute.land_contention == 1e-9
 
 
 def _shared(cores):
@@ -521,11 +526,17 @@ def test_bad_host_cores_names_the_field(value):
 
 
 def load_hw_dict() -> dict:
+    """a100-pcie's datasheet with seed-eager's software figures: a calibrated profile's form."""
     import tomllib
 
+    from pdsim.core.engines import ENGINES_DIR
     from pdsim.core.profiles import HW_DIR
 
-    return tomllib.loads((HW_DIR / "a100-pcie.toml").read_text())
+    seed = tomllib.loads((ENGINES_DIR / "seed-eager.toml").read_text())
+    software = {k: v for k, v in seed.items() if k not in ("name", "source", "cost_model")}
+    software["gather_bandwidth"] = 800e9
+    del software["gather_efficiency"]
+    return tomllib.loads((HW_DIR / "a100-pcie.toml").read_text()) | software
 
 
 def test_a_profile_with_bad_host_cores_is_one_line_exit_2(tmp_path, capsys):

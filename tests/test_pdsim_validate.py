@@ -133,12 +133,13 @@ def test_head_and_attention_shape_recovered_from_sim_traces(tmp_path, dense):
     """head_s, pair_s and the attention shape (causal or dense) are recovered from sim traces."""
     from pdsim.core.config import SimConfig
     from pdsim.core.costs import costs_for, sim_geometry
+    from pdsim.core.engines import load_engine
     from pdsim.core.profiles import link_of, load_hw
     from pdsim.core.sim import simulate
     from pdsim.fit.calibrate import calibrate
 
     spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")
-    base = costs_for(spec, hw, link_of(hw))
+    base = costs_for(spec, hw, link_of(hw), load_engine("seed-eager"))
     costs = attrs.evolve(base, head_s=0.004, dense_attention=dense)
     paths = []
     for mode, chunk, prompt in (("chunk", 256, 3000), ("whole", 512, 2000),

@@ -19,6 +19,16 @@ from pdsim.fit.serve_runs import ServePoint, ServeRun, draw_prompts, serve_argv
 from pdsim.views.report import write_trace
 
 SMALL = load_model("small")
+def seed_a100_text() -> str:
+    """a100-pcie's datasheet plus seed-eager's software figures, as one calibrated-style hw
+    profile (the form `pdsim calibrate` writes): the base a truth profile adds terms to."""
+    seed = (SPECS_DIR / "engines" / "seed-eager.toml").read_text().splitlines()
+    software = [line for line in seed if line.split(" = ")[0] in SOFTWARE_KEYS]
+    return (SPECS_DIR / "hw" / "a100-pcie.toml").read_text() + "\n".join(software) + \
+        "\ngather_bandwidth = 800e9\n"
+
+
+SOFTWARE_KEYS = ("efficiency", "chunk_s", "span_s", "copier", "contention")
 TRUTH_COMPUTE = """
 [compute]
 token_s = 2e-4
@@ -158,7 +168,7 @@ def test_validation_against_a_simulated_engine_is_exact(tmp_path, monkeypatch, c
     issue's keys and writes the profile and the PNG."""
     truth = tmp_path / "truth.toml"  # a device unlike the base profile calibrate starts from
     shared = f"host_cores = {host_cores}\n" if host_cores else ""
-    truth.write_text((SPECS_DIR / "hw" / "a100-pcie.toml").read_text() + TRUTH_COMPUTE + shared)
+    truth.write_text(seed_a100_text() + TRUTH_COMPUTE + shared)
     monkeypatch.setattr(vs, "run_serve", _simulated_engine(str(truth)))
     monkeypatch.setattr(vs, "engine_host_cores", lambda device: None)  # not this host's
     assert main(["validate", "--serving", "--model", "small", "--out", str(tmp_path / "v"),
@@ -183,7 +193,8 @@ def test_validation_against_a_simulated_engine_is_exact(tmp_path, monkeypatch, c
     assert statistics.median(c["tps_err_pct"] for c in out["configs"]) == pytest.approx(
         out["median_tps_err_pct"])
     assert (tmp_path / "v" / "serving-validation.png").read_bytes()[:4] == b"\x89PNG"
-    assert load_hw(str(tmp_path / "v" / "serving-profile.toml")).compute.host_cores == host_cores
+    assert load_hw(str(tmp_path / "v" / "serving-profile.toml")).engine.compute.host_cores \
+        == host_cores
     assert len(out["load_average"]) == 2
     assert main(["run", "--hw", str(tmp_path / "v" / "serving-profile.toml"), "--model", "small",
                  "--requests", "4", "--concurrency", "2", "--output-tokens", "4",
@@ -219,7 +230,7 @@ def test_measured_host_load_is_an_input_of_the_fit_and_the_predictions(tmp_path,
     point's: from chunk-mode training runs the gather contention comes out 0.135 against
     the truth's 0.15, and its TTFT p50 2.1% long.)"""
     truth = tmp_path / "truth.toml"
-    truth.write_text((SPECS_DIR / "hw" / "a100-pcie.toml").read_text() + TRUTH_COMPUTE
+    truth.write_text(seed_a100_text() + TRUTH_COMPUTE
                      + "host_cores = 2.0\n")
     monkeypatch.setattr(vs, "run_serve", _loaded_engine(str(truth), 0.8))
     monkeypatch.setattr(vs, "engine_host_cores", lambda device: 2)

@@ -20,6 +20,11 @@ overlapped time. With `[compute] host_cores` (one host's CPU cores shared by the
 prefill and the decoder's steps), those run processor-shared, and each span's landing adds
 land_contention * its bytes to the prefill running then (pdsim/core/cores.py).
 `pdsim calibrate` fits these same terms from engine traces.
+
+These are the linear cost model (an engine profile's `cost_model = "linear"`: `seed-eager`
+and calibrated profiles). Under a roofline engine (`production`) a prefill chunk and a decode
+step's base come from `roofline` (pdsim/core/roofline.py): each op the larger of its FLOPs
+and its bytes at the engine's efficiencies; the copy terms are the same.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import attrs
 
 from pdref.geometry import Geometry
 from pdref.models import ModelSpec
+from pdsim.core.engines import DEFAULT_ENGINE, EngineProfile, load_engine
 from pdsim.core.profiles import COPIERS, HwProfile, LinkProfile, non_negative
+from pdsim.core.roofline import Roofline, roofline_for
 
 
 @attrs.frozen
@@ -66,6 +73,9 @@ class Costs:
     host_cores: float | None = None
     # with host_cores: seconds per byte landed that every prefill running then loses (cores.py)
     land_contention: float = attrs.field(default=0.0, validator=non_negative)
+    # A roofline engine's op prices: prefill chunks and decode steps' bases from it (then
+    # token_s, pair_s, chunk_s, decode_s and decode_row_s are 0: not its terms)
+    roofline: Roofline | None = None
 
     @property
     def link_byte_s(self) -> float:
@@ -75,9 +85,17 @@ class Costs:
     def compute_s(self, tokens: tuple[int, int]) -> float:
         """Time of one prefill chunk over prompt positions [a, b), with context [0, b)."""
         a, b = tokens
+        if self.roofline is not None:
+            return self.roofline.prefill_s(a, b)
         n = max(b - a, 0)
         pairs = attention_pairs(a, b, self.dense_attention)
         return self.chunk_s + self.token_s * n + self.pair_s * pairs
+
+    def decode_base_s(self, batch: int) -> float:
+        """A decode step of `batch` rows less its KV read (decode_kv_token_s per token)."""
+        if self.roofline is not None:
+            return self.roofline.decode_base_s(batch)
+        return self.decode_s + batch * self.decode_row_s
 
     def gather_s(self, nbytes: int) -> float:
         return self.gather_byte_s * nbytes
@@ -111,6 +129,7 @@ class Costs:
             decode_row_s=self.decode_row_s / compute,
             gather_byte_s=self.gather_byte_s / bandwidth,
             link_stages=tuple((n, s / bandwidth) for n, s in self.link_stages),
+            roofline=None if self.roofline is None else self.roofline.scaled(compute),
         )
 
 
@@ -144,24 +163,42 @@ def pair_flops(spec: ModelSpec) -> float:
     return 4.0 * sim_geometry(spec).layers * spec.heads * spec.head_dim
 
 
-def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
-    """Derive the cost terms of `spec` on `hw` over `link` (explicit overrides win)."""
-    rate = hw.peak_flops * hw.efficiency
-    over = hw.compute
+def engine_of(hw: HwProfile, name: str | None = None) -> EngineProfile:
+    """The engine a run uses: `name` if given; else a calibrated hw profile's own (fitted
+    with its device); else the default, the production-class profile."""
+    if name is not None:
+        return load_engine(name)
+    return hw.engine if hw.engine is not None else load_engine(DEFAULT_ENGINE)
+
+
+def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile,
+              engine: EngineProfile) -> Costs:
+    """The cost terms of `spec` on `hw` over `link` under `engine`."""
+    copy = dict(span_s=engine.span_s, gather_byte_s=1.0 / engine.gather_rate(hw.hbm_bandwidth),
+                link_stages=tuple((s.name, 1.0 / s.bandwidth) for s in link.stages),
+                link_latency_s=link.latency_s, streamed=link.pipelined, copier=engine.copier,
+                fill_byte_s=engine.fill_byte_s, contention=engine.contention)
+    if engine.cost_model == "roofline":
+        roofline = roofline_for(spec, hw.peak_flops, hw.hbm_bandwidth, hw.arch, engine)
+        return Costs(token_s=0.0, pair_s=0.0, chunk_s=0.0, **copy,
+                     decode_kv_token_s=roofline.kv_token_s,
+                     decode_token_s=roofline.decode_base_s(1),  # a lone request's step
+                     state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),
+                     roofline=roofline)
+    return _linear_costs(spec, hw, engine, copy)
+
+
+def _linear_costs(spec: ModelSpec, hw: HwProfile, engine: EngineProfile, copy: dict) -> Costs:
+    """The linear cost model: FLOP-derived terms at peak x efficiency, fitted ones winning."""
+    rate = hw.peak_flops * engine.efficiency
+    over = engine.compute
     weights = linear_flops_per_token(spec) / 2 * spec.dtype_bytes
-    decode = decode_terms(spec, hw)
+    decode = decode_terms(spec, hw, engine)
     return Costs(
         token_s=over.token_s if over.token_s is not None else linear_flops_per_token(spec) / rate,
         pair_s=over.pair_s if over.pair_s is not None else pair_flops(spec) / rate,
-        chunk_s=over.chunk_s if over.chunk_s is not None else hw.chunk_s,
-        span_s=hw.span_s,
-        gather_byte_s=1.0 / hw.gather_bandwidth,
-        link_stages=tuple((s.name, 1.0 / s.bandwidth) for s in link.stages),
-        link_latency_s=link.latency_s,
-        streamed=link.pipelined,
-        copier=hw.copier,
-        fill_byte_s=hw.fill_byte_s,
-        contention=hw.contention,
+        chunk_s=over.chunk_s if over.chunk_s is not None else engine.chunk_s,
+        **copy,
         decode_token_s=weights / hw.hbm_bandwidth,
         **decode,
         decode_gap_s=over.decode_gap_s or 0.0,
@@ -176,13 +213,14 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile) -> Costs:
     )
 
 
-def decode_terms(spec: ModelSpec, hw: HwProfile) -> dict[str, float]:
-    """The decode step's terms: the profile's own, else derived (not measured): a step reads
-    the weights once (HBM), each row costs its matmul FLOPs, each KV token read its bytes."""
+def decode_terms(spec: ModelSpec, hw: HwProfile, engine: EngineProfile) -> dict[str, float]:
+    """The decode step's terms: the engine's own (fitted), else derived (not measured): a
+    step reads the weights once (HBM), each row costs its matmul FLOPs, each KV token read
+    its bytes; added, not overlapped (the linear model)."""
     derived = {
         "decode_s": linear_flops_per_token(spec) / 2 * spec.dtype_bytes / hw.hbm_bandwidth,
-        "decode_row_s": linear_flops_per_token(spec) / (hw.peak_flops * hw.efficiency),
+        "decode_row_s": linear_flops_per_token(spec) / (hw.peak_flops * engine.efficiency),
         "decode_kv_token_s": sim_geometry(spec).bytes_per_token / hw.hbm_bandwidth,
     }
-    return {name: derived[name] if getattr(hw.compute, name) is None
-            else getattr(hw.compute, name) for name in derived}
+    return {name: derived[name] if getattr(engine.compute, name) is None
+            else getattr(engine.compute, name) for name in derived}

@@ -7,9 +7,11 @@ request: one heap event per step at most, whatever the batch (none when the step
 before every other pending event). A step over `batch` requests that
 read `kv_tokens` KV tokens in all takes
 
-    decode_s + batch * decode_row_s + kv_tokens * decode_kv_token_s
+    decode_base_s(batch) + kv_tokens * decode_kv_token_s
 
-(hw profile `[compute]` terms, derived from the model and device when a profile lacks them).
+(pdsim/core/costs.py: under a linear engine decode_s + batch * decode_row_s, its `[compute]`
+terms or derived from the model and device; under a roofline engine its GEMMs' roofline at
+M = batch plus the step's overheads, pdsim/core/roofline.py).
 A request's first output token is its producer's (`produced`); each step gives every running
 request one more and its KV one more token; it is released at its output-token count, its
 slab back to the pool. The generated tokens' KV lives in the decoder's own decode cache
@@ -92,8 +94,9 @@ class Decoder:
     def __init__(self, env, sim) -> None:
         self.env, self.sim = env, sim
         costs = sim.cfg.costs
-        self.step_fixed, self.row_s, self.kv_s = (costs.decode_s, costs.decode_row_s,
-                                                  costs.decode_kv_token_s)
+        self.kv_s = costs.decode_kv_token_s
+        self.base_of = costs.decode_base_s  # a step's time less its KV read, by batch
+        self.bases: dict[int, float] = {}  # batch -> base_of(batch) (a run's batches repeat)
         self.gap_s = costs.decode_gap_s  # the loop's own time between two steps
         self.land_byte_s, self.admit_byte_s = costs.land_byte_s, costs.admit_byte_s
         self.admit_bytes = sim.cfg.geometry.bytes_per_token  # KV bytes a prompt token copies
@@ -204,16 +207,16 @@ class Decoder:
         be reserved after the last step (the pool has not changed since)."""
         env, record, finishing = self.env, self.record, self.finishing
         next_t = env.next_time()
-        fixed, row_s, kv_s, gap = self.step_fixed, self.row_s, self.kv_s, self.gap_s
+        kv_s, gap = self.kv_s, self.gap_s
         batch, kv, step, now, label = (self.running, self.kv_tokens, self.next_step, env.now,
                                        self.last_req)
         starts, ends = record.step_start, record.step_end
         first = step
         stop = min(finishing, default=float("inf"))  # the next step a request finishes in
-        batch_s = batch * row_s  # (the same product each step: the sums add it as before)
+        base = self._base(batch)
         add_start, add_end = starts.append, ends.append
         while step < stop:
-            end = now + fixed + batch_s + kv * kv_s
+            end = now + base + kv * kv_s
             until = end + gap  # the loop's gap is paid after the step (+ 0.0: end itself)
             if until >= next_t:
                 break
@@ -246,7 +249,14 @@ class Decoder:
         record.add_run(1, batch, kv, self.last_req)
         self.stepping = self.step_running = True
         self.next_step += 1
-        return batch, now + self.step_fixed + batch * self.row_s + kv * self.kv_s
+        return batch, now + self._base(batch) + kv * self.kv_s
+
+    def _base(self, batch: int) -> float:
+        """A step of `batch` rows less its KV read (Costs.decode_base_s), once per batch."""
+        base = self.bases.get(batch)
+        if base is None:
+            base = self.bases[batch] = self.base_of(batch)
+        return base
 
     def _handled(self) -> None:
         self._between()

@@ -1,5 +1,8 @@
 """Hardware and link profiles: TOML files in specs/hw (devices) and specs/hw/links (copy paths).
 
+A hardware profile holds datasheet facts; what software reaches on it is an engine profile
+(pdsim/core/engines.py, specs/engines).
+
 `--hw NAME` finds specs/hw/NAME.toml, `--link NAME` specs/hw/links/NAME.toml; either may be a
 path to a user's own file. Every figure is validated at load; a bad one raises ProfileError
 naming the file and the field.
@@ -34,13 +37,13 @@ def non_negative(_inst, attribute, value) -> None:
 COPIERS = ("serial", "pipelined")
 
 
-def _copier(_inst, attribute, value) -> None:
+def copier_rule(_inst, attribute, value) -> None:
     if value not in COPIERS:
         raise ValueError(f"field {attribute.name!r} must be one of {', '.join(map(repr, COPIERS))}"
                          f", got {value!r}")
 
 
-def _fraction(_inst, attribute, value) -> None:
+def fraction(_inst, attribute, value) -> None:
     _positive(_inst, attribute, value)
     if value > 1:
         raise ValueError(f"field {attribute.name!r} must be in (0, 1], got {value!r}")
@@ -101,28 +104,22 @@ class ComputeOverride:
 
 @attrs.frozen
 class HwProfile:
-    """One producer device: compute figures, gather bandwidth, per-span cost, contention."""
+    """One device's datasheet facts: peak compute, HBM bandwidth and size, its link.
+
+    `engine`: a calibrated profile (what `pdsim calibrate` writes) fits the device and the
+    engine that ran on it together; its software fields form this engine (linear cost
+    model), used when no `--engine` is given. Shipped profiles hold the datasheet alone."""
 
     name: str
     link: str | LinkProfile = attrs.field(
         validator=attrs.validators.instance_of((str, LinkProfile)))
-    peak_flops: float = attrs.field(validator=_positive)
+    peak_flops: float = attrs.field(validator=_positive)  # dense tensor-core, the model's dtype
     hbm_bandwidth: float = attrs.field(validator=_positive)
-    efficiency: float = attrs.field(validator=_fraction)
-    chunk_s: float = attrs.field(validator=non_negative)
-    gather_bandwidth: float = attrs.field(validator=_positive)
-    span_s: float = attrs.field(validator=non_negative)
-    contention: float = attrs.field(validator=non_negative)
-    # How the copier runs a producer's spans (pdsim/core/copier.py): "serial", one worker, a span's
-    # stages one after another, the next span after it (the seed engine's); "pipelined", each
-    # stage on its own lane, so different spans' stages overlap (pdgpu's since issue 11).
-    # A file without it keeps the simulator's earlier meaning: serial.
-    copier: str = attrs.field(default="serial", validator=_copier)
-    # Export only: seconds per byte of writing the payload (calibrated profiles; else 0).
-    fill_byte_s: float = attrs.field(default=0.0, validator=non_negative)
-    compute: ComputeOverride = ComputeOverride()
+    hbm_bytes: float | None = None
+    arch: str = ""  # chip architecture (ampere, hopper): which kernels an engine runs on it
     source: str = ""
     model: str = ""  # the model a calibrated [compute] table was fitted for
+    engine: object = None  # EngineProfile | None (pdsim/core/engines.py; see above)
 
 
 def load_hw(name_or_path: str) -> HwProfile:
@@ -144,51 +141,66 @@ def load_link(name_or_path: str) -> LinkProfile:
     return link_from_dict(read_toml(path), default_name=path.stem, where=str(path))
 
 
+# Software fields a calibrated hw profile may carry (its embedded engine; engines.py)
+ENGINE_KEYS = ("efficiency", "chunk_s", "gather_bandwidth", "span_s", "contention", "copier",
+               "fill_byte_s", "compute")
+
+
 def hw_from_dict(data: dict, default_name: str, where: str) -> HwProfile:
-    known = {f.name for f in attrs.fields(HwProfile)} - {"compute"}
-    _refuse_unknown(data, known | {"compute"}, where)
+    from pdsim.core.engines import engine_from_dict  # engines.py builds on this module
+
+    known = {f.name for f in attrs.fields(HwProfile)} - {"engine"}
+    refuse_unknown(data, known | set(ENGINE_KEYS), where)
     fields = {k: v for k, v in data.items() if k in known}
     fields.setdefault("name", default_name)
     if isinstance(fields.get("link"), dict):
         fields["link"] = link_from_dict(fields["link"], f"{fields['name']}-link", f"{where} [link]")
+    software = {k: v for k, v in data.items() if k in ENGINE_KEYS}
+    engine = engine_from_dict({"cost_model": "linear", "name": fields["name"],
+                               "source": "calibrated with the device", **software},
+                              fields["name"], where) if software else None
     try:
-        compute = ComputeOverride(**data.get("compute", {}))
-        for key, value in attrs.asdict(compute).items():
-            if key == "host_cores":
-                _at_least_one_core(value)
-            elif key == "dense_attention":
-                if value is not None and not isinstance(value, bool):
-                    raise ValueError(f"field 'dense_attention' must be true or false, got "
-                                     f"{value!r}")
-            elif value is not None:
-                non_negative(None, attrs.fields_dict(ComputeOverride)[key], value)
-        if compute.land_contention and compute.host_cores is None:
-            raise ValueError("field 'land_contention' needs 'host_cores' (a landing slows "
-                             "prefill on shared host cores only)")
-        return HwProfile(**fields, compute=compute)
+        return HwProfile(**fields, engine=engine)
     except (TypeError, ValueError) as e:
-        raise ProfileError(f"{where}: {_short(e)}") from None
+        raise ProfileError(f"{where}: {short_error(e)}") from None
+
+
+def check_compute(compute: ComputeOverride) -> ComputeOverride:
+    """Each [compute] value's rule; raises ValueError naming the field."""
+    for key, value in attrs.asdict(compute).items():
+        if key == "host_cores":
+            _at_least_one_core(value)
+        elif key == "dense_attention":
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"field 'dense_attention' must be true or false, got "
+                                 f"{value!r}")
+        elif value is not None:
+            non_negative(None, attrs.fields_dict(ComputeOverride)[key], value)
+    if compute.land_contention and compute.host_cores is None:
+        raise ValueError("field 'land_contention' needs 'host_cores' (a landing slows "
+                         "prefill on shared host cores only)")
+    return compute
 
 
 def link_from_dict(data: dict, default_name: str, where: str) -> LinkProfile:
-    _refuse_unknown(data, {f.name for f in attrs.fields(LinkProfile)}, where)
+    refuse_unknown(data, {f.name for f in attrs.fields(LinkProfile)}, where)
     fields = dict(data)
     fields.setdefault("name", default_name)
     try:
         fields["stages"] = tuple(Stage(**s) for s in data.get("stages", ()))
         return LinkProfile(**fields)
     except (TypeError, ValueError) as e:
-        raise ProfileError(f"{where}: {_short(e)}") from None
+        raise ProfileError(f"{where}: {short_error(e)}") from None
 
 
-def _refuse_unknown(data: dict, known: set[str], where: str) -> None:
+def refuse_unknown(data: dict, known: set[str], where: str) -> None:
     unknown = sorted(set(data) - known)
     if unknown:
         names = ", ".join(sorted(known))
         raise ProfileError(f"{where}: unknown field {unknown[0]!r} (known: {names})")
 
 
-def _short(error: Exception) -> str:
+def short_error(error: Exception) -> str:
     text = str(error)
     if "missing" in text and "required" in text:
         return "missing required field: " + text.split("argument")[-1].strip(" :s")

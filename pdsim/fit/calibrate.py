@@ -29,6 +29,7 @@ from pathlib import Path
 import attrs
 
 from pdref.trace import read_trace
+from pdsim.core.engines import load_engine
 from pdsim.core.profiles import COPIERS, link_of, load_hw
 from pdsim.fit.fitting import (
     Fit,
@@ -49,6 +50,8 @@ from pdsim.fit.samples import TraceSamples, samples
 from pdsim.fit.serve_samples import gap_samples
 from pdsim.options import UsageError
 from pdsim.views.report import write_atomic
+
+SEED_ENGINE = "seed-eager"  # a calibrated profile's unfitted efficiency (derived terms)
 
 
 @attrs.frozen
@@ -182,7 +185,8 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         + ", ".join(Path(p).name for p in cal.traces),
         f"# compute fit: {c.samples} samples, rank {c.rank}/4, rms residual {c.rms:.3e} s "
         f"({100 * c.rel_rms:.2f}%); copy fixed-cost rms residual {cal.copy_rms:.3e} s",
-        f"# peak_flops, hbm_bandwidth, efficiency: from base profile {base.name!r} (not fitted)",
+        f"# peak_flops, hbm_bandwidth, arch: from base profile {base.name!r}; efficiency: "
+        f"{SEED_ENGINE}'s (neither fitted)",
         *([] if c.samples else [
             "# no compute stages in the traces (export only): compute terms are 0, so this "
             "profile predicts export-only runs (--no-compute) only"]),
@@ -191,7 +195,8 @@ def profile_toml(cal: Calibration, base, name: str) -> str:
         f"model = {json.dumps(cal.model or '')}",
         f"peak_flops = {base.peak_flops!r}",
         f"hbm_bandwidth = {base.hbm_bandwidth!r}",
-        f"efficiency = {base.efficiency!r}",
+        f"arch = {json.dumps(base.arch)}",
+        f"efficiency = {load_engine(SEED_ENGINE).efficiency!r}",
         f"chunk_s = {c.get('chunk_s')!r}",
         f"gather_bandwidth = {_bandwidth(cal.gather.get('per_byte_s'))!r}"
         f"  # rms {cal.gather.rms:.3e} s over {cal.gather.samples} spans",

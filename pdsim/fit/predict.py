@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 
 from pdsim.core.config import RequestSpec, SimConfig
-from pdsim.core.costs import Costs, costs_for, sim_geometry
+from pdsim.core.costs import Costs, costs_for, engine_of, sim_geometry
 from pdsim.core.metrics import single_metrics
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.sim import SimResult, simulate
@@ -31,11 +31,12 @@ def sim_config(model, hw_path: str, point: EnginePoint | ExportPoint, mode: str,
                page_tokens: int = 16) -> SimConfig:
     """The SimConfig of `point` in `mode` for a model spec on a hw profile."""
     hw = load_hw(hw_path)
-    costs = paced(costs_for(model, hw, link_of(hw)), point.link_gbps)
+    engine = engine_of(hw)
+    costs = paced(costs_for(model, hw, link_of(hw), engine), point.link_gbps)
     geometry = sim_geometry(model, page_tokens)
     prompt = point.prompt_tokens(geometry.bytes_per_token)
     pool = max(1, geometry.pages_for(prompt - point.prefix))
-    labels = (("model", model.name), ("hw", hw.name))
+    labels = (("model", model.name), ("hw", hw.name), ("engine", engine.name))
     return SimConfig(geometry, costs, mode, point.chunk, max_pending=point.max_pending,
                      pool_pages=pool, no_compute=point.no_compute, labels=labels)
 

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from pdref.models import load_model
 from pdsim.core.config import RequestSpec, SimConfig
-from pdsim.core.costs import Costs, costs_for, sim_geometry
+from pdsim.core.costs import Costs, costs_for, engine_of, sim_geometry
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.serving import serving_config, simulate_serving
 from pdsim.fit.calibrate import calibrate, profile_toml
@@ -142,11 +142,13 @@ def serving_setup(spec, profile: str, point: ServePoint, prompts: list[dict],
     """The simulator's config and requests for a point served with `prompts`: the profile's
     costs, each link direction paced as the engine paced it, the engine's defaults."""
     hw = load_hw(profile)
-    costs = paced(costs_for(spec, hw, link_of(hw)), point.link_gbps)
+    engine = engine_of(hw)
+    costs = paced(costs_for(spec, hw, link_of(hw), engine), point.link_gbps)
     pacing = (("link_gbps", point.link_gbps),) if point.link_gbps else ()
     cfg = SimConfig(sim_geometry(spec), costs, point.mode, point.chunk,
                     producers=point.producers, output_tokens=point.output_tokens,
-                    stages=stages, labels=(("model", spec.name), ("hw", hw.name), *pacing))
+                    stages=stages, labels=(("model", spec.name), ("hw", hw.name),
+                                                 ("engine", engine.name), *pacing))
     requests = serving_requests(prompts)
     return serving_config(cfg, requests, concurrency=point.concurrency), requests
 
