@@ -31,6 +31,7 @@ def run() -> int:
     code = main()
     if code in (130, 143):
         interrupt.finish(code)
+    interrupt.stop_helpers()  # no process of the run outlives the command
     interrupt.restore(previous)
     return code
 

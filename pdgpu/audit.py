@@ -110,13 +110,23 @@ class Audit:
 
     def finish(self, timeout: float = DRAIN_S) -> None:
         """Wait (at most `timeout`) until every item is audited, then raise what was found."""
+        found = self.drain(timeout)
+        if found is not None:
+            raise found
+
+
+    def drain(self, timeout: float = DRAIN_S) -> Exception | None:
+        """Wait (at most `timeout`) until every item queued so far is audited; what the audit
+        found (None: nothing). A run that stops early drains too, so a violation the audit
+        would find in what happened before the stop is never lost behind the stop."""
         start = time.perf_counter()
         self.stop()
         self._thread.join(timeout)
-        self.drain_s = time.perf_counter() - start
-        if self._thread.is_alive():
-            raise Disagreement(f"the audit did not finish within {timeout} s of the run's end")
-        self.raise_error()
+        self.drain_s += time.perf_counter() - start
+        if self._thread.is_alive() and self.error is None:
+            self.error = Disagreement(f"the audit did not finish within {timeout} s of the "
+                                      "run's end")
+        return self.error
 
     def stop(self) -> None:
         """Let the thread end once it reaches this point of the queue (idempotent)."""
@@ -136,3 +146,10 @@ def _same(got, answer) -> bool:
     if type(got) is tuple and type(answer) is tuple:  # (a state is a tuple subclass)
         return sorted(got) == sorted(answer)
     return got == answer
+
+
+def cause(error: BaseException, found: Exception | None) -> BaseException:
+    """What stopped a run that raised `error` while its audit found `found` (None: nothing):
+    the audit's finding is the earlier event (every call into pdref asks for it first), so
+    it is the run's first broken rule, and the cause."""
+    return error if found is None else found

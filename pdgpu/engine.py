@@ -25,7 +25,7 @@ from collections import deque
 import attrs
 import torch
 
-from pdgpu import host
+from pdgpu import audit, host
 from pdgpu.copier import Copier, CopierConfig, CopyJob
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.faults import DEBUG_BREAKS, Faults
@@ -97,8 +97,11 @@ class Engine:
         try:
             self._allocate(plan, rec)
             outcomes, wall = self._serve_checked(rec, requests)
-        finally:
-            rec.stop()  # (after close: a no-op) a run that raised leaves no audit thread
+        except BaseException as e:  # the audit ends here; a violation it found is the cause
+            cause = audit.cause(e, rec.stop())
+            if cause is e:
+                raise
+            raise cause from e
         return RunResult(rec.header, tuple(rec.trace()), outcomes,
                          engine_metrics(rec, wall, self._extra_metrics()))
 

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 
 class Terminated(KeyboardInterrupt):
@@ -98,9 +98,14 @@ def behind(error: BaseException) -> KeyboardInterrupt | None:
 
 def unmasked(command, args) -> int:
     """command(args); an error from a clean-up that an interrupt cut short (a thread stopped
-    mid-start cannot be joined, a link half made) is raised as that interrupt."""
+    mid-start cannot be joined, a link half made) is raised as that interrupt. A broken
+    rule the audit found before the stop is no clean-up's error: it stays the run's."""
+    from pdgpu.audit import Disagreement
+    from pdref.violations import Violation
     try:
         return command(args)
+    except (Violation, Disagreement):
+        raise
     except Exception as e:
         stop = behind(e)
         if stop is None:
@@ -122,6 +127,23 @@ def finish(code: int) -> None:
     for child in multiprocessing.active_children():
         child.kill()
         child.join(timeout=3)
+    stop_helpers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def stop_helpers() -> None:
+    """multiprocessing's forkserver and resource tracker, if this process started them, end
+    before it does (left to notice their parent gone, the forkserver outlived an interrupted
+    run by up to its own torch import). The forkserver is killed (it may be importing and
+    deaf to its pipe; the producers it forked are gone already), the tracker asked to stop
+    (it removes what a killed producer left registered); both are waited for."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        with suppress(ProcessLookupError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        server._stop()
+    resource_tracker._resource_tracker._stop()

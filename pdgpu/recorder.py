@@ -123,9 +123,10 @@ class Recorder:
             self.audit.put("state", (), self.monitor.state, time.perf_counter())
         self.audit.finish()
 
-    def stop(self) -> None:
-        """A run that stopped early: the audit ends without being waited for."""
-        self.audit.stop()
+    def stop(self) -> Exception | None:
+        """A run that stopped early: the audit checks what was queued before the stop
+        (bounded wait) and ends; what it found (None: nothing)."""
+        return self.audit.drain()
 
     def trace(self) -> list:
         """Every event in time order (stable: protocol order is kept among equal times)."""

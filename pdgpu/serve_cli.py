@@ -2,9 +2,11 @@
 
 Exit codes: 0 every request ok or cancelled; 1 a protocol violation, a run error, or a request
 that failed every attempt; 2 bad input or an unservable configuration (one line naming the
-field and the rule; no process started or left); 130 Ctrl-C, 143 SIGTERM (pdgpu/interrupt.py:
-one line at any stage). The trace and results are written
-on every exit after the run started (a run stopped early aborts its live requests in it).
+field and the rule; no process started or left, no file written); 130 Ctrl-C, 143 SIGTERM
+(pdgpu/interrupt.py: one line at any stage). The trace and results are opened under their
+names once the input is checked, before any process starts, written as the run goes (each
+always a consistent prefix: whole lines) and closed on every exit (a run stopped early
+aborts its live requests in the trace).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from pdgpu.serve.launch import (
     run_decoder,
     run_producer,
     serve_local,
+    start_header,
 )
 from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
-from pdgpu.serve.report import SUMMARY_ORDER, summary, write_results
+from pdgpu.serve.report import SUMMARY_ORDER, ResultsLog, summary
 from pdgpu.serve.status import progress
+from pdgpu.serve.tracelog import TraceLog
 from pdgpu.serve.transport import Endpoint, TransportError, parse_init_method
 from pdgpu.serve.transport_nccl import open_transport
 from pdgpu.serve.workload import (
@@ -210,17 +214,39 @@ def _serve_decoder_role(config, policy, workload, producers, endpoint, opts, bar
             except TransportError:
                 pass
         end_on_error(run, e)
-        raise
     finally:
         transport.close()
 
 
-def _write_outputs(args, run: ServeRun) -> None:
-    if run.ledger is None:
-        return
-    run.ledger.log.close()  # the trace was written while the run went
-    if args.results and run.decoder is not None:
-        write_results(run.decoder, args.results)
+def open_outputs(args, config: ServeConfig, producers: int, run: ServeRun) -> ServeRun:
+    """The trace and `--results`, open under their names before any process starts (a
+    stop at any moment leaves at least the header): both are written as the run goes."""
+    run.log = TraceLog(start_header(config, producers, args.kv_lane), args.trace)
+    if args.results:
+        run.results = ResultsLog(args.results)
+    return run
+
+
+def serve_with_outputs(args, run: ServeRun, serve) -> None:
+    """`serve()`, then the outputs closed, however it ended; a run refused before it
+    served (bad input, exit 2) leaves neither file."""
+    try:
+        serve()
+    except (WorkloadError, Refused):
+        run.log.remove()
+        if run.results is not None:
+            run.results.remove()
+        raise
+    finally:
+        _write_outputs(run)
+
+
+def _write_outputs(run: ServeRun) -> None:
+    """Close what was written while the run went (after an error too: its live requests
+    were aborted in it)."""
+    run.log.close()
+    if run.results is not None:
+        run.results.close(run.decoder)
 
 
 def _producer_role(args, endpoint: Endpoint) -> None:
@@ -254,13 +280,13 @@ def cmd_serve(args) -> int:
     config, policy, workload, producers, endpoint = prepare(args)
     if args.role == "producer":
         _producer_role(args, endpoint)
-    run = ServeRun()
+    run = open_outputs(args, config, producers, ServeRun())
     try:
-        _serve(args, config, policy, workload, producers, endpoint, run)
+        serve_with_outputs(args, run, lambda: _serve(args, config, policy, workload,
+                                                     producers, endpoint, run))
+        values = summary(run.decoder, run.ledger, run.wall_s)
     finally:
-        _write_outputs(args, run)  # after an error too: its live requests are aborted in it
-    values = summary(run.decoder, run.ledger, run.wall_s)
-    run.ledger.log.discard()
+        run.log.discard()  # without --trace: the temporary file the metrics were read from
     print(json.dumps(values) if args.json else _summary_text(values))
     bad = values["failed"]
     if bad:

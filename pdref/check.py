@@ -59,6 +59,15 @@ def check_lines(lines: Iterable[bytes], name: str = "<trace>", open_trace: bool 
 
 
 def check_file(path: str | Path, open_trace: bool = False) -> CheckResult:
-    """Check one trace file; raises OSError when it cannot be read."""
+    """Check one trace file; raises OSError when it cannot be read. `open_trace`: a trace
+    still being written, whose last line may be caught halfway through its write: a last
+    line without its newline is not checked (yet)."""
     with open(path, "rb") as f:
-        return check_lines(f, str(path), open_trace)
+        return check_lines(_whole_lines(f) if open_trace else f, str(path), open_trace)
+
+
+def _whole_lines(lines: Iterable[bytes]):
+    for raw in lines:
+        if not raw.endswith(b"\n"):
+            return  # only the last line can lack it: its writer has not finished it
+        yield raw

@@ -185,3 +185,59 @@ def test_a_recorder_dropped_without_close_ends_its_audit_thread():
     finally:
         gc.enable()
     assert not thread.is_alive()
+
+
+def _refusing(kind: str):
+    """The specification, but it refuses the run's first `kind` event (the mirror accepts)."""
+    class Refusing(Monitor):
+        def emit(self, event):
+            if event.kind == kind:
+                raise Violation("COPY-2", f"the audit alone refuses this {kind}", event)
+            super().emit(event)
+    return Refusing
+
+
+def test_an_audit_finding_is_the_cause_of_a_run_another_error_stops(monkeypatch):
+    """The audit refuses the first issue and the engine raises an error of its own right
+    after it (before its next call into pdref could raise the audit's): the run's error is
+    still the audit's violation, the engine's is only its context (rec.stop's path)."""
+    import pdgpu.ledger as ledger_module
+    issue = ledger_module.Ledger.issue
+
+    def issue_then_fail(self, *args):
+        issue(self, *args)
+        raise engine_module.EngineError("a secondary error")
+    monkeypatch.setattr(ledger_module.Ledger, "issue", issue_then_fail)
+    with pytest.raises(Violation, match="the audit alone refuses this issue") as info:
+        _engine_run(monkeypatch, _refusing("issue"), [])
+    assert "secondary" in str(info.value.__cause__)
+
+
+def test_an_audit_finding_is_not_lost_behind_a_late_copy_error(monkeypatch):
+    """The audit refuses the run's release only once the copier has closed with an error
+    (before `rec.close()` would have waited for the audit): the run's error is the
+    violation, found by draining the audit, not the copy error."""
+    import pdgpu.copier as copier_module
+    closed = threading.Event()
+    close = copier_module.Copier.close
+
+    def close_with_an_error(self):
+        close(self)
+        self.callback_error = RuntimeError("a copy failed as the copier closed")
+        closed.set()
+
+    class RefusesReleaseLate(Monitor):
+        def emit(self, event):
+            if event.kind == "release":
+                closed.wait(60)
+                raise Violation("COPY-2", "the audit alone refuses this release", event)
+            super().emit(event)
+
+    def recorder(header):
+        return Recorder(header, audit_monitor=RefusesReleaseLate, audit_bound=256)
+    monkeypatch.setattr(copier_module.Copier, "close", close_with_an_error)
+    monkeypatch.setattr(engine_module, "Recorder", recorder)
+    engine = Engine(MODEL, EngineConfig("chunk", chunk=8, max_pending=2))
+    with pytest.raises(Violation, match="the audit alone refuses this release") as info:
+        engine.run([_request()])
+    assert "copier closed" in str(info.value.__cause__)

@@ -12,6 +12,7 @@ from serve_helpers import drawn_prompts, serve, trace_ok
 from wait_helpers import wait_for
 
 import pdgpu.serve.launch as launch_module
+from pdgpu.serve.decoder import ServeError
 from pdgpu.serve.digest import row_digests
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.tracelog import TraceLog
@@ -74,6 +75,32 @@ def test_a_violation_only_the_audit_finds_stops_the_serve_run(monkeypatch, tmp_p
     if bound == BOUND:
         assert teardown - 1 - second <= BOUND + 1, protocol[second:teardown]
         assert "ok" not in {r["status"] for r in results}
+
+
+@pytest.mark.parametrize("stop", [ServeError("a producer sent nonsense"), KeyboardInterrupt()],
+                         ids=["serve-error", "ctrl-c"])
+def test_an_audit_finding_is_the_cause_whatever_stops_the_serve_run(monkeypatch, tmp_path,
+                                                                     capsys, stop):
+    """The audit refuses the second issue and the decoder stops right after it (an error of
+    its own, or Ctrl-C) before its next call into the ledger could raise the audit's
+    finding: the teardown drains the audit, and the run ends with the violation (exit 1,
+    its one line), the trace closed legal."""
+    from pdgpu.serve import ledger as ledger_module
+    issue = ledger_module.Ledger.issue
+    issued = []
+
+    def issue_then_stop(self, *args):
+        span = issue(self, *args)
+        issued.append(span)
+        if len(issued) == 2:
+            raise stop
+        return span
+    monkeypatch.setattr(ledger_module.Ledger, "issue", issue_then_stop)
+    _RefusesSecondIssue.issues = 0
+    code, _, trace = _serve_audited(monkeypatch, tmp_path, _RefusesSecondIssue, 256)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (code, err) == (1, ["pdgpu: violation: COPY-2 refused by the audit alone"])
+    trace_ok(trace)
 
 
 def test_an_answer_the_audit_gives_differently_stops_the_serve_run(monkeypatch, tmp_path,

@@ -87,6 +87,17 @@ def test_open_skips_end_of_trace_life1(partial, capsys):
     assert "ok: 2 events, 1 request\n" in capsys.readouterr().out
 
 
+def test_open_leaves_aside_a_last_line_caught_halfway(partial, capsys):
+    """A trace being written, read in the middle of its last line's write: --open checks
+    the whole lines before it; without --open that half line is TRACE-1."""
+    with open(partial, "ab") as f:
+        f.write(b'{"kind":"issue","t":2,"req":"r","sp')
+    assert main(["check", "--open", partial]) == 0
+    assert "ok: 2 events, 1 request\n" in capsys.readouterr().out
+    assert main(["check", partial]) == 1
+    assert ":4: TRACE-1 " in capsys.readouterr().out
+
+
 def test_open_still_refuses_real_violations(illegal, capsys):
     """--open only skips the end-of-trace check: a broken rule is still exit 1."""
     assert main(["check", "--open", illegal]) == 1

@@ -56,6 +56,7 @@ class Decoder(Recovery):
         self.last_progress = time.perf_counter()
         self.inbox = inbox  # the HTTP front end's bridge (frontend.py), or None: batch mode
         self.idle_s = 0.02 if inbox is None else inbox.idle_s  # longest wait with nothing to do
+        self.on_end = None  # called with each request as it ends (`--results`, live)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -307,6 +308,8 @@ class Decoder(Recovery):
     def _finish(self, t: Tracked, status: Status, reason: str | None = None) -> None:
         t.status, t.reason, t.done_t = status, reason, self.ledger.now()
         self.done += 1
+        if self.on_end is not None:
+            self.on_end(t)
         self.last_progress = time.perf_counter()
         if self.progress is not None:
             self.progress.update(1)

@@ -162,20 +162,26 @@ def serve_http(args) -> int:
     # Two threads take turns on the GIL: at the default 5 ms a token event could wait that
     # long for the decoder thread's Python to let go of it.
     sys.setswitchinterval(SWITCH_S)
-    run = ServeRun(frontend=frontend)
+    run = parts.open_outputs(args, config, producers, ServeRun(frontend=frontend))
     signalled: list[int] = []
+
+    def serve() -> None:
+        nonlocal signalled
+        try:
+            with drain_on_signals(frontend) as signalled:
+                parts._serve(args, config, policy, workload, producers, endpoint, run)
+        except BaseException as e:
+            if type(e).__name__ == "Violation":
+                frontend.metrics.violations.inc()
+            raise
+        finally:
+            frontend.abandon("the server stopped")
+            server.stop()
     try:
-        with drain_on_signals(frontend) as signalled:
-            parts._serve(args, config, policy, workload, producers, endpoint, run)
-    except BaseException as e:
-        if type(e).__name__ == "Violation":
-            frontend.metrics.violations.inc()
-        raise
+        parts.serve_with_outputs(args, run, serve)
+        return _report(args, run, signalled)
     finally:
-        frontend.abandon("the server stopped")
-        server.stop()
-        parts._write_outputs(args, run)
-    return _report(args, run, signalled)
+        run.log.discard()
 
 
 def _report(args, run: ServeRun, signalled: list[int]) -> int:
@@ -183,7 +189,6 @@ def _report(args, run: ServeRun, signalled: list[int]) -> int:
     promise for every run a signal stops), else 1 if a request failed, else 0."""
     from pdgpu.serve.report import summary
     values = summary(run.decoder, run.ledger, run.wall_s)
-    run.ledger.log.discard()
     from pdgpu.serve_cli import _summary_text
     print(json.dumps(values) if args.json else _summary_text(values))
     if signalled:

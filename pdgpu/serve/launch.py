@@ -27,7 +27,7 @@ import attrs
 import torch
 import torch.multiprocessing as mp
 
-from pdgpu import interrupt
+from pdgpu import audit, interrupt
 from pdgpu.serve import clock
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
 from pdgpu.serve.decoder import Decoder, ServeError
@@ -64,6 +64,8 @@ class ServeRun:
 
     ledger: Ledger | None = None
     decoder: Decoder | None = None
+    log: TraceLog | None = None  # the trace, open from the start when the caller opened it
+    results: object = None  # `--results` (report.ResultsLog), written as requests end
     wall_s: float = 0.0
     error: BaseException | None = None
     frontend: object = None  # `--http`: the bridge requests come through (frontend.py)
@@ -151,6 +153,13 @@ def open_decoder_store(endpoint: Endpoint, world: int, timeout_s: float):
         raise WorkloadError(f"init-method: cannot serve the rendezvous on {endpoint.host}:"
                             f"{endpoint.port} (port in use or address not local): "
                             f"{str(e).strip().splitlines()[0][:120]}") from None
+
+
+def start_header(config: ServeConfig, producers: int, kv_lane: str) -> ev.Header:
+    """The trace's header before the processes start: the lane asked for stands in for the
+    lanes the producers will agree (set_header replaces it before the first event)."""
+    spec = model_spec(config.model, config.dtype)
+    return _header(config, spec, producers, {rank: kv_lane for rank in range(producers)})
 
 
 def _header(config: ServeConfig, spec, producers: int, lanes: dict[int, str]) -> ev.Header:
@@ -246,8 +255,11 @@ def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: Fau
     model = load_served_model(config.model, config.seed, config.dtype, device)
     prefix_kv = prefix_cache(model, config)  # [L, 2, prefix, KVH, D] on `device`
     header = _header(config, model.spec, len(transport.peers()), transport.lanes())
-    run.ledger = Ledger(header, device, model.model.embed_tokens.weight.dtype,
-                        TraceLog(header, trace))
+    if run.log is None:
+        run.log = TraceLog(header, trace)
+    else:  # opened at the start with the lane asked for: now the lanes agreed
+        run.log.set_header(header)
+    run.ledger = Ledger(header, device, model.model.embed_tokens.weight.dtype, run.log)
     for _ in transport.peers():
         _wait(transport, "ready", timeout_s, check_peers)
     offsets = {rank: measure_offset(transport, rank, timeout_s, check_peers)
@@ -257,6 +269,8 @@ def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: Fau
                       processes, policy.restart_producers, device)
     run.decoder = Decoder(run.ledger, model, workload, prefix_kv, members, policy,
                           config.faults, config.verify, progress, eos=eos, inbox=run.frontend)
+    if run.results is not None:
+        run.decoder.on_end = run.results.add
     start = time.perf_counter()
     run.decoder.run()
     run.wall_s = time.perf_counter() - start
@@ -267,10 +281,17 @@ def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: Fau
 
 
 def end_on_error(run: ServeRun, error: BaseException) -> None:
-    """Producers are gone: abort every live life so the trace closes complete."""
-    run.error = error
+    """Producers are gone: the audit drained, every live life aborted so the trace closes
+    complete; raises the run's cause: a violation the audit found in what happened before
+    the stop (the first broken rule, never lost behind the error that stopped the run), or
+    `error` itself (call it while handling `error`)."""
+    cause = error if run.ledger is None else audit.cause(error, run.ledger.stop())
+    run.error = cause
     if run.decoder is not None:
-        run.decoder.cancel_all(f"stopped: {type(error).__name__}")
+        run.decoder.cancel_all(f"stopped: {type(cause).__name__}")
+    if cause is error:
+        raise error
+    raise cause from error
 
 
 def _kill_started() -> None:
@@ -308,7 +329,6 @@ def serve_local(config: ServeConfig, workload: Workload, producers: int, opts: P
     except BaseException as e:
         procs.stop(grace_s=5.0 if isinstance(e, Refused) else 0.0)  # before the close below
         end_on_error(run, e)
-        raise
     finally:
         transport.close()  # every producer is gone: the receiving threads end at once
     return run

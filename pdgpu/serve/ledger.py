@@ -99,9 +99,10 @@ class Ledger:
 
     def _write_accepted(self) -> None:
         """The event the mirror just accepted, into the trace (outside the check's time)."""
+        now = self.now()
         for event in self._accepted:
             self.recent.append(event)
-            self.log.add(event)
+            self.log.add(event, now)
         self._accepted.clear()
 
     def _emit(self, cls, *fields):
@@ -112,6 +113,11 @@ class Ledger:
         run that makes no call into the ledger for a while (idle, decoding) stops too."""
         if not self.stopped:
             self.audit.raise_error()
+
+    def write_trace(self) -> None:
+        """The trace written up to its window (the loop's every turn: an idle server's last
+        events reach the file too)."""
+        self.log.release(self.now())
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -233,7 +239,7 @@ class Ledger:
               batch: int | None = None, kv_tokens: int | None = None):
         start = max(0.0, start)
         self.log.add(ev.Stage(start, req, name, max(start, end), span, resource,
-                              batch=batch, kv_tokens=kv_tokens))
+                              batch=batch, kv_tokens=kv_tokens), self.now())
 
     # -- the end ------------------------------------------------------------------------------
 
@@ -246,14 +252,15 @@ class Ledger:
         self.audit.put("state", (), self.monitor.state, time.perf_counter())
         self.audit.finish()
 
-    def stop(self) -> None:
-        """The run stopped early (an error): the audit ends without being waited for, and
-        the teardown's aborts and fences are checked by the mirror alone, so the trace
-        still closes with every life ended, as it did with the Monitor in line."""
+    def stop(self) -> Exception | None:
+        """The run stopped early: the audit checks what was queued before the stop (bounded
+        wait) and ends; what it found (None: nothing). The teardown's aborts and fences are
+        then checked by the mirror alone, so the trace still closes with every life ended,
+        as it did with the Monitor in line."""
         if not self.stopped:
             self.stopped = True
-            self.audit.stop()
             self.monitor.sink = self.monitor.stage_sink = self._accepted.append
+        return self.audit.drain()
 
     def check_metrics(self, wall_s: float) -> dict:
         """Live-check cost beside the run's wall, and the audit's seconds and lag."""

@@ -50,6 +50,7 @@ class Recovery:
 
     def _watch(self) -> None:
         self.ledger.raise_audit_error()  # a violation the audit found stops the run here
+        self.ledger.write_trace()
         while not self.cancels.empty():
             self._cancel(self.tracked[self.cancels.get()])
         now = self.ledger.now()
@@ -179,8 +180,8 @@ class Recovery:
     # -- teardown -----------------------------------------------------------------------------
 
     def cancel_all(self, reason: str) -> None:
-        """After the producers are gone: abort every live life, fence what it left unfenced."""
-        self.ledger.stop()  # the audit ends: the run already stops with its first error
+        """After the producers are gone (the ledger stopped): abort every live life, fence
+        what it left unfenced."""
         for t in self.tracked.values():
             if t.status in (Status.PREFILL, Status.RUNNING):
                 self.ledger.abort(t.req, reason)  # cancels its spans in flight

@@ -10,6 +10,7 @@ from pathlib import Path
 from pdgpu.serve.decoder import Decoder, Tracked
 from pdgpu.serve.ledger import Ledger
 from pdref.metrics import life_metrics
+from pdref.outfile import write_atomic
 
 SUMMARY_ORDER = ("requests", "ok", "failed", "cancelled", "tokens_per_s", "ttft_p50_s",
                  "ttft_p99_s", "itl_p50_s", "itl_p99_s", "handoff_p50_s", "peak_pool_pages",
@@ -37,11 +38,36 @@ def result_line(t: Tracked) -> dict:
 
 def write_results(decoder: Decoder, path: str | Path) -> None:
     """One line per request, in workload order; written whole or not at all."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     lines = [json.dumps(result_line(t)) for t in decoder.tracked.values()]
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    tmp.replace(path)
+    write_atomic(path, "".join(line + "\n" for line in lines))
+
+
+class ResultsLog:
+    """`--results` written as the run goes: created empty at the start, a line appended (one
+    write, line-buffered) as each request ends, so the file always holds whole lines, one
+    per request ended so far, in the order they ended. At the end it is replaced (renamed
+    into place, never half there) by every request's line in workload order (one a run
+    stopped early never got to is there too, with its status)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        write_atomic(self.path, "")
+        self.file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+
+    def add(self, t: Tracked) -> None:
+        self.file.write(json.dumps(result_line(t)) + "\n")
+
+    def close(self, decoder: Decoder | None) -> None:
+        if self.file.closed:
+            return
+        self.file.close()
+        if decoder is not None:
+            write_results(decoder, self.path)
+
+    def remove(self) -> None:
+        """A run refused before it served (bad input, exit 2): no file is left."""
+        self.file.close()
+        self.path.unlink(missing_ok=True)
 
 
 def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
