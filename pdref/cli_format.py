@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -22,6 +23,11 @@ class DefaultsFormatter(argparse.HelpFormatter):
         if str(shown) == "":  # an empty list or text: "(default: )" would say nothing
             return text
         return f"{text} (default: {str(shown).replace('%', '%%')})"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        """argparse's wrapping, but never inside a hyphenated name (mistral-nemo-12b)."""
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False)
 
 
 def count(n: int, noun: str, plural: str | None = None) -> str:
