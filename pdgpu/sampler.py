@@ -1,0 +1,140 @@
+"""The vectorized draw of a batch's next tokens (the rules: sampling.py).
+
+A batch of only greedy rows without penalties or bans is one argmax, as before sampling
+existed. Otherwise the rows' options travel as one [B, 10] tensor (one host-to-device copy) and
+every rule is a handful of whole-batch tensor ops; a row whose options leave a rule neutral
+(top_k 0, top_p 1, no penalty) passes through it unchanged, bit for bit, so a row's token never
+depends on which other rows share the batch. Nothing reads a device value back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from pdgpu.sampling import Sampling, uniform
+
+# the columns of a batch's option tensor
+GREEDY, TEMPERATURE, TOP_P, TOP_K, MIN_P, PRESENCE, FREQUENCY, REPETITION, DRAW, SLOT = range(10)
+
+
+class Step(NamedTuple):
+    """One row of a batch's draw."""
+
+    sampling: Sampling
+    position: int  # output tokens before this one (0: the first, drawn by the producer)
+    ban: tuple[int, ...] = ()  # tokens it may not draw now (stop tokens before min_tokens)
+    slot: int = 0  # its row in the Sampler's penalty tables (0: none)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to change its logits: the argmax."""
+        return self.sampling.greedy and not self.sampling.penalized and not self.ban
+
+
+class Sampler:
+    """Draws a batch's tokens; keeps, for each request with penalties, its prompt's tokens (a
+    mask) and its output's token counts, as rows of two [slots, V] tables (row 0: empty, the
+    row of every request without penalties)."""
+
+    def __init__(self, vocab: int, device) -> None:
+        self.vocab, self.device = vocab, torch.device(device)
+        self.prompt = torch.zeros((1, vocab), dtype=torch.bool, device=self.device)
+        self.counts = torch.zeros((1, vocab), dtype=torch.float32, device=self.device)
+        self.free: list[int] = []
+
+    def open(self, sampling: Sampling, prompt: Sequence[int], output: Sequence[int] = ()) -> int:
+        """A request's slot (0 when it has no penalties), its prompt and output so far in it."""
+        if not sampling.penalized:
+            return 0
+        if not self.free:
+            self._grow()
+        slot = self.free.pop()
+        self.prompt[slot, torch.tensor(list(prompt), dtype=torch.int64, device=self.device)] = True
+        for token in output:
+            self.counts[slot, token] += 1
+        return slot
+
+    def close(self, slot: int) -> None:
+        """The request ended: its slot is free (and empty) again."""
+        if slot:
+            self.prompt[slot] = False
+            self.counts[slot] = 0
+            self.free.append(slot)
+
+    def _grow(self) -> None:
+        rows = self.prompt.shape[0]
+        self.prompt = torch.cat([self.prompt, torch.zeros_like(self.prompt)])
+        self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+        self.free.extend(range(2 * rows - 1, rows - 1, -1))
+
+    @torch.no_grad()
+    def pick(self, logits: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:
+        """logits [B, V] (row i: steps[i]) -> tokens [B] int64 on their device; the tokens of
+        rows with penalties are counted in their slots."""
+        if all(s.plain for s in steps):
+            return logits.argmax(dim=-1)
+        options = self._options(steps, logits.device)  # [B, 10]
+        x = logits.float()  # [B, V]
+        slots = options[:, SLOT].long()  # [B]
+        if any(s.sampling.penalized for s in steps):
+            x = self._penalize(x, slots, options)
+        bans = [(row, token) for row, s in enumerate(steps) for token in s.ban]
+        if bans:
+            rows, tokens = torch.tensor(bans, device=x.device).T  # [n] each
+            x = x.index_put((rows, tokens), torch.tensor(-torch.inf, device=x.device))
+        chosen = x.argmax(dim=-1)  # [B]
+        if not all(s.sampling.greedy for s in steps):
+            drawn = _draw(_kept(x, options, any(s.sampling.filtered for s in steps)),
+                          options[:, DRAW])
+            chosen = torch.where(options[:, GREEDY] > 0, chosen, drawn)
+        if any(s.sampling.penalized for s in steps):
+            self.counts.index_put_((slots, chosen), (slots > 0).float(), accumulate=True)
+        return chosen
+
+    def _options(self, steps: Sequence[Step], device) -> torch.Tensor:
+        rows = []
+        for s in steps:
+            o = s.sampling
+            rows.append((float(o.greedy), o.temperature or 1.0, o.top_p, o.top_k or self.vocab,
+                         o.min_p, o.presence_penalty, o.frequency_penalty,
+                         o.repetition_penalty, uniform(o.seed, s.position), s.slot))
+        return torch.tensor(rows, dtype=torch.float64).to(device, non_blocking=True)
+
+    def _penalize(self, x: torch.Tensor, slots: torch.Tensor, options: torch.Tensor):
+        """vLLM's repetition, frequency and presence penalties: x [B, V] -> [B, V]."""
+        counts = self.counts[slots]  # [B, V]
+        present = counts > 0
+        repetition = options[:, REPETITION, None].float()  # [B, 1]
+        scaled = torch.where(x > 0, x / repetition, x * repetition)
+        x = torch.where(self.prompt[slots] | present, scaled, x)
+        return x - options[:, FREQUENCY, None].float() * counts \
+            - options[:, PRESENCE, None].float() * present
+
+
+def _kept(x: torch.Tensor, options: torch.Tensor, filtered: bool) -> torch.Tensor:
+    """The probabilities each row may draw from (others 0): temperature, min_p, top_k, top_p
+    -> [B, V] float32, not renormalized."""
+    probs = torch.softmax(x / options[:, TEMPERATURE, None].float(), dim=-1)  # [B, V]
+    floor = options[:, MIN_P, None].float() * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    probs = torch.where(probs >= floor, probs, 0.0)
+    if not filtered:
+        return probs
+    ranked = probs.sort(dim=-1, descending=True, stable=True).values  # [B, V]
+    kth = ranked.gather(1, options[:, TOP_K, None].long() - 1)  # [B, 1]
+    ranked = torch.where(ranked >= kth, ranked, 0.0)
+    before = ranked.cumsum(dim=-1) - ranked  # [B, V] the mass ranked above each token
+    top_p = options[:, TOP_P, None].float()  # [B, 1]
+    keep = (before < top_p * ranked.sum(dim=-1, keepdim=True)) | (top_p >= 1)
+    last = ranked.gather(1, keep.sum(dim=-1, keepdim=True) - 1)  # [B, 1] the least kept
+    return torch.where(probs >= torch.maximum(last, kth), probs, 0.0)
+
+
+def _draw(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF in vocabulary order: probs [B, V], draws [B] in [0, 1) -> tokens [B]. In
+    float64, a draw times the total mass stays below the total (draws have 32 bits)."""
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    target = draws[:, None] * cdf[:, -1:]  # [B, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
