@@ -261,11 +261,17 @@ class DecodeBatch:
             seq.length += 1
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> the most likely token of each row [B]."""
+    return logits.argmax(dim=-1)
+
+
 @torch.no_grad()
-def decode_tokens(model, batch: DecodeBatch, tokens: list[int]) -> list[int]:
-    """One greedy step: feed each request's last token, get its next token."""
+def decode_tokens(model, batch: DecodeBatch, tokens: list[int], pick=greedy) -> list[int]:
+    """One step: feed each request's last token, get its next token (`pick`: logits [B, V] ->
+    tokens [B], greedy unless the requests sample; sampler.py)."""
     device = model.inv_freq.device
     inputs = torch.tensor(tokens, dtype=torch.int64, device=device)  # [B]
     logits = model.decode_step(inputs, batch.positions(device), batch)  # [B, V]
     batch.advance()
-    return logits.argmax(dim=-1).tolist()
+    return pick(logits).tolist()

@@ -1,17 +1,21 @@
-"""`pdgpu generate`'s reference: one request, one process, no handoff, greedy.
+"""`pdgpu generate`'s reference: one request, one process, no handoff.
 
 It computes exactly what `pdgpu serve` computes, the same way, so a served request's output
 tokens must equal these: the prompt is prefilled in the same chunks (the prefix's own chunks,
 then the suffix's aligned at the prefix), the first token comes from the last prompt position,
-and every later token from `Transformer.decode_step` (batch-invariant by construction).
+and every later token from `Transformer.decode_step` (batch-invariant by construction), each
+drawn by the same sampler (greedy, or the request's sampling options with its seed: a token
+depends on the seed and its position only, not on the batch; sampler.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
+from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens, greedy
 from pdgpu.model import Transformer
+from pdgpu.sampler import Sampler, Step
+from pdgpu.sampling import GREEDY, Sampling
 from pdgpu.source_cache import SourceCache
 from pdref.plan import plan_chunks
 
@@ -21,16 +25,29 @@ def prefill_chunks(prompt: int, prefix: int, chunk: int) -> list[tuple[int, int]
     return plan_chunks(prefix, 0, chunk) + plan_chunks(prompt, prefix, chunk)
 
 
-def first_token(model: Transformer, hidden: torch.Tensor) -> int:
-    """Greedy token from the last prompt position's hidden state [1, E]."""
-    return int(model.logits(hidden).argmax(dim=-1)[0])
+def first_token(model: Transformer, hidden: torch.Tensor, pick=greedy) -> int:
+    """The token after the last prompt position's hidden state [1, E] (`pick`: logits [1, V]
+    -> [1])."""
+    return int(pick(model.logits(hidden))[0])
+
+
+def stop_tokens(sampling: Sampling, eos: int | None, stop=frozenset()) -> frozenset[int]:
+    """The tokens that end a request: its stop tokens and, unless it ignores it, `eos`."""
+    return frozenset(stop) | (frozenset() if eos is None or sampling.ignore_eos else {eos})
+
+
+def step_at(sampling: Sampling, position: int, stops: frozenset[int], slot: int = 0) -> Step:
+    """The draw of output token `position`: stop tokens banned before `min_tokens`."""
+    ban = tuple(sorted(stops)) if position < sampling.min_tokens else ()
+    return Step(sampling, position, ban, slot)
 
 
 @torch.no_grad()
 def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: int = 64,
-             prefix: int = 0, page_tokens: int = 16, eos: int | None = None) -> list[int]:
-    """The `output_tokens` greedy tokens after `tokens` (the first one from prefill), or
-    fewer, ending with `eos` when that token comes first."""
+             prefix: int = 0, page_tokens: int = 16, eos: int | None = None,
+             sampling: Sampling = GREEDY) -> list[int]:
+    """The `output_tokens` tokens after `tokens` (the first one from prefill), or fewer,
+    ending with `eos` when that token comes first (unless `sampling` ignores it)."""
     if output_tokens < 1:
         raise ValueError(f"output_tokens must be >= 1, got {output_tokens}")
     device = model.inv_freq.device
@@ -43,9 +60,15 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
     hidden = None
     for a, b in prefill_chunks(len(tokens), prefix, chunk):
         hidden = model.prefill_chunk(ids[a:b], a, kv)[-1:]  # [1, E]
-    out = [first_token(model, hidden)]
+    sampler, stops = Sampler(model.spec.vocab, device), stop_tokens(sampling, eos)
+    slot = sampler.open(sampling, tokens)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        return sampler.pick(logits, [step_at(sampling, len(out), stops, slot)])
+    out: list[int] = []
+    out.append(first_token(model, hidden, pick))
     context = kv.kv.index_select(2, kv.slots)  # [L, 2, prompt, KVH, D]
     seq = DecodeCache.for_model(model).add(context, kv.read_state())
-    while len(out) < output_tokens and out[-1] != eos:
-        out.append(decode_tokens(model, DecodeBatch([seq]), [out[-1]])[0])
+    while len(out) < output_tokens and out[-1] not in stops:
+        out.append(decode_tokens(model, DecodeBatch([seq]), [out[-1]], pick)[0])
     return out

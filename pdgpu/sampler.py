@@ -45,14 +45,15 @@ class Sampler:
         self.counts = torch.zeros((1, vocab), dtype=torch.float32, device=self.device)
         self.free: list[int] = []
 
-    def open(self, sampling: Sampling, prompt: Sequence[int], output: Sequence[int] = ()) -> int:
-        """A request's slot (0 when it has no penalties), its prompt and output so far in it."""
+    def open(self, sampling: Sampling, prompt, output: Sequence[int] = ()) -> int:
+        """A request's slot (0 when it has no penalties), its prompt (ids or a tensor [n]) and
+        output so far in it."""
         if not sampling.penalized:
             return 0
         if not self.free:
             self._grow()
         slot = self.free.pop()
-        self.prompt[slot, torch.tensor(list(prompt), dtype=torch.int64, device=self.device)] = True
+        self.prompt[slot, torch.as_tensor(prompt, dtype=torch.int64, device=self.device)] = True
         for token in output:
             self.counts[slot, token] += 1
         return slot

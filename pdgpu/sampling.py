@@ -24,7 +24,6 @@ import math
 import secrets
 
 import attrs
-import torch
 
 SEED_RANGE = (-(2 ** 63), 2 ** 64)  # vLLM's: a signed or an unsigned 64-bit integer
 
@@ -77,8 +76,7 @@ def problem(field: str, value) -> str | None:
             return f"must be a finite number, got {value!r}"
         if value < low or (value == low and not low_in) or value > high or \
                 (value == high and not high_in):
-            return f"must be in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}" \
-                   f", got {value!r}"
+            return f"must be in {_interval(low, high, low_in, high_in)}, got {value!r}"
         return None
     if field == "ignore_eos":
         return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
@@ -91,6 +89,10 @@ def problem(field: str, value) -> str | None:
     return None
 
 
+def _interval(low: float, high: float, low_in: bool, high_in: bool) -> str:
+    return f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+
+
 def random_seed() -> int:
     """The seed of a request that gave none."""
     return secrets.randbits(63)
@@ -101,3 +103,26 @@ def uniform(seed: int, position: int) -> float:
     mass stays below it: the draw never runs past the last kept token)."""
     key = (seed % 2 ** 64).to_bytes(8, "little") + position.to_bytes(8, "little")
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") / 2 ** 32
+
+
+class SamplingError(ValueError):
+    """An option out of its range: `field` names it (the OpenAI error's `param`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+def checked(max_tokens: int | None = None, limit: str = "max_tokens", **fields) -> Sampling:
+    """A Sampling from the fields given (each checked; vLLM's top_k -1, every token, is 0);
+    min_tokens may not exceed `max_tokens` (the option named `limit`)."""
+    for field, value in fields.items():
+        found = problem(field, value)
+        if found:
+            raise SamplingError(field, found)
+    if fields.get("top_k") == -1:
+        fields["top_k"] = 0
+    if max_tokens is not None and fields.get("min_tokens", 0) > max_tokens:
+        raise SamplingError("min_tokens", f"must be <= {limit} ({max_tokens}), got "
+                            f"{fields['min_tokens']}")
+    return Sampling(**fields)

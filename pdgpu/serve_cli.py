@@ -315,6 +315,7 @@ def cmd_generate(args) -> int:
     if spec.arch not in ENGINE_ARCHS:
         raise WorkloadError(f"model: arch {spec.arch!r} has no engine implementation")
     _check_eos(args.eos_token, spec.vocab)
+    sampling = _sampling(args)
     device = check_device(args.device)
     from pdgpu.generate import generate
     use_device(device)
@@ -322,7 +323,7 @@ def cmd_generate(args) -> int:
         model = load_served_model(args.model, args.seed, args.dtype, device)
         start = time.perf_counter()
         output = generate(model, tokens, args.output_tokens, args.chunk, args.prefix,
-                          args.page_tokens, args.eos_token)
+                          args.page_tokens, args.eos_token, sampling)
         wall = time.perf_counter() - start
     if args.json:
         print(json.dumps({"output": output, "prompt": len(tokens), "model": spec.name,
@@ -330,6 +331,17 @@ def cmd_generate(args) -> int:
     else:
         print("output: " + " ".join(map(str, output)))
     return 0
+
+
+def _sampling(args):
+    """`pdgpu generate`'s sampling options (each checked by argparse already)."""
+    from pdgpu.sampling import SamplingError, checked
+    given = {name[len("sample_"):]: value for name, value in vars(args).items()
+             if name.startswith("sample_") and value is not None}
+    try:
+        return checked(args.output_tokens, "output-tokens", ignore_eos=args.ignore_eos, **given)
+    except SamplingError as e:
+        raise WorkloadError(f"{e.field.replace('_', '-')}: {e.message}") from None
 
 
 def run_command(args) -> int:

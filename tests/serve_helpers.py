@@ -16,6 +16,7 @@ from pdgpu.checkpoint import save_checkpoint
 from pdgpu.cli import main
 from pdgpu.generate import generate
 from pdgpu.model import build_model
+from pdgpu.sampling import GREEDY, Sampling
 from pdgpu.serve import launch
 from pdgpu.serve.models import load_served_model
 from pdgpu.serve.transport_shm import SHM_DIR
@@ -115,13 +116,15 @@ def write_sensitive_checkpoint(folder: Path) -> Path:
 
 
 def reference(model_arg: str, tokens, output_tokens: int, chunk: int, prefix: int,
-              seed: int = 0, eos: int | None = None, device: str = "cpu") -> list[int]:
+              seed: int = 0, eos: int | None = None, device: str = "cpu",
+              sampling: Sampling = GREEDY) -> list[int]:
     """`pdgpu generate`'s tokens (the same function), one thread like the serving ranks."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = load_served_model(model_arg, seed, None, device)
-        return generate(model, list(tokens), output_tokens, chunk, prefix, eos=eos)
+        return generate(model, list(tokens), output_tokens, chunk, prefix, eos=eos,
+                        sampling=sampling)
     finally:
         torch.set_num_threads(threads)
 

@@ -152,6 +152,75 @@ def test_streamed_completion_one_token_per_event(server):
     assert events[-1].usage.completion_tokens == 7
 
 
+SAMPLED = [{"temperature": 0.8, "seed": 11},
+           {"temperature": 1.2, "top_p": 0.9, "top_k": 20, "seed": 12},
+           {"temperature": 0.7, "min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+            "repetition_penalty": 1.2, "seed": 13}]
+
+
+def completion_ids(server, prompt, max_tokens: int, **options) -> list[int]:
+    got = server.client().completions.create(model=server.model_id, prompt=prompt,
+                                             max_tokens=max_tokens, extra_body=options)
+    return token_ids(got.choices[0])
+
+
+def test_seeded_samples_equal_generate_alone_and_in_a_batch(server):
+    """A sampled request with a seed gives `pdgpu generate`'s tokens for the same options,
+    alone and while others (greedy and sampled) decode beside it; the draws are not greedy."""
+    from pdgpu.sampling import Sampling
+    want = [reference(server.model, PROMPTS[i], 10, CHUNK, 0, sampling=Sampling(**o))
+            for i, o in enumerate(SAMPLED)]
+    greedy = [reference(server.model, PROMPTS[i], 10, CHUNK, 0) for i in range(len(SAMPLED))]
+    assert want != greedy
+    alone = [completion_ids(server, PROMPTS[i], 10, **o) for i, o in enumerate(SAMPLED)]
+    assert alone == want
+    jobs = [(PROMPTS[i], o) for i, o in enumerate(SAMPLED)] + [(PROMPTS[0], {})]
+    together: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i, p=p, o=o: together.__setitem__(
+        i, completion_ids(server, p, 10, **o))) for i, (p, o) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [together[i] for i in range(len(SAMPLED))] == want
+    assert together[len(SAMPLED)] == greedy[0]
+
+
+def test_min_tokens_bans_the_stop_tokens_and_ignore_eos(server):
+    """min_tokens keeps a stop token from being drawn before it (tokens as generate's with
+    that token as its eos); ignore_eos with the tokenizer's own eos still runs to max_tokens."""
+    from pdgpu.sampling import Sampling
+    greedy = reference(server.model, PROMPTS[0], 8, CHUNK, 0)
+    stop = greedy[1]
+    want = reference(server.model, PROMPTS[0], 8, CHUNK, 0, eos=stop,
+                     sampling=Sampling(min_tokens=4))
+    got = completion_ids(server, PROMPTS[0], 8, stop=[stop], min_tokens=4, ignore_eos=True)
+    assert got == want and stop not in got[:4]
+
+
+def itl_count(server) -> float:
+    return server.metrics()["pdgpu_itl_seconds_count{}"]
+
+
+def test_a_stop_string_ends_decoding_and_frees_pages_at_once(server):
+    """A request a stop string ends stops taking decode steps right after (its tokens after
+    the stop counted by /metrics' ITL), and its pages are back as the response ends."""
+    prompt = SENTENCES[0]
+    whole = server.client().completions.create(model=server.model_id, prompt=prompt,
+                                               max_tokens=40)
+    words = whole.choices[0].text.split()
+    before = itl_count(server)
+    cut = server.client().completions.create(model=server.model_id, prompt=prompt,
+                                             max_tokens=40, stop=[words[2]])
+    assert cut.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 5
+    while server.metrics()["pdgpu_pool_pages_in_use{}"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.metrics()["pdgpu_pool_pages_in_use{}"] == 0
+    decoded = itl_count(server) - before + 1
+    assert decoded <= 3 + 3, decoded  # the stop at token 3, then at most a few in flight
+
+
 def test_text_prompt_and_stop_string(server):
     """A text prompt is tokenized; a stop string ends the text before it, finish 'stop'."""
     client = server.client()
@@ -294,7 +363,16 @@ def test_overload_gets_429(server):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"temperature": 0.7}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"seed": "7"}, "seed"),
+    ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "8"}, "max_tokens"),
     ({"max_tokens": 5000}, "max_tokens"),

@@ -91,6 +91,22 @@ def test_generate_refuses_out_of_vocab_and_prints_json(capsys):
     assert len(out["output"]) == 3 and all(0 <= t < 256 for t in out["output"])
 
 
+def test_generate_samples_with_a_seed_and_names_a_bad_option(capsys):
+    """generate --temperature with --sample-seed repeats itself and is not the greedy
+    output; an option out of range or min-tokens over output-tokens is one line, exit 2."""
+    def run(*extra) -> list[int]:
+        assert main(["generate", "--tokens", "5,6,7", "--output-tokens", "6", "--json",
+                     *extra]) == 0
+        return json.loads(capsys.readouterr().out)["output"]
+    sampled = run("--temperature", "1.5", "--top-k", "50", "--sample-seed", "4")
+    assert sampled == run("--temperature", "1.5", "--top-k", "50", "--sample-seed", "4")
+    assert sampled != run()
+    assert "top-p" in _one_line_exit_2(capsys, ["generate", "--tokens", "1", "--top-p", "0"])
+    err = _one_line_exit_2(capsys, ["generate", "--tokens", "1", "--output-tokens", "2",
+                                    "--min-tokens", "3"])
+    assert "min-tokens" in err and "output-tokens (2)" in err
+
+
 @pytest.mark.parametrize(("args", "word"), [
     (["--model", "qwen3-next-80b-a3b", "--mode", "layer"], "CFG-1"),
     (["--no-kv-progress", "--mode", "chunk"], "kv_progress"),

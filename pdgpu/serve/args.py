@@ -6,6 +6,7 @@ import argparse
 
 from pdgpu.cli_types import int_at_least as _int
 from pdgpu.cli_types import positive_float as _positive
+from pdgpu.sampling import problem
 from pdgpu.serve.config import DEBUG_BUGS
 from pdref.events import Mode
 from pdref.models import list_models
@@ -15,7 +16,7 @@ def add_parsers(sub) -> None:
     serve = _summary(sub, "serve", "a decoder and N producer processes serving requests")
     _model_args(serve)
     _serve_args(serve)
-    gen = _summary(sub, "generate", "single-process greedy reference (no handoff)")
+    gen = _summary(sub, "generate", "single-process reference, greedy or sampled (no handoff)")
     _model_args(gen)
     gen.add_argument("--tokens", required=True, help="prompt token ids, comma separated")
     gen.add_argument("--output-tokens", type=_int(1), default=8, help="tokens to generate")
@@ -23,6 +24,43 @@ def add_parsers(sub) -> None:
                      help="prefill the first P tokens as their own chunks (like a prefix cache)")
     gen.add_argument("--json", action="store_true", help='print {"output": [...], ...}')
     gen.add_argument("--eos-token", type=_int(0), help="stop after this token (default: none)")
+    _sampling_args(gen)
+
+
+SAMPLING_HELP = {
+    "temperature": "0: greedy (default); > 0: sample", "top_p": "keep the most likely tokens "
+    "whose mass reaches P (default 1)", "top_k": "keep the K most likely (0 or -1: all)",
+    "min_p": "drop tokens below P x the top probability (default 0)",
+    "seed": "the draw's seed (default 0; the served API draws one when a request has none)",
+    "presence_penalty": "in [-2, 2], vLLM's", "frequency_penalty": "in [-2, 2], vLLM's",
+    "repetition_penalty": "> 0, vLLM's (1: none)",
+    "min_tokens": "ban the stop tokens before this many output tokens"}
+
+
+def _sampling_args(p) -> None:
+    """The sampling options, named and checked as the HTTP API's (pdgpu/sampling.py)."""
+    group = p.add_argument_group("sampling (as the OpenAI API's fields; sampling.py)")
+    for field, text in SAMPLING_HELP.items():
+        flag = "--sample-seed" if field == "seed" else f"--{field.replace('_', '-')}"
+        convert = int if field in ("top_k", "seed", "min_tokens") else float
+        group.add_argument(flag, dest=f"sample_{field}", type=_sampling_type(field, convert),
+                           help=text)
+    group.add_argument("--ignore-eos", action="store_true",
+                       help="--eos-token does not end the output")
+
+
+def _sampling_type(field: str, convert):
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            kind = "an integer" if convert is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        found = problem(field, value)
+        if found:
+            raise argparse.ArgumentTypeError(found)
+        return value
+    return parse
 
 
 def _summary(sub, name: str, text: str):

@@ -7,8 +7,9 @@ postprocess  every message of every producer becomes its pdref event through the
              authority): computed, issue, a span's bytes into its slab (land or fail), produced;
              a complete request is admitted when pdref says so; faults (recovery.py): failed
              lives, cancels, deadlines, dead producers
-run          one batched greedy decode forward for every running request, each over its own
-             K/V length; a request is released at its output-token count, pages back
+run          one batched decode forward for every running request, each over its own K/V
+             length, its token drawn by the request's own options (greedy unless it samples;
+             sampler.py); a request is released at its output-token count, pages back
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import queue
 import time
 from collections import deque
 
+import attrs
 import torch
 
 from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
+from pdgpu.generate import step_at, stop_tokens
+from pdgpu.sampler import Sampler
 from pdgpu.serve.faults import FaultPolicy, FaultSpec
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.lives import Life, Status, Tracked
@@ -48,6 +52,7 @@ class Decoder(Recovery):
         self.waiting: deque[Tracked] = deque()
         self.running: list[Tracked] = []
         self.decode_cache = DecodeCache.for_model(model)  # the running requests' K/V
+        self.sampler = Sampler(model.spec.vocab, self.decode_cache.device)
         self.lives: dict[str, Life] = {}  # handle -> a life its producer may still send for
         self.deadlines: dict[int, tuple[float, Life]] = {}  # span -> (deadline, its life)
         self.kills = sorted(policy.kills, key=lambda k: k.t)
@@ -151,8 +156,9 @@ class Decoder(Recovery):
             self.ledger.reserve(t.req, t.request.prompt, prefix, f"p{rank}")
             self.lives[t.life.handle] = t.life
             t.status, t.reserved_t = Status.PREFILL, self.ledger.now()
-            self.members.send(rank, "prefill", {"handle": t.life.handle,
-                                                "tokens": list(t.request.tokens)})
+            self.members.send(rank, "prefill", {
+                "handle": t.life.handle, "tokens": list(t.request.tokens),
+                "sampling": attrs.asdict(t.request.sampling), "ban": list(self._draw(t, 0).ban)})
 
     # -- postprocess --------------------------------------------------------------------------
 
@@ -268,6 +274,7 @@ class Decoder(Recovery):
         self.members.send(life.producer, "reuse", {"handle": life.handle})
         context = self.ledger.admit(t.req, self.prefix_kv)  # [L, 2, prompt, KVH, D]
         t.seq = self.decode_cache.add(context)
+        t.slot = self.sampler.open(t.request.sampling, t.request.tokens, [life.token])
         t.output = [life.token]
         t.token_t = [life.produced_t]
         t.status, t.life, t.admitted_t = Status.RUNNING, None, self.ledger.now()
@@ -277,8 +284,14 @@ class Decoder(Recovery):
 
     def _complete(self, t: Tracked) -> bool:
         """At its output-token count, or it just produced the end-of-sequence token."""
-        last = t.output[-1]
-        return len(t.output) >= t.request.output_tokens or last == self.eos or last in t.stop
+        return len(t.output) >= t.request.output_tokens or t.output[-1] in self._stops(t)
+
+    def _stops(self, t: Tracked) -> frozenset[int]:
+        return stop_tokens(t.request.sampling, self.eos, t.stop)
+
+    def _draw(self, t: Tracked, position: int):
+        """The sampler's row for `t`'s output token `position`."""
+        return step_at(t.request.sampling, position, self._stops(t), t.slot)
 
     # -- run ----------------------------------------------------------------------------------
 
@@ -286,7 +299,9 @@ class Decoder(Recovery):
         kv_tokens = sum(t.seq.length for t in self.running)  # read by this step's attention
         batch = DecodeBatch([t.seq for t in self.running])
         start = self.ledger.now()
-        tokens = decode_tokens(self.model, batch, [t.output[-1] for t in self.running])
+        steps = [self._draw(t, len(t.output)) for t in self.running]
+        tokens = decode_tokens(self.model, batch, [t.output[-1] for t in self.running],
+                               lambda logits: self.sampler.pick(logits, steps))
         now = self.ledger.now()
         self.ledger.stage(self.running[0].req, "decode", start, now, resource="decoder",
                           batch=len(self.running), kv_tokens=kv_tokens)
@@ -300,10 +315,15 @@ class Decoder(Recovery):
 
     def _release(self, t: Tracked) -> None:
         self.ledger.release(t.req)
+        self._leave_batch(t)
+        self._finish(t, Status.OK)
+
+    def _leave_batch(self, t: Tracked) -> None:
+        """A running request ends: its K/V row and sampler slot are free."""
         self.running.remove(t)
         self.decode_cache.remove(t.seq)
-        t.seq = None
-        self._finish(t, Status.OK)
+        self.sampler.close(t.slot)
+        t.seq, t.slot = None, 0
 
     def _finish(self, t: Tracked, status: Status, reason: str | None = None) -> None:
         t.status, t.reason, t.done_t = status, reason, self.ledger.now()

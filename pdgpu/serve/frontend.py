@@ -24,6 +24,7 @@ import time
 
 import attrs
 
+from pdgpu.sampling import GREEDY
 from pdgpu.serve.lives import Status
 from pdgpu.serve.workload import ServeRequest
 
@@ -79,7 +80,8 @@ class Frontend:
     def in_system(self) -> int:
         return self.submitted - self.ended
 
-    def submit(self, tokens, max_tokens: int, stop=(), sink=lambda event: None) -> Handle:
+    def submit(self, tokens, max_tokens: int, stop=(), sink=lambda event: None,
+               sampling=GREEDY) -> Handle:
         """Queue a request (any thread); Full or Closed when it cannot be taken."""
         with self.lock:
             if self.closing:
@@ -87,7 +89,8 @@ class Frontend:
             if self.in_system() >= self.bound:
                 raise Full(f"{self.bound} requests are in the system (the queue bound)")
             req = f"h{next(self._ids)}"
-            handle = Handle(req, ServeRequest(req, tokens, max_tokens), frozenset(stop), sink)
+            request = ServeRequest(req, tokens, max_tokens, sampling)
+            handle = Handle(req, request, frozenset(stop), sink)
             self.submitted += 1
             self.inbox.put(handle)
         return handle

@@ -53,7 +53,8 @@ class Service:
         def sink(event: Event) -> None:  # the decoder's thread
             loop.call_soon_threadsafe(events.put_nowait, event)
         try:
-            handle = self.frontend.submit(ask.tokens, ask.max_tokens, ask.stop_ids, sink)
+            handle = self.frontend.submit(ask.tokens, ask.max_tokens, ask.stop_ids, sink,
+                                          sampling=ask.sampling)
         except Full as e:
             raise ApiError(429, f"overloaded: {e}; retry later", None, "rate_limit_exceeded",
                            "queue_full") from None

@@ -71,6 +71,7 @@ class Tracked:
     token_t: list[float] = attrs.Factory(list)
     done_t: float | None = None
     seq: SequenceKV | None = None
+    slot: int = 0  # its row in the decoder's sampler (penalties), while running
     cancel_at: int | None = None  # cancelled once it has made this many steps
     steps: int = 0  # messages of its lives and decoded tokens so far
     stop: frozenset[int] = frozenset()  # it also ends after any of these tokens (HTTP `stop`)

@@ -4,16 +4,21 @@ a request body is checked into an `Ask` or refused with an `ApiError` naming the
 request's tokens into text, ending it at a stop token or stop string as the OpenAI API does
 (the stop text itself is not returned; its tokens count in `usage`).
 
-Served: greedy decoding only (`temperature` absent or 0; anything else, or n/best_of > 1,
-echo, logprobs, penalties, a logit bias, is refused naming the field). Each choice also
-carries `token_ids` (the output's ids: what `pdgpu generate` prints; a model without a
-tokenizer has no other exact text).
+Served: greedy decoding (`temperature` absent or 0: exactly `pdgpu generate`'s tokens) or
+sampling with `temperature`, `top_p`, `top_k`, `min_p`, `seed`, the presence, frequency and
+repetition penalties, `min_tokens` and `ignore_eos` (vLLM's meanings; pdgpu/sampling.py; a
+request without a seed gets a random one). What would change the output and is not served
+(n or best_of > 1, echo, logprobs, a logit bias, tools, a response format) is refused naming
+the field; other unknown fields are ignored, as OpenAI's servers do. Each choice also carries
+`token_ids` (the output's ids: what `pdgpu generate` prints; a model without a tokenizer has
+no other exact text).
 """
 
 from __future__ import annotations
 
 import attrs
 
+from pdgpu.sampling import GREEDY, Sampling, SamplingError, checked, random_seed
 from pdgpu.serve.detok import Detokenizer
 from pdgpu.serve.texts import TextError, Texts
 from pdref.models import context_error
@@ -53,6 +58,7 @@ class Ask:
     include_usage: bool
     stop_ids: frozenset[int]
     stop_texts: tuple[str, ...]
+    sampling: Sampling = GREEDY
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -61,19 +67,31 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _greedy_only(body: dict) -> None:
-    temperature = body.get("temperature")
-    if temperature is not None and (not isinstance(temperature, int | float)
-                                    or isinstance(temperature, bool) or temperature != 0):
-        raise bad("temperature", f"only 0 (greedy decoding) is served, got {temperature!r}")
-    allowed = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
-               "logprobs": (None, False), "top_logprobs": (None, 0), "top_p": (None, 1),
-               "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "logit_bias": (None, {})}
-    for field, values in allowed.items():
-        if body.get(field) not in values:
-            raise bad(field, f"only {values[1]!r} is served (greedy decoding, one choice), "
-                      f"got {body.get(field)!r}")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos")
+# fields that would change the output, and the values that leave it as served (null: absent)
+UNSERVED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
+            "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+            "tools": (None, []), "tool_choice": (None, "none"),
+            "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
+            "include_stop_str_in_output": (None, False)}
+
+
+def _refuse_unserved(body: dict) -> None:
+    for field, values in UNSERVED.items():
+        value = body.get(field)
+        if not any(value == v and type(value) is type(v) for v in values):
+            raise bad(field, f"only {values[1]!r} is served, got {value!r}")
+
+
+def _sampling(body: dict, max_tokens: int, limit: str) -> Sampling:
+    """The request's sampling options (null: absent; no seed: a random one)."""
+    given = {f: body[f] for f in SAMPLING_FIELDS if body.get(f) is not None}
+    given.setdefault("seed", random_seed())
+    try:
+        return checked(max_tokens, limit, **given)
+    except SamplingError as e:
+        raise bad(e.field, e.message) from None
 
 
 def check_model(body: dict, limits: Limits) -> None:
@@ -138,7 +156,7 @@ def _max_tokens(body: dict, field: str, prompt: int, limits: Limits, default: in
 
 
 def _ask(body: dict, tokens: tuple[int, ...], texts: Texts, limits: Limits, param: str,
-         max_tokens: int) -> Ask:
+         max_tokens: int, limit: str) -> Ask:
     if len(tokens) > limits.max_prompt:
         raise bad(param, f"{len(tokens)} prompt tokens exceed this server's limit of "
                   f"{limits.max_prompt} (--http-max-prompt)")
@@ -146,28 +164,29 @@ def _ask(body: dict, tokens: tuple[int, ...], texts: Texts, limits: Limits, para
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise bad("stream", "stream must be true or false, stream_options an object")
+    sampling = _sampling(body, max_tokens, limit)
     stop_ids, stop_texts = _stops(body, texts, limits.vocab)
-    if texts.eos_id is not None:
+    if texts.eos_id is not None and not sampling.ignore_eos:
         stop_ids |= {texts.eos_id}  # the tokenizer's end of sequence ends a request
     return Ask(tokens, max_tokens, stream, bool(options.get("include_usage")), stop_ids,
-               stop_texts)
+               stop_texts, sampling)
 
 
 def parse_completion(body, limits: Limits, texts: Texts) -> Ask:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     check_model(body, limits)
-    _greedy_only(body)
+    _refuse_unserved(body)
     tokens = _prompt(body.get("prompt"), texts, limits.vocab)
     limit = _max_tokens(body, "max_tokens", len(tokens), limits, DEFAULT_MAX_TOKENS)
-    return _ask(body, tokens, texts, limits, "prompt", limit)
+    return _ask(body, tokens, texts, limits, "prompt", limit, "max_tokens")
 
 
 def parse_chat(body, limits: Limits, texts: Texts) -> Ask:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     check_model(body, limits)
-    _greedy_only(body)
+    _refuse_unserved(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -179,7 +198,7 @@ def parse_chat(body, limits: Limits, texts: Texts) -> Ask:
     field = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
     room = (limits.spec.max_context or len(tokens) + DEFAULT_MAX_TOKENS) - len(tokens)
     limit = _max_tokens(body, field, len(tokens), limits, max(1, room))
-    return _ask(body, tokens, texts, limits, "messages", limit)
+    return _ask(body, tokens, texts, limits, "messages", limit, field)
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -209,8 +228,11 @@ class Output:
         return self._flush() if self.stopped else self._upto(len(self.text) - self.hold)
 
     def _grow(self, piece: str) -> None:
-        """Text added; cut at the first stop string it completes."""
+        """Text added; cut at the first stop string it completes (none before min_tokens
+        output tokens, as vLLM)."""
         self.text += piece
+        if len(self.tokens) <= self.ask.sampling.min_tokens:
+            return
         for stop in self.ask.stop_texts:
             at = self.text.find(stop, max(0, self.shown - len(stop)))
             if at >= 0:

@@ -30,6 +30,8 @@ import attrs
 import torch
 
 from pdgpu.generate import first_token
+from pdgpu.sampler import Sampler, Step
+from pdgpu.sampling import GREEDY, Sampling
 from pdgpu.serve.bugs import NO_BUG, NoBug
 from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.digest import BITS, DigestingKV
@@ -54,6 +56,7 @@ class Job:
     steps: list  # chunk ranges (chunk-major) or layer ids (layer mode) still to compute
     hidden: list | None = None  # layer mode: hidden states per chunk
     last: torch.Tensor | None = None  # [1, E] hidden of the last position so far
+    draw: Step = Step(GREEDY, 0)  # how the first token is drawn (the request's options)
     cancelled: bool = False
     stop: threading.Event = attrs.Factory(threading.Event)  # set by the life's cancel
 
@@ -74,6 +77,7 @@ class Producer:
         self.cache.pool, self.prefix_pages = self.cache.pool.allocate(
             self.geometry.pages_for(config.prefix))
         self.prefix_last = self._warm_prefix()
+        self.sampler = Sampler(model.spec.vocab, self.device)  # the first tokens' draws
         self.waiting: deque[Job | dict] = deque()
         self.active: Job | None = None
         self.jobs: dict[str, Job] = {}
@@ -178,7 +182,9 @@ class Producer:
         chunks = plan_chunks(prompt, prefix, self.config.chunk)
         steps = list(range(self.geometry.layers)) if self.config.mode is Mode.LAYER and chunks \
             else chunks
-        job = Job(body["handle"], tokens, prefix, own, kv, steps, last=self.prefix_last)
+        draw = Step(Sampling(**body.get("sampling", {})), 0, tuple(body.get("ban", ())))
+        job = Job(body["handle"], tokens, prefix, own, kv, steps, last=self.prefix_last,
+                  draw=draw)
         if self.config.mode is Mode.LAYER:
             job.hidden = [self.model.embed(tokens[a:b]) for a, b in chunks]  # [n_i, E] each
         self.jobs[job.handle] = job
@@ -205,7 +211,10 @@ class Producer:
 
     def _produce(self, job: Job) -> None:
         start = self.now()
-        token = first_token(self.model, job.last)
+        slot = self.sampler.open(job.draw.sampling, job.tokens)
+        token = first_token(self.model, job.last, lambda logits: self.sampler.pick(
+            logits, [job.draw._replace(slot=slot)]))
+        self.sampler.close(slot)
         self._send("produced", handle=job.handle, token=token, start=start, end=self.now())
         if self.config.mode is Mode.WHOLE:
             for region in plan_spans(Mode.WHOLE, self.geometry, job.prompt, job.prefix,

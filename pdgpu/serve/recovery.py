@@ -89,9 +89,7 @@ class Recovery:
                 self.waiting.remove(t)
         elif t.status is Status.RUNNING:
             self.ledger.abort(t.req, "cancelled")
-            self.running.remove(t)
-            self.decode_cache.remove(t.seq)
-            t.seq = None
+            self._leave_batch(t)
         else:
             self._abort_life(t.life, "cancelled")
         t.life = None

@@ -7,6 +7,7 @@ import random
 
 import attrs
 
+from pdgpu.sampling import GREEDY, Sampling
 from pdgpu.workload import WorkloadError
 from pdref import prompts
 from pdref.models import ModelSpec, context_error
@@ -17,6 +18,7 @@ class ServeRequest:
     req: str
     tokens: tuple[int, ...] = attrs.field(converter=tuple)
     output_tokens: int = 1
+    sampling: Sampling = GREEDY  # how its tokens are drawn (the HTTP API's options)
 
     @property
     def prompt(self) -> int:
