@@ -79,19 +79,18 @@ class Sampler:
             return logits.argmax(dim=-1)
         options = self._options(steps, logits.device)  # [B, 10]
         x = logits.float()  # [B, V]
-        slots = options[:, SLOT].long()  # [B]
-        if any(s.sampling.penalized for s in steps):
+        penalized = any(s.sampling.penalized for s in steps)
+        slots = options[:, SLOT].long() if penalized else None  # [B]
+        if penalized:
             x = self._penalize(x, slots, options)
-        bans = [(row, token) for row, s in enumerate(steps) for token in s.ban]
-        if bans:
-            rows, tokens = torch.tensor(bans, device=x.device).T  # [n] each
-            x = x.index_put((rows, tokens), torch.tensor(-torch.inf, device=x.device))
-        chosen = x.argmax(dim=-1)  # [B]
-        if not all(s.sampling.greedy for s in steps):
-            drawn = _draw(_kept(x, options, any(s.sampling.filtered for s in steps)),
-                          options[:, DRAW])
-            chosen = torch.where(options[:, GREEDY] > 0, chosen, drawn)
-        if any(s.sampling.penalized for s in steps):
+        x = _ban(x, steps)
+        sampled = [s.sampling for s in steps if not s.sampling.greedy]
+        chosen = _draw(_kept(x, options, sampled), options[:, DRAW]) if sampled else None
+        if len(sampled) < len(steps):  # greedy rows: the argmax
+            greedy = x.argmax(dim=-1)
+            chosen = greedy if chosen is None else torch.where(options[:, GREEDY] > 0, greedy,
+                                                               chosen)
+        if penalized:
             self.counts.index_put_((slots, chosen), (slots > 0).float(), accumulate=True)
         return chosen
 
@@ -115,15 +114,37 @@ class Sampler:
             - options[:, PRESENCE, None].float() * present
 
 
-def _kept(x: torch.Tensor, options: torch.Tensor, filtered: bool) -> torch.Tensor:
+def _ban(x: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:
+    """Each row's banned tokens at -inf."""
+    bans = [(row, token) for row, s in enumerate(steps) for token in s.ban]
+    if not bans:
+        return x
+    rows, tokens = torch.tensor(bans, device=x.device).T  # [n] each
+    return x.index_put((rows, tokens), torch.tensor(-torch.inf, device=x.device))
+
+
+def _kept(x: torch.Tensor, options: torch.Tensor, sampled: list[Sampling]) -> torch.Tensor:
     """The probabilities each row may draw from (others 0): temperature, min_p, top_k, top_p
-    -> [B, V] float32, not renormalized."""
+    -> [B, V] float32, not renormalized. A rule no sampled row uses is skipped (a row that
+    does not use it passes through it unchanged either way)."""
     probs = torch.softmax(x / options[:, TEMPERATURE, None].float(), dim=-1)  # [B, V]
-    floor = options[:, MIN_P, None].float() * probs.amax(dim=-1, keepdim=True)  # [B, 1]
-    probs = torch.where(probs >= floor, probs, 0.0)
-    if not filtered:
-        return probs
-    ranked = probs.sort(dim=-1, descending=True, stable=True).values  # [B, V]
+    if any(o.min_p > 0 for o in sampled):
+        floor = options[:, MIN_P, None].float() * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        probs = torch.where(probs >= floor, probs, 0.0)
+    if any(o.top_p < 1 for o in sampled):
+        return _top_p(probs, options)
+    most = max((o.top_k for o in sampled), default=0)
+    if most:  # top_k alone: the k-th largest from a partial sort
+        ranked = probs.topk(min(most, probs.shape[-1]), dim=-1).values  # [B, most]
+        k = options[:, TOP_K, None]  # [B, 1]
+        kth = ranked.gather(1, k.clamp(max=ranked.shape[-1]).long() - 1)
+        probs = torch.where((probs >= kth) | (k > ranked.shape[-1]), probs, 0.0)
+    return probs
+
+
+def _top_p(probs: torch.Tensor, options: torch.Tensor) -> torch.Tensor:
+    """top_k then top_p over the sorted probabilities: probs [B, V] -> [B, V]."""
+    ranked = probs.sort(dim=-1, descending=True).values  # [B, V] (values: ties are alike)
     kth = ranked.gather(1, options[:, TOP_K, None].long() - 1)  # [B, 1]
     ranked = torch.where(ranked >= kth, ranked, 0.0)
     before = ranked.cumsum(dim=-1) - ranked  # [B, V] the mass ranked above each token

@@ -86,6 +86,9 @@ def test_a_seed_reproduces_alone_and_in_any_batch():
     together = Sampler(40, "cpu").pick(logits, steps)
     for i in range(6):
         assert Sampler(40, "cpu").pick(logits[i:i + 1], [steps[i]]).item() == together[i]
+    no_top_p = [i for i, s in enumerate(steps) if s.sampling.top_p == 1]  # top_k by topk()
+    assert Sampler(40, "cpu").pick(logits[no_top_p], [steps[i] for i in no_top_p]).tolist() \
+        == together[no_top_p].tolist()
     order = [5, 3, 1, 0, 4, 2]
     shuffled = Sampler(40, "cpu").pick(logits[order], [steps[i] for i in order])
     assert shuffled.tolist() == together[order].tolist()
