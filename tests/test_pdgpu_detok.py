@@ -117,3 +117,13 @@ def test_a_stop_token_ends_the_text_before_it(case, data):
     out = Output(Ask((1,), 100, False, False, frozenset({stop}), ()), texts)
     text = "".join(out.add(i) for i in ids) + out.finish()
     assert text == texts.decode(ids[:first]) and out.tokens == ids[:first + 1]
+
+
+def test_two_stops_completed_by_one_token_cut_at_the_earlier_start():
+    """Stops '"' and '!"' both complete at '"': the text ends before '!' (found by
+    Hypothesis: the first stop in the list cut at '"' and left '!')."""
+    texts = byte_level(2, 300)
+    ids = texts.encode('ab!"', special=False)
+    out = Output(Ask((1,), 100, False, False, frozenset(), ('"', '!"')), texts)
+    whole = texts.decode(ids)
+    assert "".join(out.add(i) for i in ids) + out.finish() == whole[:whole.index('!"')]

@@ -228,15 +228,15 @@ class Output:
         return self._flush() if self.stopped else self._upto(len(self.text) - self.hold)
 
     def _grow(self, piece: str) -> None:
-        """Text added; cut at the first stop string it completes (none before min_tokens
-        output tokens, as vLLM)."""
+        """Text added; cut where the first stop string it completes begins (none before
+        min_tokens output tokens, as vLLM)."""
         self.text += piece
         if len(self.tokens) <= self.ask.sampling.min_tokens:
             return
-        for stop in self.ask.stop_texts:
-            at = self.text.find(stop, max(0, self.shown - len(stop)))
-            if at >= 0:
-                self.text, self.stopped = self.text[:at], True
+        found = [self.text.find(stop, max(0, self.shown - len(stop)))
+                 for stop in self.ask.stop_texts]
+        if any(at >= 0 for at in found):  # the earliest: the text holds no stop string
+            self.text, self.stopped = self.text[:min(at for at in found if at >= 0)], True
 
     def _upto(self, end: int) -> str:
         out = self.text[self.shown:max(self.shown, end)]
