@@ -115,7 +115,7 @@ def run_aiperf(args, server: Server, model: str, folder: Path, concurrency: int)
            str(args.osl), "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
            "--extra-inputs", f"min_tokens:{args.osl}", "--concurrency", str(concurrency),
            "--request-count", str(args.requests), "--random-seed", "123", "--ui-type", "none",
-           "--artifact-dir", str(artifacts)]
+           "--use-server-token-count", "--artifact-dir", str(artifacts)]
     subprocess.run(cmd, check=True)
     exports = sorted(artifacts.rglob("profile_export_aiperf.json"))
     if not exports:
@@ -139,16 +139,18 @@ def main(argv=None) -> int:
         try:
             for concurrency in args.concurrency:
                 s = run_aiperf(args, server, folder.name, folder, concurrency)
-                errors = _metric(s, "error_request_count", "avg") or 0
-                failed += int(errors)
-                rows.append((concurrency, _metric(s, "request_count", "avg"), errors,
+                done = int(_metric(s, "completed_request_count") or 0)
+                errors = sum(int(e.get("count", 1)) for e in s.get("error_summary") or []) + \
+                    args.requests - done
+                failed += errors
+                rows.append((concurrency, done, errors,
                              _metric(s, "output_token_throughput"),
                              _metric(s, "time_to_first_token", "p50"),
                              _metric(s, "inter_token_latency", "p50"),
                              _metric(s, "output_sequence_length", "avg")))
         finally:
             summary = server.stop()
-    print(f"\n{'concurrency':>11}{'requests':>10}{'errors':>8}{'out tok/s':>11}"
+    print(f"\n{'concurrency':>11}{'completed':>10}{'errors':>8}{'out tok/s':>11}"
           f"{'TTFT p50 ms':>13}{'ITL p50 ms':>12}{'OSL avg':>9}")
     for row in rows:
         print("".join(f"{v:>{w}}" if not isinstance(v, float) else f"{v:>{w}.1f}"
