@@ -4,6 +4,7 @@ reuse and 1..3 producers; verify turns broken copies into `fail`; pool backpress
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -167,18 +168,19 @@ def test_without_verify_a_dropped_row_is_a_wrong_answer(tmp_path, checkpoint):
     assert wrong  # what --verify is for
 
 
-def test_verify_catches_source_pages_reused_under_a_copy(tmp_path, checkpoint):
-    """Source pages freed at produced and overwritten before the copy: fail, then retry;
-    every request that ends ok has the reference tokens."""
-    prompts = drawn_prompts(tmp_path / "p.jsonl", 4, [60, 70, 64, 50], 256, 0, 4)
-    code, results, trace = serve(
-        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
-        "--mode", "whole", "--chunk", str(CHUNK), "--verify", "--debug", "early-reuse")
-    assert events_of(trace, "fail")
-    assert code == (0 if all(r["status"] == "ok" for r in results) else 1)
-    for line, r in zip(prompts, results, strict=True):
-        if r["status"] == "ok":
-            assert r["output"] == reference(checkpoint, line["tokens"], 4, CHUNK, 0)
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+def test_a_producer_that_gives_its_pages_back_early_is_a_violation(tmp_path, mode, capsys):
+    """A producer that gives a life's source pages back at `produced` while its last spans
+    are still to be copied (--debug early-reuse): its give-back is a `reuse` the decoder's
+    live check refuses (COPY-3) or a span issued from those tokens after it is (COPY-1);
+    exit 1, one line naming the producer, the trace closed legal."""
+    drawn_prompts(tmp_path / "p.jsonl", 3, [60, 70, 64], 256, 0, 4)
+    code, _, trace = serve(tmp_path, "--prompts", str(tmp_path / "p.jsonl"), "--mode", mode,
+                           "--chunk", str(CHUNK), "--debug", "early-reuse")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert re.match(r"pdgpu: violation: COPY-[13] .*producer p1", err[0]), err
+    assert events_of(trace, "reuse")  # the give-back is in the trace, before the stop
     trace_ok(trace)
 
 

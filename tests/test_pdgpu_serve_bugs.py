@@ -158,19 +158,28 @@ def test_drop_last_row_zeroes_each_spans_last_token_row(model):
         assert torch.count_nonzero(kv[:, :, -1]) == 0 and torch.count_nonzero(kv[:, :, -2])
 
 
-def test_early_reuse_frees_pages_at_produced_while_copies_wait(model):
-    """EarlyReuse: at `produced` the life's pages are back in the pool and its copy is held;
-    it reaches the sender only at the producer's next step."""
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+def test_early_reuse_gives_pages_back_at_produced_announced_as_reuse(model, mode):
+    """EarlyReuse: at `produced` the life's pages are back in the pool, and a `reuse` of its
+    tokens went to the decoder before the issue of its last span (every span in whole
+    mode), which starts only at a later step: the decoder's ledger sees the give-back."""
     bug = EarlyReuse()
-    producer, transport = _producer(model, "whole", bug)
+    producer, transport = _producer(model, mode, bug)
     try:
         free = producer.cache.pool.free_pages
         producer._handle(Message(0, "prefill", {"handle": "r0.0", "tokens": list(range(1, 41))}))
         while producer.active is not None or producer.waiting:
             producer._step()
-        assert producer.cache.pool.free_pages == free and len(bug.held) == 1
-        assert "issue" not in transport.ops()
+        assert producer.cache.pool.free_pages == free and (bug.held or bug.late)  # one waits
+        ops = transport.ops()
+        reuse = ops.index("reuse")
+        assert transport.sent[reuse].body == {"handle": "r0.0", "tokens": [0, PROMPT]}
+        assert ops.index("produced") < reuse
         producer._step()
-        assert bug.held == [] and len(transport.spans(1)) == 1
+        producer._step()  # idle: the late spans start
+        want = len(plan_spans(producer.config.mode, producer.geometry, PROMPT, 0, CHUNK))
+        assert bug.held == bug.late == [] and len(transport.spans(want)) == want
+        issues = [i for i, m in enumerate(transport.sent) if m.op == "issue"]
+        assert issues[-1] > transport.ops().index("reuse")
     finally:
         producer.close()

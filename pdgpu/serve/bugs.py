@@ -50,23 +50,27 @@ class DropLastRow(NoBug):
 
 @attrs.define
 class EarlyReuse(NoBug):
-    """The seed's bug: a life's source pages are freed at `produced` while its copies are
-    still queued; they start only after the next compute, which may overwrite those pages
-    (a queued copy sent at once would race ahead of the overwrite and hide the bug)."""
+    """The source design's consumer source-reuse bug: a life's source pages are given back
+    at `produced`, while its last spans are still to be copied. Each span starts one step
+    late (at the flush after the one following its queueing), so at `produced` the last
+    step's span (every span, in whole mode) still waits, and it is gathered from pages the
+    next prefill may have overwritten. The give-back goes through the producer's one door,
+    `give_back`, which announces it as `reuse`: the decoder's live check stops the run
+    (COPY-3 while a span reads those tokens, COPY-1 for the span issued after)."""
 
-    held: list = attrs.Factory(list)
+    held: list = attrs.Factory(list)  # spans queued since the last flush
+    late: list = attrs.Factory(list)  # spans the next flush starts
 
     def queue(self, outbox, item) -> None:
         self.held.append(item)
 
     def flush(self, outbox) -> None:
-        for item in self.held:
+        for item in self.late:
             outbox.put(item)
-        self.held = []
+        self.late, self.held = self.held, []
 
     def after_produced(self, producer, job) -> None:
-        producer.cache.pool = producer.cache.pool.give_back(job.pages)
-        job.pages = ()
+        producer.give_back(job)
 
 
 class IssueEarly(NoBug):

@@ -13,11 +13,11 @@ from pdgpu.serve.faults import FaultSpec
 from pdref.events import Mode
 
 DEBUG_BUGS = {
-    # Hand-made bugs a user could not see in `pdgpu run`: --verify must catch them as `fail`.
+    # A hand-made bug a user could not see in `pdgpu run`: --verify must catch it as `fail`.
     "drop-last-row": "the producer's copy drops each span's last token row",
-    "early-reuse": "the producer frees a request's source pages at `produced`, while its "
-                   "copies are still queued, and the next prefill overwrites them",
-    # A protocol break the live check must stop with its code.
+    # Protocol breaks the live check must stop with their code, naming the producer.
+    "early-reuse": "the producer gives a request's source pages back at `produced`, while its "
+                   "last spans are still to be copied (COPY-3 or COPY-1)",
     "issue-early": "the producer announces each streamed span before computing it (COPY-1)",
 }
 

@@ -31,6 +31,7 @@ from pdgpu.serve.members import HANDSHAKE, Members
 from pdgpu.serve.recovery import Recovery, ServeError, expected_steps
 from pdgpu.serve.transport import Message
 from pdgpu.serve.workload import ServeRequest, Workload
+from pdref.violations import Violation
 
 __all__ = ["Decoder", "ServeError"]
 
@@ -191,7 +192,13 @@ class Decoder(Recovery):
                              f"{msg.body.get('handle')!r}")
         t = self.tracked[life.req]
         current = t.life is life and not life.ended
-        getattr(self, f"_on_{msg.op}")(life, msg)
+        try:
+            getattr(self, f"_on_{msg.op}")(life, msg)
+        except Violation as e:  # the live check refused what this message did
+            if e is self.ledger.audit.error:  # an earlier event's, found by the audit
+                raise
+            raise Violation(e.code, f"{e.message} (on producer p{msg.src}'s {msg.op!r})",
+                            e.event, e.line) from None
         self._settle(life)
         if current and not t.status.final:
             self._step(t)
@@ -243,6 +250,15 @@ class Decoder(Recovery):
             return tuple(msg.body["link"])
         offset = self.members.offset(msg.src)
         return landing - offset, time.perf_counter() - offset
+
+    def _on_reuse(self, life: Life, msg: Message) -> None:
+        """The producer gave the life's source pages back on its own (producer.give_back):
+        its `reuse`, checked now (COPY-3 while a span reads those tokens; a span issued from
+        them later is COPY-1)."""
+        if life.ended:
+            raise ServeError(f"producer p{msg.src} gave back the source pages of "
+                             f"{life.handle!r} after its life ended, before the decoder's reuse")
+        self.ledger.reuse(life.req, tuple(msg.body["tokens"]))
 
     def _on_produced(self, life: Life, msg: Message) -> None:
         if not life.ended:

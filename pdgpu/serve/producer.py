@@ -5,8 +5,14 @@ mode), reports `computed` and `produced`, and hands each span the mode sends to 
 thread. Sender thread: waits for one of `max_pending` slots (a slot comes back with the
 decoder's `ack`), announces `issue` (with this producer's span number `sid`), gathers the
 region out of the source pages, holds it for the paced link, sends it with the digests taken
-at compute time. A request's source pages are freed only on the decoder's `reuse`, which it
-grants after every span reading them was acknowledged (COPY-3 across processes).
+at compute time. A request's source pages go back in one of two ways, each bound to a
+`reuse` event checked live by the decoder's ledger (COPY-3 across processes): on the
+decoder's `reuse`, which it grants (its event emitted and accepted first) once every span
+reading them was acknowledged; or on this producer's own initiative (`give_back`), which
+first sends its own `reuse` (the tokens given back), checked when the decoder reads it,
+before any later message of this producer: a give-back while a span still reads those
+tokens is COPY-3, a span issued from them afterwards COPY-1, the run stops naming this
+producer. No other code frees a life's source pages.
 A `cancel` stops a life: no more compute, no span of it starts, a stalled one is released;
 the sender says `stopped` between two spans (never between a span's issue and its bytes,
 and before any later span of the life, which it then drops unissued), so the decoder knows
@@ -242,10 +248,22 @@ class Producer:
         self.stopping.append(handle)
 
     def _free(self, handle: str) -> None:
+        """The decoder granted `reuse` (its event already checked): the pages go back."""
         job = self.jobs.pop(handle, None)  # None: cancelled before it was opened
         if job is None:
             return
+        self._release_pages(job)
+
+    def give_back(self, job: Job) -> None:
+        """Give the life's own source pages back before the decoder granted it: announced
+        first as this producer's `reuse` of the life's tokens, which the decoder's ledger
+        checks (nothing in this codebase does it; a hand-made bug, bugs.EarlyReuse, does)."""
+        self._send("reuse", handle=job.handle, tokens=[job.prefix, job.prompt])
+        self._release_pages(job)
+
+    def _release_pages(self, job: Job) -> None:
         self.cache.pool = self.cache.pool.give_back(job.pages)
+        job.pages = ()
 
     def _send(self, op: str, tensors=(), **body) -> None:
         self.transport.send(DECODER, op, body, tensors)
