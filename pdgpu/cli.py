@@ -11,22 +11,22 @@ import json
 import sys
 from pathlib import Path
 
-import attrs
 import torch
 
 from pdgpu import interrupt, serve_cli
 from pdgpu.arch import arch_of
 from pdgpu.audit import Disagreement
-from pdgpu.checkpoint import CheckpointError, inspect_checkpoint, load_checkpoint
+from pdgpu.checkpoint import CheckpointError, load_checkpoint
 from pdgpu.cli_types import int_at_least, positive_float
 from pdgpu.compare import compare_modes, compare_table
 from pdgpu.engine import Engine, EngineError, RunResult
 from pdgpu.model import build_model
+from pdgpu.serve.models import model_spec
 from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
 from pdref.check import check_lines
 from pdref.cli_format import DefaultsFormatter, format_metrics
 from pdref.events import event_to_json, header_to_json
-from pdref.models import ModelSpec, ProfileError, context_error, list_models, load_model
+from pdref.models import ModelSpec, ProfileError, context_error, list_models
 from pdref.trace import TraceWriter, dumps
 from pdref.violations import Violation
 
@@ -159,11 +159,7 @@ def _devices(args) -> tuple[str, str]:
 
 def _spec(args) -> ModelSpec:
     """The model's spec from a preset, a profile or a checkpoint's headers (nothing allocated)."""
-    if Path(args.model).is_dir():
-        spec = inspect_checkpoint(args.model)
-    else:
-        spec = load_model(args.model)
-    return attrs.evolve(spec, dtype=args.dtype) if args.dtype else spec
+    return model_spec(args.model, args.dtype)
 
 
 def _config(args, mode: str, device: str, decoder: str) -> EngineConfig:

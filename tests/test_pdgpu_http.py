@@ -265,6 +265,20 @@ def test_chat_completion_uses_the_template(server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_prompt_and_output_past_max_context_is_400_in_one_plain_sentence():
+    """max_tokens past the model's context: 400 naming `max_tokens` once, then the sums."""
+    from pdgpu.serve.openai_api import ApiError, Limits, parse_completion
+    from pdgpu.serve.texts import Texts
+    from pdref.models import load_model
+    limits = Limits("tiny", 256, 64, load_model("tiny"))
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 100000}
+    with pytest.raises(ApiError) as e:
+        parse_completion(body, limits, Texts.for_model("tiny"))
+    assert e.value.status == 400 and e.value.param == "max_tokens"
+    assert e.value.message.startswith("max_tokens: prompt 3 + output 100000 = 100003 tokens "
+                                      "exceed max_context"), e.value.message
+
+
 def test_chat_without_a_template_is_400(tmp_path):
     """A folder whose tokenizer_config.json has no chat_template refuses chat with a 400
     naming `messages`; with the template the same body renders."""

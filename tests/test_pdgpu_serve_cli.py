@@ -57,6 +57,7 @@ def _one_line_exit_2(capsys, argv) -> str:
     (["--max-attempts", "0"], "--max-attempts"),
     (["--restart-producers", "--role", "decoder", "--rank", "0", "--world-size", "2",
       "--init-method", "tcp://127.0.0.1:1"], "restart-producers"),
+    (["--model", "./no-such-model"], "model: ./no-such-model does not exist"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, field):
     """Each bad field: one line naming it, exit 2, no process started."""

@@ -175,8 +175,8 @@ def _fault_args(p) -> None:
     g.add_argument("--cancel-rate", type=float, default=0.0, help="chance a request is "
                    "cancelled, after a drawn number of its steps (any phase)")
     g.add_argument("--kill-producer", action="append", default=[], metavar="I@SECONDS",
-                   help="SIGKILL producer index I (rank I+1) SECONDS after t = 0 (repeatable; "
-                   "default: none)")
+                   help="SIGKILL producer index I (from 0: rank I+1, named pI+1 in the logs "
+                   "and trace) SECONDS after t = 0 (repeatable; default: none)")
     g.add_argument("--restart-producers", action="store_true",
                    help="respawn a dead producer; it rejoins with a new handshake")
     g.add_argument("--heartbeat-timeout", type=float, default=5.0,

@@ -149,9 +149,9 @@ def _max_tokens(body: dict, field: str, prompt: int, limits: Limits, default: in
     value = default if value is None else value
     if not _is_int(value) or value < 1:
         raise bad(field, f"must be an integer >= 1, got {value!r}")
-    problem = context_error(limits.spec, prompt, value, "prompt")
+    problem = context_error(limits.spec, prompt, value, field)  # "FIELD: prompt P + output ..."
     if problem:
-        raise bad(field, problem)
+        raise ApiError(400, problem, field)
     return value
 
 
