@@ -104,11 +104,12 @@ def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
                   for c in chunks]
         rows = run_sweep(base, points, jobs=2, progress=cfg.progress)
         png = f"sweep-{label}.png"
-        png_bytes = sweep_png(rows, best_chunks(plotted_rows(rows)), title=f"{model} on {hw_name}")
+        png_bytes = sweep_png(rows, best_chunks(plotted_rows(rows)), title=f"{model} on {hw_name}",
+                              fixed=True)
         write_atomic(cfg.out / png, png_bytes)
         best = best_chunks(rows)[prompt]
         print(f"  {model} on {hw_name}, prompt {prompt}: best: mode {best['mode']}, chunk "
-              f"{best['chunk']}{edge_note(best['chunk'], chunks)}: handoff "
+              f"{best['chunk']}{edge_note(best['chunk'], chunks, fixed=True)}: handoff "
               f"{best['handoff_s'] * 1e3:.1f} ms, tail {best['tail_s'] * 1e3:.2f} ms -> {png}")
         out.append({"label": label, "model": model, "hw": hw_name, "prompt": prompt,
                     "png": png, "rows": rows, "best": best})

@@ -43,6 +43,11 @@ def test_timeline_has_a_colour_key_for_each_stage_drawn(monkeypatch):
     assert legend is not None
     drawn = {e.name for e in events if e.kind == "stage"}
     assert {t.get_text() for t in legend.get_texts()} == drawn
+    keys = {t.get_text(): tuple(h.get_facecolor())
+            for t, h in zip(legend.get_texts(), legend.legend_handles, strict=True)}
+    for bars in fig.axes[0].collections:  # fill and edge: a short bar is all edge
+        assert {tuple(c) for c in bars.get_facecolor()} == {keys[bars.get_label()]}
+        assert {tuple(c) for c in bars.get_edgecolor()} == {keys[bars.get_label()]}
 
 
 def _row(mode, role, measured, predicted):

@@ -73,7 +73,8 @@ def sweep_lines(sweeps) -> list[str]:
     lines = []
     for s in sweeps:
         b = s["best"]
-        edge = edge_note(b["chunk"], {r["chunk"] for r in s["rows"] if r["prompt"] == s["prompt"]})
+        edge = edge_note(b["chunk"], {r["chunk"] for r in s["rows"] if r["prompt"] == s["prompt"]},
+                         fixed=True)  # the demo's own range: no advice to widen it
         lines += [f"### {s['model']} on {s['hw']}, prompt {s['prompt']}", "",
                   f"Best: mode {b['mode']}, chunk {b['chunk']}{edge}: handoff "
                   f"{b['handoff_s'] * 1e3:.1f} ms, tail {b['tail_s'] * 1e3:.2f} ms, "

@@ -48,17 +48,19 @@ def plotted_rows(rows: list[dict]) -> list[dict]:
             and r["bandwidth_scale"] == first["bandwidth_scale"]]
 
 
-def sweep_png(rows: list[dict], best: dict[int, dict], title: str = "") -> bytes:
+def sweep_png(rows: list[dict], best: dict[int, dict], title: str = "",
+              fixed: bool = False) -> bytes:
     """Completion (top) and tail (bottom) vs chunk size per mode, one column per prompt;
     `best` is the sweep's best row per prompt among `plotted_rows(rows)` (marked by a line).
-    The sweep computes it, so this module never imports the sweep."""
+    The sweep computes it, so this module never imports the sweep. `fixed`: the chunks are
+    not the reader's choice (edge_note)."""
     prompts = sorted({r["prompt"] for r in rows})
     first = rows[0]
     shown = plotted_rows(rows)
     fig, axes = plt.subplots(2, len(prompts), figsize=(5.5 * len(prompts), 6.5),
                              squeeze=False, sharex=True)
     for col, prompt in enumerate(prompts):
-        _sweep_column(axes[0][col], axes[1][col], shown, prompt, best[prompt])
+        _sweep_column(axes[0][col], axes[1][col], shown, prompt, best[prompt], fixed)
     shown_as = f"max_pending {first['max_pending']}"
     if first["bandwidth_scale"] != 1.0 or len({r["bandwidth_scale"] for r in rows}) > 1:
         shown_as += f", --bandwidths factor x{first['bandwidth_scale']:g}"
@@ -66,7 +68,8 @@ def sweep_png(rows: list[dict], best: dict[int, dict], title: str = "") -> bytes
     return _png(fig)
 
 
-def _sweep_column(top, bottom, rows: list[dict], prompt: int, best: dict) -> None:
+def _sweep_column(top, bottom, rows: list[dict], prompt: int, best: dict,
+                  fixed: bool) -> None:
     for mode, color in MODE_COLORS.items():
         pts = sorted((r["chunk"], r["handoff_s"], r["tail_s"]) for r in rows
                      if r["prompt"] == prompt and r["mode"] == mode)
@@ -76,7 +79,7 @@ def _sweep_column(top, bottom, rows: list[dict], prompt: int, best: dict) -> Non
             bottom.plot(xs, [p[2] * 1e3 for p in pts], color=color, label=mode,
                         **MODE_STYLES[mode])
     chunks = sorted({r["chunk"] for r in rows if r["prompt"] == prompt})
-    edge = edge_note(best["chunk"], chunks)
+    edge = edge_note(best["chunk"], chunks, fixed)
     for ax in (top, bottom):
         ax.axvline(best["chunk"], color="grey", lw=0.8, zorder=1,
                    label=f"best: {best['mode']}, chunk {best['chunk']}")

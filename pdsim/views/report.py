@@ -60,10 +60,14 @@ def write_results(path: str, result: SimResult) -> None:
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in request_results(result)))
 
 
-def edge_note(chunk: int, chunks) -> str:
+def edge_note(chunk: int, chunks, fixed: bool = False) -> str:
     """A warning when the best chunk is the smallest or largest swept: the sweep cannot say
-    whether a chunk beyond it is better still."""
+    whether a chunk beyond it is better still. `fixed`: the range is not the reader's to
+    widen (the demo's own): said as a fact of that range, not as advice."""
     chunks = sorted(chunks)
     if len(chunks) < 2 or chunks[0] < chunk < chunks[-1]:
         return ""
+    if fixed:
+        return (f" (the edge of the range swept here, {chunks[0]}..{chunks[-1]}: a chunk "
+                "beyond it may do better)")
     return f" (best is the edge of the range {chunks[0]}..{chunks[-1]}: widen it)"

@@ -90,8 +90,9 @@ def gantt_png(events, title: str = "") -> bytes:
             bars.setdefault((e.resource or e.name, e.name), []).append((e.t * 1e3,
                                                                          (e.end - e.t) * 1e3))
     for (lane, name), spans in bars.items():
-        ax.broken_barh(spans, (rows.index(lane) - 0.4, 0.8),
-                       color=STAGE_COLORS.get(name, "tab:gray"), edgecolor="black", lw=0.2)
+        color = stage_color(name)  # edge too: a bar thinner than its edge shows the edge
+        ax.broken_barh(spans, (rows.index(lane) - 0.4, 0.8), facecolor=color,
+                       edgecolor=color, lw=0.5, label=name)
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     _legend(ax, sorted({name for _, name in bars}, key=_stage_order))
@@ -109,10 +110,16 @@ def _stage_order(name: str) -> tuple[int, str]:
     return (order.index(name) if name in order else len(order), name)
 
 
+def stage_color(name: str) -> str:
+    """One colour per stage, the bars' and their legend key's (fill and edge alike: a short
+    stage's bar is all edge, so a black edge made it read darker than its key)."""
+    return STAGE_COLORS.get(name, "tab:gray")
+
+
 def _legend(ax, stages: list[str]) -> None:
     """One colour key per stage drawn, outside the lanes so it hides no bar."""
-    handles = [Patch(facecolor=STAGE_COLORS.get(s, "tab:gray"), edgecolor="black", lw=0.2,
-                     label=s) for s in stages]
+    handles = [Patch(facecolor=stage_color(s), edgecolor=stage_color(s), lw=0.5, label=s)
+               for s in stages]
     if handles:
         ax.legend(handles=handles, title="stage", fontsize=7, title_fontsize=7,
                   loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
