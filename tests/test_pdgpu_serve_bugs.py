@@ -172,14 +172,14 @@ def test_early_reuse_gives_pages_back_at_produced_announced_as_reuse(model, mode
             producer._step()
         assert producer.cache.pool.free_pages == free and (bug.held or bug.late)  # one waits
         ops = transport.ops()
-        reuse = ops.index("reuse")
-        assert transport.sent[reuse].body == {"handle": "r0.0", "tokens": [0, PROMPT]}
-        assert ops.index("produced") < reuse
+        assert ops.index("produced") < ops.index("reuse")
+        reuse = next(m for m in transport.sent if m.op == "reuse")
+        assert reuse.body == {"handle": "r0.0", "tokens": [0, PROMPT]}
         producer._step()
         producer._step()  # idle: the late spans start
         want = len(plan_spans(producer.config.mode, producer.geometry, PROMPT, 0, CHUNK))
         assert bug.held == bug.late == [] and len(transport.spans(want)) == want
-        issues = [i for i, m in enumerate(transport.sent) if m.op == "issue"]
-        assert issues[-1] > transport.ops().index("reuse")
+        ops = transport.ops()
+        assert len(ops) - 1 - ops[::-1].index("issue") > ops.index("reuse")  # the last issue
     finally:
         producer.close()
