@@ -29,9 +29,10 @@ _new = tuple.__new__
 class FastMonitor(MirrorTransitions, Monitor):
     """Live specification check of a run (see the module docstring)."""
 
-    def __init__(self, header: ev.Header, sink=None, stage_sink=None) -> None:
+    def __init__(self, header: ev.Header, sink=None, stage_sink=None, lean: bool = False) -> None:
         self.header = header
-        self.mirror = MirrorState(initial_state(header))
+        # lean: span ids kept without their owners (mirror.py), for runs of any length
+        self.mirror = MirrorState(initial_state(header), lean)
         self.sink = sink
         self.stage_sink = stage_sink if stage_sink is not None else sink
         self.events = 0

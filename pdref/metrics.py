@@ -41,16 +41,18 @@ class LifeMetrics:
         return max(self.produced_t, self.last_land_t or self.produced_t)
 
 
-class _Tracker:
+class Tracker:
     """Folds events into LifeMetrics and the trace-wide staging peak. With `fences`
     (version 2) a failed or cancelled span keeps its staging until its fence: its writer
     may still hold the buffer."""
 
-    def __init__(self, fences: bool = False) -> None:
+    def __init__(self, fences: bool = False, on_end=None) -> None:
         self.fences = fences
         self.live: dict[str, LifeMetrics] = {}
         self.first_seen: dict[str, float] = {}
         self.done: list[LifeMetrics] = []
+        # what an ended life goes to: `done`, or a caller's fold that keeps no lives
+        self.on_end = self.done.append if on_end is None else on_end
         self.in_flight: dict[object, tuple[str, int]] = {}  # span -> (req, bytes)
         self.staging = 0
         self.peak_staging = 0
@@ -113,17 +115,23 @@ class _Tracker:
 
     def _end(self, life: LifeMetrics, e, outcome: str) -> None:
         life.end_t, life.outcome = e.t, outcome
-        self.done.append(self.live.pop(e.req))
+        self.on_end(self.live.pop(e.req))
 
 
-_HANDLERS = {kind: getattr(_Tracker, f"on_{kind}") for kind in
+_HANDLERS = {kind: getattr(Tracker, f"on_{kind}") for kind in
              ("issue", "land", "fail", "produced", "admit", "release", "abort")}
 
 
 def life_metrics(events: Iterable, fences: bool = True) -> tuple[list[LifeMetrics], int]:
     """Every request life in the trace (ended ones first, then open ones) and peak staging.
     `fences`: the trace is version 2 (staging is held until a fence)."""
-    tracker = _Tracker(fences)
+    tracker = Tracker(fences)
+    track(tracker, events)
+    return tracker.done + list(tracker.live.values()), tracker.peak_staging
+
+
+def track(tracker: Tracker, events: Iterable) -> None:
+    """Fold `events` into `tracker` (in parts too: a run's events as they come)."""
     feed, live = tracker.feed, tracker.live
     # no metric of a live life: most events, skipped here (rows: pdref.rows, as the events)
     silent = (ev.Stage, ev.Computed, ComputedRow)
@@ -140,7 +148,6 @@ def life_metrics(events: Iterable, fences: bool = True) -> tuple[list[LifeMetric
                 on_writer(life, event)
                 continue
         feed(event)
-    return tracker.done + list(tracker.live.values()), tracker.peak_staging
 
 
 def run_metrics(header: ev.Header, events: Iterable, report_token: bool = True) -> dict:

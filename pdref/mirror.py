@@ -14,6 +14,7 @@ import immutables
 
 from pdref.intervals import IntervalSet
 from pdref.progress import Coverage, LayerProgress, empty_coverage
+from pdref.span_ids import UsedSpanIds
 from pdref.state import Phase, RequestLife, SystemState
 
 
@@ -114,9 +115,12 @@ class MirrorLife:
 
 
 class MirrorState:
-    """`SystemState`'s fields, its maps as dicts (mutable: the fast monitor changes them)."""
+    """`SystemState`'s fields, its maps as dicts (mutable: the fast monitor changes them).
+    `lean`: the used span ids as `UsedSpanIds` (integer ids without their owners), so that
+    a long run's state holds what is in flight, not every span it ever issued."""
 
-    def __init__(self, state: SystemState) -> None:
+    def __init__(self, state: SystemState, lean: bool = False) -> None:
+        self.lean = lean
         self.load(state)
 
     def load(self, state: SystemState) -> None:
@@ -124,7 +128,8 @@ class MirrorState:
         (self.geometry, self.mode, self.max_pending, self.pool, requests, pending, used,
          self.version, self.lives, unfenced, quarantine) = state
         self.requests = {req: MirrorLife(life) for req, life in requests.items()}
-        self.pending, self.spans_used = dict(pending), dict(used)
+        self.pending = dict(pending)
+        self.spans_used = UsedSpanIds(used.items()) if self.lean else dict(used)
         self.unfenced, self.quarantine = dict(unfenced), dict(quarantine)
 
     def snapshot(self) -> SystemState:
@@ -132,7 +137,7 @@ class MirrorState:
         return SystemState(
             self.geometry, self.mode, self.max_pending, self.pool,
             immutables.Map({req: life.frozen() for req, life in self.requests.items()}),
-            immutables.Map(self.pending), immutables.Map(self.spans_used), self.version,
+            immutables.Map(self.pending), immutables.Map(self.spans_used.items()), self.version,
             self.lives, immutables.Map(self.unfenced), immutables.Map(self.quarantine))
 
     @property

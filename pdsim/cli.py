@@ -17,6 +17,7 @@ from pdsim.core.env import gc_paused
 from pdsim.core.faults import add_fault_options, fault_spec
 from pdsim.core.metrics import serving_summary, single_metrics, workload_metrics
 from pdsim.core.sim import simulate
+from pdsim.core.stream import RunStream
 from pdsim.fit import EngineRunError
 from pdsim.options import Parser, UsageError, add_run_options, run_setup
 from pdsim.views.report import format_metrics, write_results, write_trace
@@ -28,11 +29,16 @@ INPUT_ERRORS = (UsageError, ProfileError, PlanError, ValueError, OSError)
 def cmd_run(args) -> int:
     cfg, requests = run_setup(args)
     faults = fault_spec(args, cfg.producers)
+    single = len(requests) == 1 and faults is None
+    if not (single or faults or args.trace):  # a workload: only what is in flight is kept
+        result = simulate(cfg, requests, stream=RunStream(cfg, args.results))
+        metrics = workload_metrics(result)
+        print(json.dumps(metrics) if args.json else format_metrics(metrics))
+        return EXIT_OK
     # The run's objects live until the end: nothing for the collector to find. A process
     # started for this command exits next: its objects are frozen, never scanned.
     with gc_paused(freeze=getattr(args, "process_exits", False)):
         result = simulate(cfg, requests, faults)
-        single = len(requests) == 1 and faults is None
         metrics = single_metrics(result) if single else workload_metrics(result)
         if single and cfg.output_of(requests[0]):  # one request that decodes: serving keys
             metrics.update(serving_summary(result))

@@ -45,10 +45,31 @@ class DecodeRecord:
     runs: list[tuple[int, int, int, str]] = attrs.Factory(list)
     # req -> (first token time, first decode step, decode steps) of the life that decoded
     tokens: dict[str, tuple[float, int, int]] = attrs.Factory(dict)
+    # a run that keeps no record: steps taken out of the lists above (`take_batches`), and
+    # the sum of their batches; step indices count them
+    drained: int = 0
+    drained_batch: int = 0
 
     @property
     def steps(self) -> int:
-        return len(self.step_end)
+        return self.drained + len(self.step_end)
+
+    def take_batches(self, count: int) -> list[int]:
+        """The batches of the first `count` steps held, which leave `runs` (their times are
+        the caller's to remove)."""
+        out: list[int] = []
+        runs = self.runs
+        while len(out) < count:
+            steps, batch, kv, label = runs[0]
+            take = min(steps, count - len(out))
+            out += [batch] * take
+            if take == steps:
+                del runs[0]
+            else:
+                runs[0] = (steps - take, batch, kv + take * batch, label)
+        self.drained += count
+        self.drained_batch += sum(out)
+        return out
 
     def add_run(self, steps: int, batch: int, kv: int, label: str) -> None:
         """`steps` more steps (their times appended by the caller), joined to the last run
@@ -78,8 +99,9 @@ class DecodeRecord:
 
     def batch_mean(self) -> float | None:
         """The mean batch over the steps (None without a step)."""
-        steps = sum(steps for steps, _, _, _ in self.runs)
-        return sum(steps * batch for steps, batch, _, _ in self.runs) / steps if steps else None
+        steps = self.drained + sum(steps for steps, _, _, _ in self.runs)
+        batches = self.drained_batch + sum(steps * batch for steps, batch, _, _ in self.runs)
+        return batches / steps if steps else None
 
     def stages(self) -> list[ev.Stage]:
         """Each step as the contract's `decode` stage (batch, KV tokens read), in time order."""

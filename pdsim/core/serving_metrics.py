@@ -10,33 +10,12 @@ generated token (the first one too) over `wall_s`, the run's end.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from pdsim.core.decoder import DecodeRecord
+from pdsim.core.quantiles import Quantiles
+from pdsim.core.running import RunningMetrics
 from pdsim.core.sim import SimResult
-
-
-def percentile(values, q: float) -> float | None:
-    """Nearest-rank percentile (q in (0, 100]), as pdgpu serve's; None for no values."""
-    if not len(values):
-        return None
-    ordered = sorted(values)
-    return float(ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)])
-
-
-def weighted_percentiles(values, weights, qs) -> list[float | None]:
-    """Nearest-rank percentiles of `values`, each counted `weights` times, for each q of
-    `qs` (one sort for all); None for none."""
-    values = np.asarray(values, dtype=float)
-    weights = np.asarray(weights, dtype=np.int64)
-    total = int(weights.sum())
-    if total <= 0:
-        return [None for _ in qs]
-    order = np.argsort(values, kind="stable")
-    cumulative = np.cumsum(weights[order])
-    ranks = [max(1, math.ceil(q / 100 * total)) for q in qs]
-    return [float(values[order[np.searchsorted(cumulative, rank)]]) for rank in ranks]
 
 
 def inter_token_gaps(result: SimResult, ok_reqs) -> tuple[np.ndarray, np.ndarray]:
@@ -60,25 +39,40 @@ def inter_token_gaps(result: SimResult, ok_reqs) -> tuple[np.ndarray, np.ndarray
     return values, weights
 
 
-def serving_metrics(result: SimResult, ok_lives, makespan: float, peak_pages: int) -> dict:
+def drain_steps(record: DecodeRecord, itl: Quantiles) -> tuple[list, list]:
+    """Move the record's ended decode steps into `itl` (a run that keeps no record); their
+    (starts, ends), for the caller's checks. Every request that decodes ends ok in such a
+    run (no faults), so a step counts once for each request in its batch but at its first
+    step (`inter_token_gaps`' counts), and a request's first gap is known at its first
+    step's end. `record.tokens` must still hold every request whose first step is drained."""
+    count = len(record.step_end)
+    base = record.drained
+    starts, ends = record.step_start[:count], record.step_end[:count]
+    end = np.asarray(ends, dtype=float)
+    batch = np.asarray(record.take_batches(count), dtype=np.int64)
+    firsts = [(t, first - base) for t, first, steps in record.tokens.values()
+              if steps and base <= first < base + count]
+    # [M, 2]: (first token time, first step - base) of the requests that began decoding here
+    table = np.array(firsts, dtype=float).reshape(-1, 2)
+    first = table[:, 1].astype(np.int64)
+    itl.extend(end[first] - table[:, 0], np.ones(len(first), dtype=np.int64))
+    itl.extend(end - np.asarray(starts, dtype=float),
+               batch - np.bincount(first, minlength=count))
+    del record.step_start[:count], record.step_end[:count]
+    return starts, ends
+
+
+def serving_metrics(running: RunningMetrics, record: DecodeRecord, leaked_pages: int) -> dict:
     """pdgpu serve's summary keys (wall_s: simulated seconds), plus the decode batch's
     step count, generated tokens and mean batch."""
-    arrival = {r.req: r.arrival for r in result.requests}
-    outputs = {r.req: result.cfg.output_of(r) for r in result.requests}
-    record = result.decode
-    ok_reqs = [life.req for life in ok_lives]
-    ttft = [record.tokens[req][0] - arrival[req] for req in ok_reqs]
-    gaps, counts = inter_token_gaps(result, ok_reqs)
-    itl_p50, itl_p99 = weighted_percentiles(gaps, counts, (50, 99))
-    handoff = [life.ready_t - life.reserve_t for life in ok_lives if life.ready_t is not None]
-    generated = sum(outputs[req] for req in ok_reqs)
+    makespan = running.makespan
     return {
-        "ok": len(ok_reqs),
-        "tokens_per_s": generated / makespan if makespan > 0 else None,
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_s": itl_p50, "itl_p99_s": itl_p99,
-        "handoff_p50_s": percentile(handoff, 50),
-        "peak_pool_pages": peak_pages, "leaked_pages": result.leaked_pages,
-        "wall_s": makespan, "generated_tokens": generated, "decode_steps": record.steps,
-        "decode_batch_mean": record.batch_mean(),
+        "ok": running.ok,
+        "tokens_per_s": running.generated / makespan if makespan > 0 else None,
+        "ttft_p50_s": running.ttft.percentile(50), "ttft_p99_s": running.ttft.percentile(99),
+        "itl_p50_s": running.itl.percentile(50), "itl_p99_s": running.itl.percentile(99),
+        "handoff_p50_s": running.handoff.percentile(50),
+        "peak_pool_pages": running.pool.peak, "leaked_pages": leaked_pages,
+        "wall_s": makespan, "generated_tokens": running.generated,
+        "decode_steps": record.steps, "decode_batch_mean": record.batch_mean(),
     }

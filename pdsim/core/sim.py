@@ -55,6 +55,9 @@ class SimResult:
     # a span's copy stages, one entry per span: (req, span, resource prefix, base,
     # ((name, t - base, end - base), ...)); a serial copier's spans of a size share the offsets
     span_stages: tuple = ()
+    # a streamed run (stream.py): its metrics, folded while it ran; it kept no event, no
+    # stage and no request
+    running: object = None
 
     @cached_property
     def protocol(self) -> tuple:
@@ -112,19 +115,32 @@ def check_fits(cfg: SimConfig, requests) -> None:
                 f"{cfg.geometry.pages_for(r.prompt)} pages, a producer has {cfg.source_pages}")
 
 
-class Sim:
-    """Plays one workload in virtual time; `run()` returns the SimResult."""
+# arrivals' sequence numbers: below every other event's, so among equal times they come first
+_ARRIVAL_SEQ = -(1 << 62)
 
-    def __init__(self, cfg: SimConfig, requests) -> None:
-        check_fits(cfg, requests)
-        self.cfg, self.requests = cfg, tuple(requests)
+
+class Sim:
+    """Plays one workload in virtual time; `run()` returns the SimResult. With a `stream`
+    (stream.RunStream) it keeps only what is in flight: `requests` may then be any iterable
+    in arrival order (read as the run goes), and the result holds the running metrics."""
+
+    def __init__(self, cfg: SimConfig, requests, stream=None) -> None:
+        self.stream = stream
+        if stream is None:
+            check_fits(cfg, requests)
+            requests = tuple(requests)
+        else:
+            stream.attach(self)
+        self.cfg, self.requests = cfg, requests
         self.env = Env()
         self.header = make_header(cfg)
         self.events: list = []
         self.stage_rows: list = []  # (t, req, name, end, span, resource): checked at the end
         self.span_stages: list = []  # copy stages, one entry per span (SimResult.span_stages)
         # the specification's verdicts on a mutable mirror of its state (fast_monitor.py)
-        self.monitor = FastMonitor(self.header, sink=self.events.append)
+        sink = self.events.append  # (streamed: span ids kept without owners, mirror.py)
+        self.monitor = (FastMonitor(self.header, sink=sink) if stream is None
+                        else FastMonitor(self.header, sink=sink, lean=True))
         # one host's cores shared by every producer's compute and the decoder's steps
         host_cores = cfg.costs.host_cores
         self.cores = HostCores(self.env, host_cores) if host_cores is not None else None
@@ -136,38 +152,33 @@ class Sim:
         self.queue: deque[RequestSpec] = deque()
         self.next_span = itertools.count().__next__  # span ids 0, 1, 2 ... in issue order
         self.entered: dict[str, float] = {}  # closed loop: when each request came in
+        self._waiting = iter(requests)  # requests not yet arrived (open loop: in time order)
         if cfg.concurrency is None:
-            self._open_loop()
+            if stream is None:  # (ties: workload order)
+                self._waiting = iter(sorted(requests, key=attrgetter("arrival")))
+            self._schedule_arrival(0)
         else:
-            self._waiting = deque(self.requests)
             self.env.at(0.0, self._let_in, cfg.concurrency)
 
     # -- arrivals ---------------------------------------------------------------------------
 
-    def _open_loop(self) -> None:
-        # Arrivals enter the heap one at a time (a short heap is a faster heap), each with
-        # the sequence number it would have had if all were scheduled now: same order.
-        self._arrival_seq = self.env.reserve_seqs(len(self.requests))
-        self._arrival_order = sorted(range(len(self.requests)),
-                                     key=lambda i: (self.requests[i].arrival, i))
-        self._schedule_arrival(0)
-
     def _schedule_arrival(self, rank: int) -> None:
-        """Put the `rank`-th arrival (in time order) on the heap."""
-        if rank < len(self._arrival_order):
-            index = self._arrival_order[rank]
-            self.env.at_seq(self.requests[index].arrival, self._arrival_seq + index,
-                            self._next_arrival, rank)
+        """Put the next arrival, the `rank`-th, on the heap: arrivals enter it one at a time
+        (a short heap is a faster heap)."""
+        request = next(self._waiting, None)
+        if request is not None:
+            self.env.at_seq(request.arrival, _ARRIVAL_SEQ + rank, self._next_arrival, request,
+                            rank)
 
-    def _next_arrival(self, rank: int) -> None:
+    def _next_arrival(self, request: RequestSpec, rank: int) -> None:
         self._schedule_arrival(rank + 1)
-        self._arrive(self.requests[self._arrival_order[rank]])
+        self._arrive(request)
 
     def _let_in(self, count: int) -> None:
         """Closed loop: the next `count` requests enter now."""
-        for _ in range(min(count, len(self._waiting))):
-            request = self._waiting.popleft()
-            self.entered[request.req] = self.env.now
+        for request in itertools.islice(self._waiting, count):
+            if self.stream is None:
+                self.entered[request.req] = self.env.now
             self._arrive(request)
 
     def request_done(self) -> None:
@@ -176,6 +187,9 @@ class Sim:
             self._let_in(1)
 
     def _arrive(self, request: RequestSpec) -> None:
+        if self.stream is not None:
+            check_fits(self.cfg, (request,))
+            self.stream.arrived(request, self.env.now)
         self.queue.append(request)
         self.dispatch_between_steps()  # pdgpu's loop reserves between decode steps
 
@@ -222,6 +236,8 @@ class Sim:
 
     def released(self, job) -> None:
         """An admitted request finished decoding (its `release` is emitted)."""
+        if self.stream is not None:
+            self.stream.released(job.req)
         self.request_done()
         self.dispatch_between_steps()
 
@@ -231,6 +247,8 @@ class Sim:
             self.dispatch()
 
     def run(self) -> SimResult:
+        if self.stream is not None:
+            return self._run_streamed()
         self.env.run()
         record = self.decoder.record  # its steps become the trace's `decode` stages: checked
         self.monitor.recorded_stages("decode", record.step_start, record.step_end)
@@ -248,11 +266,26 @@ class Sim:
                          decode=self.decoder.record, stage_rows=tuple(self.stage_rows),
                          span_stages=tuple(self.span_stages))
 
+    def _run_streamed(self) -> SimResult:
+        try:
+            self.env.run()
+            running = self.stream.finish(self)
+            self.monitor.close()
+        except BaseException:
+            self.stream.abandon()
+            raise
+        return SimResult(self.cfg, self.header, (), (), self.env.steps,
+                         leaked_pages=self.cfg.pool_pages - len(self.monitor.free_page_ids()),
+                         decode=self.decoder.record, running=running)
 
-def simulate(cfg: SimConfig, requests, faults=None) -> SimResult:
-    """Play `requests`; with an active `faults.FaultSpec`, through `fault_sim.FaultSim`."""
+
+def simulate(cfg: SimConfig, requests, faults=None, stream=None) -> SimResult:
+    """Play `requests`; with an active `faults.FaultSpec`, through `fault_sim.FaultSim`;
+    with a `stream` (no faults), keeping only what is in flight."""
     if faults is None or not faults.active:
-        return Sim(cfg, requests).run()
+        return Sim(cfg, requests, stream).run()
+    if stream is not None:
+        raise ValueError("faults: a run with faults keeps its requests; it cannot be streamed")
     from pdsim.core.fault_sim import FaultSim  # it builds on Sim
 
     return FaultSim(cfg, requests, faults).run()
