@@ -40,7 +40,7 @@ def cmd_run(args) -> int:
     with gc_paused(freeze=getattr(args, "process_exits", False)):
         result = simulate(cfg, requests, faults)
         metrics = single_metrics(result) if single else workload_metrics(result)
-        if single and cfg.output_of(requests[0]):  # one request that decodes: serving keys
+        if single and cfg.output_of(next(iter(requests))):  # one request that decodes: serving keys
             metrics.update(serving_summary(result))
         if args.trace:
             write_trace(args.trace, result)

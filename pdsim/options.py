@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import heapq
 import sys
 
 import attrs
@@ -14,7 +15,7 @@ from pdsim.core.config import SENDERS, RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, engine_of, sim_geometry
 from pdsim.core.engines import DEFAULT_ENGINE, list_engines
 from pdsim.core.profiles import COPIERS, link_of, load_hw
-from pdsim.core.workload import WorkloadSpec, build_requests
+from pdsim.core.workload import WorkloadSpec, workload
 
 DEFAULT_PROMPT = 8192
 
@@ -106,6 +107,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="uniform random prompts in A:B (tokens)")
     p.add_argument("--prompts-csv", default=None,
                    help="CSV with a prompt column; optional arrival and prefix columns")
+    p.add_argument("--workload", default=None, metavar="FILE.csv|FILE.jsonl",
+                   help="requests read as a stream, one per row in arrival order: arrival "
+                        "(s) or TIMESTAMP, prompt or ContextTokens, optional output or "
+                        "GeneratedTokens (the Azure LLM inference traces' columns)")
+    p.add_argument("--arrival-shape", type=float, default=None,
+                   help="with --rate: gamma gaps between arrivals of this shape (1: Poisson; "
+                        "below 1: burstier)")
     p.add_argument("--output-tokens", type=int, default=0,
                    help="tokens each request generates (the first is its producer's; then "
                         "one per decode step of the decoder's continuous batch)")
@@ -136,10 +144,11 @@ def _prompt(args, cfg: SimConfig) -> int:
     given = [flag for flag, value in (("--prompt", args.prompt), ("--payload", args.payload),
                                       ("--prompt-range", args.prompt_range),
                                       ("--prompts-csv", args.prompts_csv),
-                                      ("--prompts", args.prompts)) if value is not None]
+                                      ("--prompts", args.prompts),
+                                      ("--workload", args.workload)) if value is not None]
     if len(given) > 1:
         raise UsageError(f"prompts: give one of --prompt, --payload, --prompt-range, "
-                         f"--prompts-csv, --prompts, got {' and '.join(given)}")
+                         f"--prompts-csv, --prompts, --workload, got {' and '.join(given)}")
     if args.payload is not None and not args.no_compute:
         raise UsageError("--payload needs --no-compute (it sizes an export-only run)")
     if args.payload is not None:
@@ -175,8 +184,23 @@ def base_config(args) -> SimConfig:
                      getattr(args, "chunk", 256), labels=labels)
 
 
-def run_setup(args) -> tuple[SimConfig, list[RequestSpec]]:
-    """The config and the requests of `pdsim run` (and explain/timeline)."""
+class Requests:
+    """A workload's requests in arrival order, read (or drawn) each time they are iterated,
+    and how many there are."""
+
+    def __init__(self, requests, count: int) -> None:
+        self.requests, self.count = requests, count
+
+    def __iter__(self):
+        return iter(self.requests)
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def run_setup(args) -> tuple[SimConfig, Requests]:
+    """The config and the requests of `pdsim run` (and explain/timeline); the requests are
+    read once here, to check each and size the pools, and again by the run."""
     _check_positive(args, "chunk", "max_pending", "producers", "requests", "pool_pages",
                     "payload")
     cfg = base_config(args)
@@ -184,44 +208,61 @@ def run_setup(args) -> tuple[SimConfig, list[RequestSpec]]:
     _check_closed_loop(args)
     spec = WorkloadSpec(args.requests, prompt, args.prefix, args.prompt_range,
                         args.prompts_csv, args.rate, args.interval, args.arrivals, args.seed,
-                        args.prompts, args.output_range)
-    _check_context(args, None)
-    requests = build_requests(spec, cfg.geometry.page_tokens)
-    _check_context(args, requests)
-    if args.concurrency is not None and any(r.arrival for r in requests):
-        raise UsageError("--concurrency (closed loop) sets the arrival times; the "
-                         "--prompts-csv arrival column gives them too")
-    pool = args.pool_pages or _default_pool(cfg, requests, args.concurrency)
+                        args.prompts, args.output_range, args.arrival_shape, args.workload)
+    _check_context(args)
+    requests = workload(spec, cfg.geometry.page_tokens)
+    count, largest = _scan(args, cfg, requests)
+    pool = args.pool_pages or _default_pool(largest, count, args.concurrency)
     cfg = attrs.evolve(cfg, max_pending=args.max_pending, pool_pages=pool,
                        producers=args.producers, no_compute=args.no_compute,
                        output_tokens=args.output_tokens, concurrency=args.concurrency,
                        sender=args.sender)
     source = args.source_pages
     if source is None and args.sender == "queued":
-        source = engine_source_pages(cfg, requests)
-    return attrs.evolve(cfg, source_pages=source), requests
+        source = 2 * largest[0]  # pdgpu serve's producer cache: two of the longest suffixes
+    return attrs.evolve(cfg, source_pages=source), Requests(requests, count)
 
 
-def _check_context(args, requests: list[RequestSpec] | None) -> None:
+def _scan(args, cfg: SimConfig, requests) -> tuple[int, list[int]]:
+    """One pass over the requests: each checked (context; closed loop: no arrival time);
+    (how many, the pages of the longest suffixes, as many as `_default_pool` reads)."""
+    keep = max(16, args.concurrency or 0) + 1
+    count, largest = 0, []  # a heap of the `keep` largest suffixes' pages
+    model = None if args.no_compute else load_model(args.model)
+    for request in requests:
+        if model is not None:
+            _check_request_context(args, model, request)
+        if args.concurrency is not None and request.arrival:
+            raise UsageError("--concurrency (closed loop) sets the arrival times; the "
+                             "--prompts-csv arrival column gives them too")
+        need = cfg.geometry.pages_for(request.prompt - request.prefix)
+        (heapq.heappush if len(largest) < keep else heapq.heappushpop)(largest, need)
+        count += 1
+    return count, sorted(largest, reverse=True)
+
+
+def _check_context(args) -> None:
     """Prompt + output within the model's max_context: --prompt-range's upper end (with the
-    longest output) before any prompt is drawn, else every request. Export only
+    longest output) before any prompt is drawn (then each request: `_scan`). Export only
     (--no-compute) has no positions: no limit."""
-    if args.no_compute:
+    if args.no_compute or not args.prompt_range:
         return
-    model = load_model(args.model)
     default_output = args.output_range[1] if args.output_range else args.output_tokens
-    if requests is None:
-        checks = [(args.prompt_range[1], default_output, "--prompt-range")] \
-            if args.prompt_range else []
-    else:
-        source = "--prompts-csv" if args.prompts_csv else "--prompts" if args.prompts \
-            else "--prompt"
-        checks = [(r.prompt, default_output if r.output_tokens is None else r.output_tokens,
-                   f"{source} (request {r.req!r})") for r in requests]
-    for prompt, output, what in checks:
-        problem = context_error(model, prompt, output, what)
-        if problem:
-            raise UsageError(problem)
+    problem = context_error(load_model(args.model), args.prompt_range[1], default_output,
+                            "--prompt-range")
+    if problem:
+        raise UsageError(problem)
+
+
+def _check_request_context(args, model, request: RequestSpec) -> None:
+    default_output = args.output_range[1] if args.output_range else args.output_tokens
+    source = next((flag for flag, value in (("--prompts-csv", args.prompts_csv),
+                                            ("--prompts", args.prompts),
+                                            ("--workload", args.workload)) if value), "--prompt")
+    output = default_output if request.output_tokens is None else request.output_tokens
+    problem = context_error(model, request.prompt, output, f"{source} (request {request.req!r})")
+    if problem:
+        raise UsageError(problem)
 
 
 def _check_closed_loop(args) -> None:
@@ -236,17 +277,10 @@ def _check_closed_loop(args) -> None:
                          f"without {' and '.join(given)}")
 
 
-def engine_source_pages(cfg: SimConfig, requests: list[RequestSpec]) -> int:
-    """pdgpu serve's producer source cache: two of the longest suffixes."""
-    return 2 * max(cfg.geometry.pages_for(r.prompt - r.prefix) for r in requests)
-
-
-def _default_pool(cfg: SimConfig, requests: list[RequestSpec],
-                  concurrency: int | None = None) -> int:
+def _default_pool(largest: list[int], count: int, concurrency: int | None = None) -> int:
     """Room for every request at once (single runs), 16 of the largest (workloads), or the
-    C largest in a closed loop (pdgpu serve's: never fewer slabs than requests in it)."""
-    need = sorted((cfg.geometry.pages_for(r.prompt - r.prefix) for r in requests),
-                  reverse=True)
+    C largest in a closed loop (pdgpu serve's: never fewer slabs than requests in it).
+    `largest`: the pages of the longest suffixes, longest first (all of them up to 16)."""
     if concurrency is not None:
-        return max(1, sum(need[:concurrency]))
-    return max(1, sum(need) if len(need) <= 16 else 16 * need[0])
+        return max(1, sum(largest[:concurrency]))
+    return max(1, sum(largest) if count <= 16 else 16 * largest[0])

@@ -127,8 +127,8 @@ class Sim:
     def __init__(self, cfg: SimConfig, requests, stream=None) -> None:
         self.stream = stream
         if stream is None:
-            check_fits(cfg, requests)
             requests = tuple(requests)
+            check_fits(cfg, requests)
         else:
             stream.attach(self)
         self.cfg, self.requests = cfg, requests

@@ -1,8 +1,16 @@
-"""Workloads: arrival times (fixed list, fixed interval, or Poisson at a rate; closed loop:
-SimConfig.concurrency), prompt lengths (fixed, uniform in a range, from a CSV with a `prompt`
-column and optional `arrival` and `prefix` columns, or from a `pdgpu serve` prompts file,
-prompts.py) and output tokens (the run's, uniform in a range, or each prompt line's). Seeded,
-so equal inputs give equal workloads."""
+"""Workloads: arrival times (fixed list, fixed interval, or Poisson or gamma at a rate; closed
+loop: SimConfig.concurrency), prompt lengths (fixed, uniform in a range, from a CSV with a
+`prompt` column and optional `arrival` and `prefix` columns, or from a `pdgpu serve` prompts
+file, prompts.py) and output tokens (the run's, uniform in a range, or each prompt line's);
+or all three from a request trace file (trace_file.py). Seeded, so equal inputs give equal
+workloads.
+
+`workload()` gives the requests as an iterable in arrival order. Drawn ones are drawn as
+they are read, `DRAW_PART` at a time (`GeneratedWorkload`), and a trace file is read as a
+stream, so a run of a million requests never holds them all; prompt files and `--arrivals`
+are read whole. A workload of up to DRAW_PART requests draws each column in one call, as
+it always did; a longer one in parts, which gives the same values but where numpy's
+bounded integers reject a draw at a part's end (about once in 2^32 / range draws)."""
 
 from __future__ import annotations
 
@@ -35,13 +43,34 @@ class WorkloadSpec:
     seed: int = 0
     prompts_jsonl: str | None = None  # pdgpu serve's --prompts file
     output_range: tuple[int, int] | None = None  # output tokens uniform in [A, B]
+    arrival_shape: float | None = None  # gamma inter-arrivals of this shape (None: Poisson)
+    trace_file: str | None = None  # arrivals, prompts and outputs from a trace (CSV/JSONL)
 
 
+DRAW_PART = 1 << 16  # requests drawn at a time (even: numpy's 32-bit draws come in pairs)
+
+
+def workload(spec: WorkloadSpec, page_tokens: int):
+    """The requests of a workload in arrival order (ties: workload order), as an iterable
+    that can be read more than once: drawn or read as it is read where it can be."""
+    if spec.trace_file is not None:
+        from pdsim.core.trace_file import TraceFileWorkload
+
+        return TraceFileWorkload(spec, page_tokens)
+    if _generated(spec):
+        return GeneratedWorkload(spec, page_tokens)
+    return build_requests(spec, page_tokens)
+
+
+def _generated(spec: WorkloadSpec) -> bool:
+    return spec.prompts_csv is None and spec.prompts_jsonl is None and spec.arrivals is None
 
 
 def build_requests(spec: WorkloadSpec, page_tokens: int) -> list[RequestSpec]:
     """The requests of a workload (r0, r1, ... or the prompts file's names), in arrival
     order (ties: workload order)."""
+    if spec.trace_file is None and _generated(spec):
+        return list(GeneratedWorkload(spec, page_tokens))
     rng = np.random.default_rng(spec.seed)
     rows = _rows(spec)
     count = _count(spec, rows)
@@ -72,9 +101,7 @@ def _rows(spec: WorkloadSpec) -> list[dict] | None:
 def _outputs(spec: WorkloadSpec, rows, count: int, rng) -> list[int | None]:
     """Each request's output tokens; None: the run's --output-tokens."""
     if spec.output_range is not None:
-        lo, hi = spec.output_range
-        if not 0 <= lo <= hi:
-            raise WorkloadError(f"--output-range must be A:B with 0 <= A <= B, got {lo}:{hi}")
+        lo, hi = _checked_output_range(spec)
         if rows is not None and any(r.get("output_tokens") is not None for r in rows):
             raise WorkloadError("--output-range and the prompts file's output_tokens both "
                                 "give output lengths; give one")
@@ -103,16 +130,28 @@ def _prompts(spec: WorkloadSpec, rows, count: int, rng) -> list[int]:
     if rows is not None:
         return [row["prompt"] for row in rows]
     if spec.prompt_range is not None:
-        lo, hi = spec.prompt_range
-        if not 1 <= lo <= hi:
-            raise WorkloadError(f"--prompt-range must be A:B with 1 <= A <= B, got {lo}:{hi}")
-        if (spec.prefix or 0) > lo:
-            raise WorkloadError(f"--prefix {spec.prefix} must be <= the shortest prompt of "
-                                f"--prompt-range {lo}:{hi}")
+        lo, hi = _checked_prompt_range(spec)
         return [int(x) for x in rng.integers(lo, hi + 1, size=count)]
     if spec.prompt < 1:
         raise WorkloadError(f"--prompt must be >= 1, got {spec.prompt}")
     return [spec.prompt] * count
+
+
+def _checked_prompt_range(spec: WorkloadSpec) -> tuple[int, int]:
+    lo, hi = spec.prompt_range
+    if not 1 <= lo <= hi:
+        raise WorkloadError(f"--prompt-range must be A:B with 1 <= A <= B, got {lo}:{hi}")
+    if (spec.prefix or 0) > lo:
+        raise WorkloadError(f"--prefix {spec.prefix} must be <= the shortest prompt of "
+                            f"--prompt-range {lo}:{hi}")
+    return lo, hi
+
+
+def _checked_output_range(spec: WorkloadSpec) -> tuple[int, int]:
+    lo, hi = spec.output_range
+    if not 0 <= lo <= hi:
+        raise WorkloadError(f"--output-range must be A:B with 0 <= A <= B, got {lo}:{hi}")
+    return lo, hi
 
 
 def _arrivals(spec: WorkloadSpec, rows, count: int, rng) -> list[float]:
@@ -185,3 +224,106 @@ def _row(path: str, line: int, row: dict) -> dict:
     if out.get("prompt", 0) < 1:
         raise WorkloadError(f"--prompts-csv: {path}:{line}: prompt must be >= 1")
     return out
+
+
+class GeneratedWorkload:
+    """The requests of a WorkloadSpec with neither prompt file nor arrival list, drawn
+    DRAW_PART at a time as they are read. Each column (prompts, arrivals, outputs) is drawn
+    from the generator's state where the column before it ended, as one run of draws would
+    have it: the states are found once, drawing each column through without keeping it."""
+
+    def __init__(self, spec: WorkloadSpec, page_tokens: int) -> None:
+        self.spec, self.page_tokens = spec, page_tokens
+        self.count = _count(spec, None)
+        prompts, self._arrivals = _prompt_draw(spec), _arrival_draw(spec)
+        outputs = _output_draw(spec)
+        self._prompts, self._outputs = prompts, outputs
+        self.states = []
+        state = np.random.default_rng(spec.seed).bit_generator.state
+        for draw in (prompts, self._arrivals, outputs):
+            self.states.append(state)
+            if draw is not None:
+                state = _state_after(state, draw, self.count)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        spec, count = self.spec, self.count
+        prompts = _parts(self.states[0], self._prompts, count, spec.prompt)
+        outputs = _parts(self.states[2], self._outputs, count, None)
+        gaps = None if self._arrivals is None else _parts(self.states[1], self._arrivals,
+                                                          count, None)
+        interval = 0.0 if spec.interval is None else spec.interval
+        t = 0.0
+        for start in range(0, count, DRAW_PART):
+            size = min(DRAW_PART, count - start)
+            prompt, output = next(prompts), next(outputs)
+            if gaps is None:
+                times = [(start + i) * interval for i in range(size)]
+            else:  # a running sum, as one cumsum of every gap would add them
+                times = np.cumsum(np.concatenate([[t], next(gaps)]))[1:].tolist()
+                t = times[-1]
+            for i in range(size):
+                prefix = _prefix(spec, None, start + i, prompt[i], self.page_tokens)
+                yield RequestSpec(f"r{start + i}", float(times[i]), int(prompt[i]), prefix,
+                                  output[i])
+
+
+def _parts(state, draw, count: int, fixed):
+    """Lists of DRAW_PART draws (the last: the rest) from `state`; without a draw, `fixed`
+    repeated."""
+    rng = _rng_at(state)
+    for start in range(0, count, DRAW_PART):
+        size = min(DRAW_PART, count - start)
+        yield [fixed] * size if draw is None else draw(rng, size).tolist()
+
+
+def _rng_at(state) -> np.random.Generator:
+    bits = np.random.PCG64()
+    bits.state = state
+    return np.random.Generator(bits)
+
+
+def _state_after(state, draw, count: int):
+    rng = _rng_at(state)
+    for start in range(0, count, DRAW_PART):
+        draw(rng, min(DRAW_PART, count - start))
+    return rng.bit_generator.state
+
+
+def _prompt_draw(spec: WorkloadSpec):
+    """How a part of the prompts is drawn (None: every prompt is --prompt); checks them."""
+    if spec.prompt_range is None:
+        if spec.prompt < 1:
+            raise WorkloadError(f"--prompt must be >= 1, got {spec.prompt}")
+        return None
+    lo, hi = _checked_prompt_range(spec)
+    return lambda rng, size: rng.integers(lo, hi + 1, size=size)
+
+
+def _arrival_draw(spec: WorkloadSpec):
+    """How a part of the gaps between arrivals is drawn (None: fixed interval)."""
+    _one_arrival_source(spec, None)
+    if spec.arrival_shape is not None and spec.rate is None:
+        raise WorkloadError("--arrival-shape needs --rate (it shapes the gaps between arrivals)")
+    if spec.rate is None:
+        if not (0.0 if spec.interval is None else spec.interval) >= 0:
+            raise WorkloadError(f"--interval must be >= 0 s, got {spec.interval}")
+        return None
+    if not spec.rate > 0:
+        raise WorkloadError(f"--rate must be > 0 requests/s, got {spec.rate}")
+    mean, shape = 1.0 / spec.rate, spec.arrival_shape
+    if shape is None:
+        return lambda rng, size: rng.exponential(mean, size=size)
+    if not shape > 0:
+        raise WorkloadError(f"--arrival-shape must be > 0, got {shape}")
+    return lambda rng, size: rng.gamma(shape, mean / shape, size=size)
+
+
+def _output_draw(spec: WorkloadSpec):
+    """How a part of the outputs is drawn (None: the run's --output-tokens)."""
+    if spec.output_range is None:
+        return None
+    lo, hi = _checked_output_range(spec)
+    return lambda rng, size: rng.integers(lo, hi + 1, size=size)
