@@ -4,29 +4,28 @@ span-id set."""
 
 import json
 
+import attrs
 import numpy as np
 import pytest
 
 from pdref.fast_monitor import FastMonitor
-from pdref.models import load_model
 from pdref.span_ids import UsedSpanIds
 from pdsim.cli import main
 from pdsim.core.config import RequestSpec, SimConfig
-from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.metrics import workload_metrics
-from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.quantiles import ACCURACY, Quantiles
 from pdsim.core.sim import Sim, make_header, simulate
 from pdsim.core.stream import RunStream
+from pdsim.options import Parser, add_model_options, base_config
 from pdsim.views.report import request_results
 
 
 def small_cfg(**kw) -> SimConfig:
-    spec, hw = load_model("qwen3-0.6b"), load_hw("h200")
-    base = dict(geometry=sim_geometry(spec, 16), costs=costs_for(spec, hw, link_of(hw, None)),
-                mode="chunk", chunk=256, pool_pages=4096, output_tokens=9)
+    parser = Parser()
+    add_model_options(parser)
+    base = dict(mode="chunk", chunk=256, pool_pages=4096, output_tokens=9)
     base.update(kw)
-    return SimConfig(**base)
+    return attrs.evolve(base_config(parser.parse_args(["--hw", "h200"])), **base)
 
 
 def workload(n: int, seed: int = 1, rate: float = 40.0) -> list[RequestSpec]:
