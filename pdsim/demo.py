@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from pdref.check import check_file
 from pdref.models import context_error, list_models, load_model
+from pdsim.core.engines import DEFAULT_ENGINE
 from pdsim.core.profiles import load_hw
 from pdsim.demo_http import run_http
 from pdsim.demo_serve import ServeDemo, run_served, served_rows
@@ -30,13 +31,19 @@ from pdsim.fit.calibrate import calibrate, figures, profile_toml
 from pdsim.fit.engine_runs import EnginePoint, Measured, run_point
 from pdsim.fit.predict import predict, simulate_point
 from pdsim.options import UsageError
+from pdsim.study import answer_rows
 from pdsim.sweep import Point, best_chunks, run_sweep
 from pdsim.views.demo_report import comparison_table, report_md, trace_table
 from pdsim.views.report import edge_note, write_atomic, write_json, write_trace
+from pdsim.views.study_report import headline
 
 SWEEP_CHUNKS = (64, 128, 256, 512, 1024, 2048)
 REFERENCE = (("qwen3-0.6b", "a100-pcie"), ("qwen3-0.6b", "h200"))
 REFERENCE_PROMPT = 8192
+# The source design's question under each engine (`pdsim study`'s headline, smaller)
+ANSWER = dict(models=("qwen3-0.6b", "llama-3.1-8b"), hws=("a100-pcie", "h200"),
+              engines=("production", "seed-eager"), prompt=4096, concurrencies=(1, 8),
+              requests=8, output_tokens=16, chunk=256)
 
 
 @attrs.frozen
@@ -51,6 +58,10 @@ class DemoConfig:
     device: str | None = None
     progress: bool = True
     http: bool = True  # also a few served prompts streamed through `pdgpu serve --http`
+
+
+ANSWER_KEYS = ("model", "hw", "engine", "concurrency", "mode", "tokens_per_s", "gain_pct",
+               "prefill_s", "tail_mean_s", "ttft_p50_s")
 
 
 def say(text: str) -> None:
@@ -95,7 +106,8 @@ def sweep_step(cfg: DemoConfig, profile: Path) -> list[dict]:
     from pdsim.views.plots import plotted_rows, sweep_png
 
     cases = [(cfg.model, str(profile), cfg.prompt, "this-device", "this device (calibrated)")]
-    cases += [(m, hw, REFERENCE_PROMPT, f"{m}-{hw}", hw) for m, hw in REFERENCE]
+    cases += [(m, hw, REFERENCE_PROMPT, f"{m}-{hw}", f"{hw} under {DEFAULT_ENGINE}")
+              for m, hw in REFERENCE]
     out = []
     for model, hw, prompt, label, hw_name in cases:
         base = base_sim_config(model, hw)
@@ -182,6 +194,10 @@ def run_demo(cfg: DemoConfig) -> dict:
     print(comparison_table(pairs))
     say("sweep: chunk size in the simulator (this device, and qwen3-0.6b on a100-pcie, h200)")
     sweeps = sweep_step(cfg, profile)
+    say("answer: whole vs chunk vs layer serving on a100-pcie and h200, production-class "
+        "engine beside the seed's eager one")
+    answer = answer_rows(**ANSWER)
+    print("\n".join(headline(answer)))
     say(f"serve: pdgpu serve, {cfg.model}, a decoder and 2 producer processes, whole and chunk "
         "mode, spans verified, tokens checked against pdgpu generate")
     served = serve_step(cfg)
@@ -190,7 +206,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     print(trace_table(checks, cfg.out))
     result = {"config": {k: str(v) if isinstance(v, Path) else v
                          for k, v in attrs.asdict(cfg).items()},
-              "pairs": pairs, "sweeps": sweeps, "served": served, "checks": checks,
+              "pairs": pairs, "sweeps": sweeps, "answer": answer, "served": served,
+              "checks": checks,
               "wall_s": time.perf_counter() - start}
     write_atomic(cfg.out / "report.md", report_md(result, cfg.out))
     write_json(cfg.out / "summary.json", summary_json(result))
@@ -206,6 +223,7 @@ def summary_json(result: dict) -> dict:
                                                       "peak_staging_bytes")}}
                      for m, p in result["pairs"]],
             "best_chunk": {s["label"]: s["best"] for s in result["sweeps"]},
+            "answer": [{k: r[k] for k in ANSWER_KEYS} for r in result["answer"]],
             "served": {"parity": result["served"]["parity"],
                        "runs": served_rows(result["served"]),
                        "http": {k: v for k, v in result["served"].get("http", {}).items()

@@ -1,15 +1,18 @@
 """`pdsim study`: where does chunk/layer overlap pay in serving? The seed's open question.
 
-For each model on the device, the serving model (closed loop, the decoder's continuous batch,
-pdgpu serve's queued sender and source cache) plays the same workload in whole, chunk and
-layer mode, one axis varied at a time around a base point: prompt length, concurrency, link
-bandwidth (a scale on every copy bandwidth), copy/compute contention (the slowdown of a
-compute chunk per second of producer-side copy, gather and d2h, it overlaps) and the
-producer's source cache (1 prompt: it starts the next prefill only when the last request was
-admitted; 2: pdgpu serve's, the next prefill overlaps the last copy); each axis at
-concurrency 1 and at the base's. The gain of a mode is its tokens/s over whole copy's, in
-percent (and its TTFT p50 change). Writes `study.csv`, one PNG per model
-and `report.md`, whose words are drawn from the rows.
+For each model, device (`--hw`, a100-pcie and h200) and engine (`--engine`: the production-
+class profile and the seed's eager calibration), the serving model (closed loop, the
+decoder's continuous batch, pdgpu serve's queued sender and source cache) plays the same
+workload in whole, chunk and layer mode, one axis varied at a time around a base point:
+prompt length, concurrency, link bandwidth (a scale on every copy bandwidth), copy/compute
+contention (the slowdown of a compute chunk per second of producer-side copy, gather and
+d2h, it overlaps) and the producer's source cache (1 prompt: it starts the next prefill only
+when the last request was admitted; 2: pdgpu serve's, the next prefill overlaps the last
+copy); each axis at concurrency 1 and at the base's. The gain of a mode is its tokens/s over
+whole copy's, in percent (and its TTFT p50 change). The base point itself, at concurrency 1
+and the base's, is the report's headline: the answer under each engine side by side. Writes
+`study.csv`, one PNG per model, device and engine, and `report.md`, whose words are drawn
+from the rows.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from pathlib import Path
 import attrs
 
 from pdref.models import context_error, list_models, load_model
+from pdref.plan import plan_chunks
 from pdsim.core.config import RequestSpec, SimConfig
-from pdsim.core.costs import costs_for, engine_of, sim_geometry
+from pdsim.core.costs import costs_for, sim_geometry
+from pdsim.core.engines import load_engine
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.serving import serving_config, simulate_serving
 from pdsim.views.report import write_atomic
@@ -37,6 +42,7 @@ AXES = {
     "contention": (0.0, 0.05, 0.15, 0.3, 0.5),
     "source": (1, 2),
 }
+BASE = "base"  # the base point's own rows (the report's headline)
 BRIEF = (-3.0, 17.0)  # the seed's measured spread of chunk overlap's serving change, %
 # Copy work on the producer that slows the compute it overlaps: the gather and the d2h DMA
 # (both read the producer's HBM), not the profile's gather alone.
@@ -47,6 +53,8 @@ CONTENDED = ("gather", "d2h")
 class Point:
     """One simulated configuration of the study."""
 
+    hw: str
+    engine: str
     model: str
     mode: str
     axis: str  # the axis varied ("base" for the base point itself)
@@ -60,9 +68,9 @@ class Point:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="qwen3-0.6b,qwen3-4b", help="model presets, comma "
                    f"separated ({', '.join(list_models())}) or profile .toml files")
-    p.add_argument("--hw", default="a100-pcie", help="hardware profile")
-    p.add_argument("--engine", default=None, help="engine profile (default: the hw profile's "
-                   "own if calibrated, else the production-class one)")
+    p.add_argument("--hw", default="a100-pcie,h200", help="hardware profiles, comma separated")
+    p.add_argument("--engine", default="production,seed-eager",
+                   help="engine profiles, comma separated (the answer under each)")
     p.add_argument("--requests", type=int, default=64, help="requests per configuration")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens each request makes")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
@@ -74,26 +82,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def points(args) -> list[Point]:
-    """Each axis's values around the base point, at concurrency 1 and at the base's (the
-    concurrency axis once), for every model and mode."""
+    """The base point and each axis's values around it, at concurrency 1 and at the base's
+    (the concurrency axis once), for every device, engine, model and mode."""
     grid = []
     for concurrency in dict.fromkeys((1, args.concurrency)):
         base = dict(prompt=args.prompt, concurrency=concurrency, bandwidth=1.0,
                     contention=None, source=2)
+        grid.append((BASE, base))
         grid += [(axis, {**base, axis: v}) for axis, values in AXES.items()
                  if axis != "concurrency" for v in values]
     base = dict(prompt=args.prompt, concurrency=args.concurrency, bandwidth=1.0,
                 contention=None, source=2)
     grid += [("concurrency", {**base, "concurrency": v}) for v in AXES["concurrency"]]
-    return [Point(model, mode, axis, **values) for model in args.models.split(",")
+    return [Point(hw, engine, model, mode, axis, **values) for hw in args.hw.split(",")
+            for engine in args.engine.split(",") for model in args.models.split(",")
             for axis, values in grid for mode in MODES]
 
 
-def run_point(point: Point, hw_name: str, requests: int, output_tokens: int, chunk: int,
-              engine: str | None = None) -> dict:
+def run_point(point: Point, requests: int, output_tokens: int, chunk: int) -> dict:
     """Simulate one point; its row."""
-    spec, hw = load_model(point.model), load_hw(hw_name)
-    costs = attrs.evolve(costs_for(spec, hw, link_of(hw), engine_of(hw, engine))
+    spec, hw = load_model(point.model), load_hw(point.hw)
+    costs = attrs.evolve(costs_for(spec, hw, link_of(hw), load_engine(point.engine))
                          .scaled(bandwidth=point.bandwidth),
                          contended=CONTENDED)
     if point.contention is not None:
@@ -105,14 +114,29 @@ def run_point(point: Point, hw_name: str, requests: int, output_tokens: int, chu
     source = point.source * geometry.pages_for(point.prompt)
     cfg = serving_config(cfg, work, concurrency=point.concurrency, source_pages=source)
     summary = simulate_serving(cfg, work)
-    return {**attrs.asdict(point), "contention_used": costs.contention,
+    prefill = sum(costs.compute_s(c) for c in plan_chunks(point.prompt, 0, chunk))
+    return {**attrs.asdict(point), "contention_used": costs.contention, "prefill_s": prefill,
             **{k: summary[k] for k in ("tokens_per_s", "ttft_p50_s", "itl_p99_s",
                                        "handoff_p50_s", "tail_mean_s", "decode_batch_mean")}}
 
 
+def answer_rows(models, hws, engines, prompt: int, concurrencies, requests: int,
+                output_tokens: int, chunk: int) -> list[dict]:
+    """The base point alone (whole, chunk and layer) for each device, engine, model and
+    concurrency, with gains: the study's headline (`pdsim demo` shows it too)."""
+    todo = [Point(hw, engine, model, mode, BASE, prompt, c, 1.0, None, 2) for hw in hws
+            for engine in engines for model in models for c in concurrencies for mode in MODES]
+    return with_gains([run_point(p, requests, output_tokens, chunk) for p in todo])
+
+
+def png_name(model: str, hw: str, engine: str) -> str:
+    return f"study-{model}-{hw}-{engine}.png"
+
+
 def with_gains(rows: list[dict]) -> list[dict]:
     """Each row with its tokens/s gain and TTFT p50 change over whole copy, in percent."""
-    key = ("model", "axis", "prompt", "concurrency", "bandwidth", "contention", "source")
+    key = ("hw", "engine", "model", "axis", "prompt", "concurrency", "bandwidth", "contention",
+           "source")
     whole = {tuple(r[k] for k in key): r for r in rows if r["mode"] == "whole"}
     for r in rows:
         w = whole[tuple(r[k] for k in key)]
@@ -123,7 +147,7 @@ def with_gains(rows: list[dict]) -> list[dict]:
 
 def run_study(args) -> list[dict]:
     todo = points(args)
-    extra = (args.hw, args.requests, args.output_tokens, args.chunk, args.engine)
+    extra = (args.requests, args.output_tokens, args.chunk)
     if args.jobs <= 1:
         return with_gains([run_point(p, *extra) for p in todo])
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -140,7 +164,7 @@ def _csv(rows: list[dict]) -> str:
 
 
 def command(args) -> int:
-    from pdsim.views.study_report import report_text, study_png  # matplotlib: only here
+    from pdsim.views.study_report import axis_groups, report_text, study_png  # matplotlib
 
     for name in ("requests", "output_tokens", "chunk", "prompt", "concurrency", "jobs"):
         if getattr(args, name) < 1:
@@ -152,13 +176,18 @@ def command(args) -> int:
                                 "--prompt / the prompt axis")
         if problem:
             raise ValueError(problem)
-    engine_of(load_hw(args.hw), args.engine)  # an unknown one is refused before any work
+    for hw in args.hw.split(","):  # an unknown one is refused before anything is written
+        load_hw(hw)
+    for engine in args.engine.split(","):
+        load_engine(engine)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run_study(args)
     write_atomic(out / "study.csv", _csv(rows))
-    for model in args.models.split(","):
-        (out / f"study-{model}.png").write_bytes(study_png(rows, model, args.hw, BRIEF))
+    for (hw, engine), group in axis_groups(rows).items():
+        for model in args.models.split(","):
+            (out / png_name(model, hw, engine)).write_bytes(
+                study_png(group, model, f"{hw} under {engine}", BRIEF))
     write_atomic(out / "report.md", report_text(rows, args, AXES, BRIEF))
     print(f"pdsim study: {len(rows)} configurations -> {out / 'report.md'}")
     return 0

@@ -26,6 +26,10 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert served["parity"]["ok"] and [r["mode"] for r in served["runs"]] == ["whole", "chunk"]
     assert all(r["ok"] == 6 and r["leaked_pages"] == 0 for r in served["runs"])
     assert "## Served run" in report
+    assert "## Does overlap pay? Under each engine" in report
+    answer = summary["answer"]
+    assert {(r["hw"], r["engine"]) for r in answer} == {
+        (hw, e) for hw in ("a100-pcie", "h200") for e in ("production", "seed-eager")}
     assert (out / "profile.toml").exists()
     printed = capsys.readouterr().out
     assert "handoff ms" in printed and "predicted" in printed

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pdref.cli_format import count
 from pdsim.views.report import edge_note
+from pdsim.views.study_report import engine_words, headline
 
 DEFINITIONS = [
     "- **handoff**: from the request's start (its slab reserved, prefill begins) until it "
@@ -83,6 +84,21 @@ def sweep_lines(sweeps) -> list[str]:
     return lines
 
 
+def answer_lines(rows) -> list[str]:
+    """The source design's question (whole vs chunk vs layer, serving tokens/s) under the
+    production-class engine beside the seed's eager one (`pdsim study`'s headline)."""
+    if not rows:
+        return []
+    r = rows[0]
+    return ["## Does overlap pay? Under each engine (simulator)", "",
+            f"Closed loop, prompt {r['prompt']} tokens, chunk 256, one producer and one "
+            "decoder (`pdsim study`'s base point; `pdsim study` varies each axis): whole "
+            "copy's tokens/s and chunk's and layer's change over it. `production` prices each "
+            "op on a roofline from published kernel figures (docs/sim-validation.md), "
+            "`seed-eager` is the source design's eager engine.", "", *headline(rows), "",
+            *engine_words(rows), ""]
+
+
 def engine_devices(pairs) -> str:
     """The devices the engine really ran on, from its traces' headers: "cpu", "cuda:0 -> cpu"."""
     seen = []
@@ -152,6 +168,7 @@ def report_md(result: dict, out: Path) -> str:
         + in_sample_note(result["pairs"]), "",
         _markdown(comparison_rows(result["pairs"])), "",
         "## Chunk-size sweeps (simulator)", "", *sweep_lines(result["sweeps"]),
+        *answer_lines(result.get("answer")),
         *served_lines(result["served"]),
         f"## Trace checks (`pdref check`): {'all legal' if ok else 'VIOLATIONS'}", "",
         _markdown(check_rows(result["checks"], out)), "",

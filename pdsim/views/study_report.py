@@ -3,6 +3,7 @@ layer over whole, per axis) and report.md, whose findings are read off the rows.
 
 from __future__ import annotations
 
+from pdsim.study import png_name
 from pdsim.views.plots import MODE_COLORS, _png, plt
 
 PAYS, NONE = 2.0, 1.0  # a gain >= 2% pays; |gain| < 1% is none
@@ -145,38 +146,92 @@ def _axes_text(axes: dict) -> str:
     return "; ".join(f"{a}: " + ", ".join(map(_fmt, v)) for a, v in axes.items())
 
 
+def headline(rows: list[dict]) -> list[str]:
+    """The base point (axis "base") under each device and engine, side by side."""
+    base = [r for r in rows if r["axis"] == "base"]
+    lines = ["| model | device | engine | C | prefill / request | whole tail / request | "
+             "whole tokens/s | chunk vs whole | layer vs whole |", "|---" * 9 + "|"]
+    keys = dict.fromkeys((r["model"], r["hw"], r["engine"], r["concurrency"]) for r in base)
+    for key in keys:
+        mode = {r["mode"]: r for r in base
+                if (r["model"], r["hw"], r["engine"], r["concurrency"]) == key}
+        w = mode["whole"]
+        lines.append(f"| {' | '.join(map(str, key))} | {w['prefill_s'] * 1e3:.0f} ms | "
+                     f"{w['tail_mean_s'] * 1e3:.1f} ms | {w['tokens_per_s']:.0f} | "
+                     f"{mode['chunk']['gain_pct']:+.1f}% | {mode['layer']['gain_pct']:+.1f}% |")
+    return lines
+
+
+def engine_words(rows: list[dict]) -> list[str]:
+    """Per device and model: the one-request-at-a-time gain and the tail's share of the
+    prefill under each engine, read off the base rows."""
+    base = [r for r in rows if r["axis"] == "base" and r["concurrency"] == 1]
+    out = []
+    for hw, model in dict.fromkeys((r["hw"], r["model"]) for r in base):
+        parts = []
+        for r in base:
+            if (r["hw"], r["model"], r["mode"]) == (hw, model, "chunk"):
+                whole = next(w for w in base if (w["hw"], w["model"], w["engine"], w["mode"])
+                             == (hw, model, r["engine"], "whole"))
+                share = 100.0 * whole["tail_mean_s"] / whole["prefill_s"]
+                parts.append(f"under {r['engine']} whole copy's tail is {share:.1f}% of the "
+                             f"prefill and chunk overlap gains {r['gain_pct']:+.1f}%")
+        out.append(f"- {model} on {hw}, one request at a time: " + "; ".join(parts) + ".")
+    return out
+
+
 def report_text(rows: list[dict], args, axes: dict, brief: tuple[float, float]) -> str:
     models = args.models.split(",")
     lines = [
         "# pdsim study: where chunk/layer overlap pays in serving", "",
-        f"Device `{args.hw}` (its profile's copier and link), models {', '.join(models)}; "
-        f"closed loop of {args.requests} requests, {args.output_tokens} output tokens each, "
-        f"chunk {args.chunk}, one producer with pdgpu serve's queued sender and source cache, "
-        "the decoder's continuous batch. Base point: prompt "
-        f"{args.prompt} tokens, concurrency {args.concurrency}, link bandwidth x1, the "
-        "profile's contention; each axis varied alone "
-        f"({_axes_text(axes)}). "
-        "Gain = a mode's tokens/s over whole copy's. The decode step terms are derived from "
-        "the model and device (no measured profile has them yet), so these are the model's "
-        "answers, not measurements.", "",
-        "## Findings", "", *findings(rows, brief), "",
-        "Why, in the model: whole copy's unhidden tail (the tables' `whole tail/request`) is "
-        "what overlap can remove, and it turns into tokens/s only while the loop waits for "
-        "it. With one request in the system (C=1), or a producer whose source cache holds one "
-        "prompt (it starts the next prefill only when the last request was admitted), every "
-        "tail is paid in series: overlap gains about tail / (prefill + tail + decode), more "
-        "on slow links and for models whose copy is a larger share of their prefill (0.6B "
-        "more than 4B: compute grows with parameters, KV bytes only with layers and KV "
-        "heads). With several requests and pdgpu serve's two-prompt source cache the producer "
-        "computes the next prompt while the last one's copy runs, so whole mode hides its "
-        "tail across requests and the throughput is the producer's prefill rate either way: "
-        "no gain. What chunking costs is its copies' contention with the compute they "
-        "overlap (gather and d2h here) and a fixed cost per span on a serial copier. TTFT is "
-        "the producer's first token, so overlap moves it only through queueing.", "",
+        f"Devices {args.hw.replace(',', ', ')} (each profile's link), engines "
+        f"{args.engine.replace(',', ', ')} (`specs/engines`: `production` prices each op on "
+        "a roofline from published kernel figures, `seed-eager` is the source design's "
+        "eager engine calibrated on one A100), models "
+        f"{', '.join(models)}; closed loop of {args.requests} requests, "
+        f"{args.output_tokens} output tokens each, chunk {args.chunk}, one producer with "
+        "pdgpu serve's queued sender and source cache, the decoder's continuous batch. Base "
+        f"point: prompt {args.prompt} tokens, concurrency 1 and {args.concurrency}, link "
+        "bandwidth x1, the engine's contention; each axis varied alone "
+        f"({_axes_text(axes)}). Gain = a mode's tokens/s over whole copy's. These are the "
+        "model's answers, not measurements (the production profile's errors against "
+        "published runs: docs/sim-validation.md).", "",
+        "## The answer under each engine", "", *headline(rows), "", *engine_words(rows), "",
+        "Overlap can remove whole copy's unhidden tail, and that turns into tokens/s only "
+        "while the loop waits for it. When compute runs at the chip's speed (production) the "
+        "same copy is a larger share of a much shorter prefill, so one-at-a-time serving "
+        "gains more from overlap than the seed's eager engine says; with several requests "
+        "and a two-prompt source cache whole copy hides its tail behind the next prefill "
+        "under either engine.", "",
     ]
-    for model in models:
-        lines += [f"## {model}", "", f"![{model}](study-{model}.png)", ""]
-        for axis in axes:
-            lines += _table(rows, model, axis) + [""]
-    lines += ["Every row: `study.csv`. Reproduce: `pdsim study --out DIR`.", ""]
+    for (hw, engine), group in axis_groups(rows).items():
+        lines += [f"## {hw} under {engine}", "", *findings(group, brief), ""]
+        for model in models:
+            name = png_name(model, hw, engine)
+            lines += [f"### {model}", "", f"![{model} on {hw} under {engine}]({name})", ""]
+            for axis in axes:
+                lines += _table(group, model, axis) + [""]
+    lines += [WHY, "", "Every row: `study.csv`. Reproduce: `pdsim study --out DIR`.", ""]
     return "\n".join(lines)
+
+
+def axis_groups(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Each (device, engine)'s axis rows (the base rows are the headline's)."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if r["axis"] != "base":
+            out.setdefault((r["hw"], r["engine"]), []).append(r)
+    return out
+
+
+WHY = ("Why, in the model: with one request in the system (C=1), or a producer whose source "
+       "cache holds one prompt (it starts the next prefill only when the last request was "
+       "admitted), every tail is paid in series: overlap gains about tail / (prefill + tail + "
+       "decode), more on slow links and for models whose copy is a larger share of their "
+       "prefill (0.6B more than 4B: compute grows with parameters, KV bytes only with layers "
+       "and KV heads). With several requests and pdgpu serve's two-prompt source cache the "
+       "producer computes the next prompt while the last one's copy runs, so whole mode "
+       "hides its tail across requests and the throughput is the producer's prefill rate "
+       "either way. What chunking costs is its copies' contention with the compute they "
+       "overlap (gather and d2h here) and a fixed cost per span on a serial copier. TTFT is "
+       "the producer's first token, so overlap moves it only through queueing.")
