@@ -6,6 +6,7 @@ Bad input is one line on stderr naming the field and the rule, exit 2, and nothi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -20,7 +21,8 @@ from pdsim.core.sim import simulate
 from pdsim.core.stream import RunStream
 from pdsim.fit import EngineRunError
 from pdsim.options import Parser, UsageError, add_run_options, run_setup
-from pdsim.views.report import format_metrics, write_results, write_trace
+from pdsim.views.progress import RunProgress
+from pdsim.views.report import ResultsStream, format_metrics, write_results, write_trace
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 INPUT_ERRORS = (UsageError, ProfileError, PlanError, ValueError, OSError)
@@ -31,8 +33,7 @@ def cmd_run(args) -> int:
     faults = fault_spec(args, cfg.producers)
     single = len(requests) == 1 and faults is None
     if not (single or faults or args.trace):  # a workload: only what is in flight is kept
-        result = simulate(cfg, requests, stream=RunStream(cfg, args.results))
-        metrics = workload_metrics(result)
+        metrics = workload_metrics(_streamed(args, cfg, requests))
         print(json.dumps(metrics) if args.json else format_metrics(metrics))
         return EXIT_OK
     # The run's objects live until the end: nothing for the collector to find. A process
@@ -48,6 +49,17 @@ def cmd_run(args) -> int:
             write_results(args.results, result)
     print(json.dumps(metrics) if args.json else format_metrics(metrics))
     return EXIT_OK
+
+
+def _streamed(args, cfg, requests):
+    """A workload run keeping only what is in flight (stream.py), with its progress and
+    its --results rows written as requests end."""
+    with contextlib.ExitStack() as stack:
+        results = stack.enter_context(ResultsStream(args.results)) if args.results else None
+        progress = (stack.enter_context(RunProgress(len(requests))) if args.progress
+                    else None)
+        return simulate(cfg, requests, stream=RunStream(
+            cfg, on_ok=results.write if results else None, progress=progress))
 
 
 def _lazy(module: str, name: str):
@@ -86,6 +98,9 @@ def _run_args(p) -> None:
     p.add_argument("--results", default=None,
                    help="write one JSON line per request here: status (ok, cancelled, "
                         "failed), ttft_s, e2e_s, attempts")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress on stderr (default: after 3 s, a bar on a terminal, "
+                        "else a line every 10 s)")
     add_fault_options(p)
 
 

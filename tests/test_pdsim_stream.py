@@ -17,7 +17,8 @@ from pdsim.core.quantiles import ACCURACY, Quantiles
 from pdsim.core.sim import Sim, make_header, simulate
 from pdsim.core.stream import RunStream
 from pdsim.options import Parser, add_model_options, base_config
-from pdsim.views.report import request_results
+from pdsim.views import progress as progress_view
+from pdsim.views.report import ResultsStream, request_results
 
 
 def small_cfg(**kw) -> SimConfig:
@@ -56,7 +57,8 @@ def test_streamed_results_rows_are_the_kept_ones(tmp_path):
     """`--results` rows written as requests end hold the kept run's rows (in end order)."""
     cfg, requests = small_cfg(), workload(60)
     path = tmp_path / "rows.jsonl"
-    simulate(cfg, requests, stream=RunStream(cfg, str(path), every=200))
+    with ResultsStream(str(path)) as results:
+        simulate(cfg, requests, stream=RunStream(cfg, on_ok=results.write, every=200))
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     kept = request_results(simulate(cfg, requests))
     assert sorted(rows, key=lambda r: r["req"]) == sorted(kept, key=lambda r: r["req"])
@@ -164,3 +166,26 @@ def test_cli_run_streams_and_prints_the_same(tmp_path, capsys):
     streamed = json.loads(capsys.readouterr().out)
     assert main([*argv, "--trace", str(tmp_path / "t.jsonl")]) == 0
     assert json.loads(capsys.readouterr().out) == streamed
+
+
+def test_progress_lines_off_a_terminal(monkeypatch, capsys):
+    """Off a terminal, once the run has taken DELAY_S, a line every EVERY_S seconds says the
+    requests simulated of all and the simulated time; the last one counts every request."""
+    monkeypatch.setattr(progress_view, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress_view, "EVERY_S", 0.0)
+    cfg = small_cfg()
+    with progress_view.RunProgress(120, terminal=False) as progress:
+        result = simulate(cfg, workload(120), stream=RunStream(cfg, progress=progress,
+                                                              every=500))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) > 2 and all(line.startswith("pdsim run: ") for line in lines)
+    assert lines[-1].startswith("pdsim run: 120/120 requests simulated, ")
+    assert f"{result.running.makespan:,.0f} s simulated" in lines[-1]
+
+
+def test_short_run_and_no_progress_say_nothing(capsys):
+    """A run shorter than DELAY_S prints no progress, and --no-progress none at all."""
+    argv = ["run", "--hw", "h200", "--requests", "30", "--rate", "30", "--output-tokens", "2",
+            "--prompt", "256", "--json"]
+    assert main(argv) == 0 and capsys.readouterr().err == ""
+    assert main([*argv, "--no-progress"]) == 0 and capsys.readouterr().err == ""

@@ -267,13 +267,9 @@ class Sim:
                          span_stages=tuple(self.span_stages))
 
     def _run_streamed(self) -> SimResult:
-        try:
-            self.env.run()
-            running = self.stream.finish(self)
-            self.monitor.close()
-        except BaseException:
-            self.stream.abandon()
-            raise
+        self.env.run()
+        running = self.stream.finish(self)
+        self.monitor.close()
         return SimResult(self.cfg, self.header, (), (), self.env.steps,
                          leaked_pages=self.cfg.pool_pages - len(self.monitor.free_page_ids()),
                          decode=self.decoder.record, running=running)

@@ -10,15 +10,16 @@ release, or to the moment it was cancelled or failed."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from pdref.cli_format import format_metrics
 from pdref.metrics import life_metrics
-from pdref.outfile import write_atomic
+from pdref.outfile import create_beside, write_atomic
 from pdref.trace import TraceWriter
 from pdsim.core.sim import SimResult
 
-__all__ = ["format_metrics", "request_results", "write_atomic", "write_json",
+__all__ = ["ResultsStream", "format_metrics", "request_results", "write_atomic", "write_json",
            "write_results", "write_trace"]
 
 
@@ -58,6 +59,33 @@ def request_results(result: SimResult) -> list[dict]:
 
 def write_results(path: str, result: SimResult) -> None:
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in request_results(result)))
+
+
+class ResultsStream:
+    """`--results` of a streamed run (a workload without faults: every request ends ok, in
+    one life): a row written as each request ends, in that order, to a temporary file
+    renamed into place when the run ends well (`with`); removed when it does not."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        fd, self.tmp = create_beside(path)
+        self.file = os.fdopen(fd, "w", encoding="utf-8")
+
+    def write(self, life, arrival: float, first_token: float) -> None:
+        """The row of a request that ended ok (`request_results`' fields)."""
+        self.file.write(json.dumps({"req": life.req, "status": "ok", "output": None,
+                                    "ttft_s": first_token - arrival,
+                                    "e2e_s": life.end_t - arrival, "attempts": 1}) + "\n")
+
+    def __enter__(self) -> ResultsStream:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.file.close()
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            os.unlink(self.tmp)
 
 
 def edge_note(chunk: int, chunks, fixed: bool = False) -> str:
