@@ -6,12 +6,16 @@ the whole `pdsim run` process on that workload (start-up and imports included).
     python bench/sim_speed.py --process-only    # only the whole-process figure
     python bench/sim_speed.py --process-only --baseline DIR   # and another checkout's, in
                                                 # alternating rounds (DIR: its repository root)
+    python bench/sim_speed.py --scaling 10000,100000,1000000  # one whole process per count:
+                                                # wall, CPU and peak RSS (minutes at 1M)
 
 Every simulated event goes through pdref's Monitor (the spec), as in any pdsim run; decode
 steps are recorded by the decoder, checked in one batch (`Monitor.recorded_stages`) and
 written as `decode` stages by the trace writer.
 The whole-process figure reports wall and CPU seconds (medians): on a shared machine the CPU
-time moves less with other work.
+time moves less with other work; and the peak resident memory of the process (its own
+`ru_maxrss`, from wait4), which a workload run keeps flat: it holds only the requests in
+flight (pdsim/core/stream.py).
 """
 
 from __future__ import annotations
@@ -108,17 +112,23 @@ def _cpu_s() -> float:
     return use.ru_utime + use.ru_stime
 
 
-def _timed_process(count: int, root: str | None) -> tuple[float, float, str]:
-    """Wall and CPU seconds of one whole `pdsim run` process, and its output. `root`: run
-    that checkout's code instead (PYTHONPATH), for side-by-side rounds. CPU time moves less
-    than wall time when other work shares the cores."""
+def _timed_process(count: int, root: str | None) -> tuple[float, float, float, str]:
+    """Wall and CPU seconds and peak RSS (MB) of one whole `pdsim run` process, and its
+    output. `root`: run that checkout's code instead (PYTHONPATH), for side-by-side rounds.
+    CPU time moves less than wall time when other work shares the cores."""
     env = dict(os.environ)
     if root is not None:
         env["PYTHONPATH"] = root
     start, cpu = time.perf_counter(), _cpu_s()
-    done = subprocess.run(process_command(count), capture_output=True, text=True, env=env,
-                          check=True, cwd=root)
-    return time.perf_counter() - start, _cpu_s() - cpu, done.stdout
+    command = [*process_command(count), "--no-progress"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, env=env, cwd=root,
+                          text=True) as proc:
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, command)
+    return time.perf_counter() - start, _cpu_s() - cpu, usage.ru_maxrss / 1024, out
 
 
 def compile_bytecode(root: str | None) -> None:
@@ -139,12 +149,15 @@ def process_speed(count: int, rounds: int, baseline: str | None = None) -> dict:
         compile_bytecode(root)
     walls: dict[str, list[float]] = {"this": [], "baseline": []}
     cpus: dict[str, list[float]] = {"this": [], "baseline": []}
+    rss: list[float] = []
     outputs = set()
     for _ in range(rounds):
         for name, root in (("this", None), ("baseline", baseline)):
             if name == "baseline" and baseline is None:
                 continue
-            wall, cpu, out = _timed_process(count, root)
+            wall, cpu, peak, out = _timed_process(count, root)
+            if name == "this":
+                rss.append(peak)
             walls[name].append(wall)
             cpus[name].append(cpu)
             outputs.add(out)
@@ -154,7 +167,8 @@ def process_speed(count: int, rounds: int, baseline: str | None = None) -> dict:
            "requests_per_s": round(count / median), "target_requests_per_s": TARGET_PROCESS_RPS,
            "meets_target": count / median >= TARGET_PROCESS_RPS,
            "cpu_s": [round(c, 3) for c in cpus["this"]], "median_cpu_s": round(cpu, 3),
-           "requests_per_cpu_s": round(count / cpu), "load_avg": os.getloadavg()[0],
+           "requests_per_cpu_s": round(count / cpu), "peak_rss_mb": round(max(rss)),
+           "load_avg": os.getloadavg()[0],
            "bytecode": "compiled first", "compiled_modules": accel.status()}
     if baseline is not None:
         base, base_cpu = (statistics.median(walls["baseline"]),
@@ -168,6 +182,24 @@ def process_speed(count: int, rounds: int, baseline: str | None = None) -> dict:
     return out
 
 
+def scaling(counts: list[int]) -> list[dict]:
+    """One whole process per request count (the issue's workload): wall and CPU seconds and
+    peak RSS; memory should stay flat and time grow linearly."""
+    compile_bytecode(None)
+    rows = []
+    for count in counts:
+        wall, cpu, peak, out = _timed_process(count, None)
+        rows.append({"requests": count, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+                     "cpu_us_per_request": round(1e6 * cpu / count), "peak_rss_mb": round(peak),
+                     "ttft_p99_s": json.loads(out)["ttft_p99_s"],
+                     "load_avg": round(os.getloadavg()[0], 1)})
+    return rows
+
+
+def _counts(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tenth of the sizes")
@@ -178,9 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="whole-process rounds (median)")
     p.add_argument("--baseline", default=None,
                    help="another checkout's root: its whole process too, alternating rounds")
+    p.add_argument("--scaling", type=_counts, default=None, metavar="N,N,...",
+                   help="only the whole process at each request count: wall, CPU, peak RSS")
     args = p.parse_args(argv)
     scale = 10 if args.quick else 1
     figures = {"cpu_count": os.cpu_count()}
+    if args.scaling:
+        figures["scaling"] = scaling(args.scaling)
+        print(json.dumps(figures, indent=1))
+        return 0
     if not args.process_only:
         base = base_config()
         figures.update(
