@@ -94,6 +94,13 @@ class Sampler:
             self.counts.index_put_((slots, chosen), (slots > 0).float(), accumulate=True)
         return chosen
 
+    def draw(self, logits: torch.Tensor, steps: Sequence[Step]):
+        """`pick`, and the rows' log-probabilities when a row asks for them (else None):
+        -> (tokens [B], list of B Logprobs | None)."""
+        tokens = self.pick(logits, steps)
+        asked = [s.sampling.logprobs for s in steps if s.sampling.logprobs is not None]
+        return tokens, (logprobs(logits, tokens, max(asked)) if asked else None)
+
     def _options(self, steps: Sequence[Step], device) -> torch.Tensor:
         rows = []
         for s in steps:
@@ -112,6 +119,23 @@ class Sampler:
         x = torch.where(self.prompt[slots] | present, scaled, x)
         return x - options[:, FREQUENCY, None].float() * counts \
             - options[:, PRESENCE, None].float() * present
+
+
+Logprobs = tuple[float, tuple[tuple[int, float], ...]]  # a token's, and the most likely ones
+
+
+@torch.no_grad()
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[Logprobs]:
+    """Each row's drawn token's log-probability and the `top` most likely (token, log-prob),
+    from the model's own distribution (the raw logits, as vLLM's default `raw_logprobs`):
+    logits [B, V], tokens [B] -> B entries."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()  # [B]
+    if not top:
+        return [(c, ()) for c in chosen]
+    values, ids = logp.topk(top, dim=-1)  # [B, top] each
+    return [(c, tuple(zip(i, v, strict=True)))
+            for c, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]
 
 
 def _ban(x: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:

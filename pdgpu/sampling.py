@@ -26,6 +26,7 @@ import secrets
 import attrs
 
 SEED_RANGE = (-(2 ** 63), 2 ** 64)  # vLLM's: a signed or an unsigned 64-bit integer
+MAX_LOGPROBS = 20  # OpenAI's most top_logprobs
 
 
 @attrs.frozen
@@ -42,6 +43,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # the stop tokens are banned before this many output tokens
     ignore_eos: bool = False  # the end-of-sequence token does not end the request
+    logprobs: int | None = None  # each token's log-probability and this many alternatives
 
     @property
     def greedy(self) -> bool:
@@ -82,7 +84,9 @@ def problem(field: str, value) -> str | None:
         return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
     if isinstance(value, bool) or not isinstance(value, int):
         return f"must be an integer, got {value!r}"
-    lowest = {"top_k": -1, "min_tokens": 0, "seed": SEED_RANGE[0]}[field]
+    lowest = {"top_k": -1, "min_tokens": 0, "seed": SEED_RANGE[0], "logprobs": 0}[field]
+    if field == "logprobs" and value > MAX_LOGPROBS:
+        return f"must be <= {MAX_LOGPROBS}, got {value!r}"
     if value < lowest or (field == "seed" and value >= SEED_RANGE[1]):
         return f"must be >= {lowest}" + (" and < 2**64" if field == "seed" else "") + \
                f", got {value!r}"

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -196,6 +197,49 @@ def test_min_tokens_bans_the_stop_tokens_and_ignore_eos(server):
                      sampling=Sampling(min_tokens=4))
     got = completion_ids(server, PROMPTS[0], 8, stop=[stop], min_tokens=4, ignore_eos=True)
     assert got == want and stop not in got[:4]
+
+
+def model_logprobs(model_arg: str, tokens: list[int]) -> torch.Tensor:
+    """log-softmax of the model's logits after each prefix of `tokens` (one prefill of the
+    whole sequence, in CHUNK chunks) -> [len(tokens), V]."""
+    from pdgpu.serve.models import load_served_model
+    from pdgpu.source_cache import SourceCache
+    model = load_served_model(model_arg, 0, None, "cpu")
+    geometry = model.spec.geometry(16)
+    cache = SourceCache(geometry, geometry.pages_for(len(tokens)), "cpu", torch.float32)
+    kv, ids = cache.open(len(tokens)), torch.tensor(tokens)
+    with torch.no_grad():
+        hidden = torch.cat([model.prefill_chunk(ids[a:a + CHUNK], a, kv)
+                            for a in range(0, len(tokens), CHUNK)])  # [n, E]
+        return torch.log_softmax(model.logits(hidden).float(), dim=-1)
+
+
+def test_logprobs_are_the_models_for_each_token_in_both_shapes(server):
+    """Completions' `logprobs` N and chat's `top_logprobs` N (streamed): each token's
+    log-probability and the N most likely are the model's after that token's prefix."""
+    prompt = PROMPTS[1]
+    got = server.client().completions.create(model=server.model_id, prompt=prompt,
+                                             max_tokens=6, logprobs=3).choices[0]
+    ids = token_ids(got)
+    logp = model_logprobs(server.model, prompt + ids)[len(prompt) - 1:-1]  # [6, V]
+    assert got.logprobs.token_logprobs == pytest.approx(
+        [logp[k, t].item() for k, t in enumerate(ids)], abs=1e-3)
+    for k, top in enumerate(got.logprobs.top_logprobs):
+        assert list(top.values()) == pytest.approx(logp[k].topk(3).values.tolist(), abs=1e-3)
+    assert got.logprobs.tokens == [server_texts(server).decode([t]) for t in ids]
+    chunks = list(server.client().chat.completions.create(
+        model=server.model_id, max_tokens=4, stream=True, logprobs=True, top_logprobs=2,
+        messages=[{"role": "user", "content": "the lazy dog"}]))
+    events = [c.choices[0] for c in chunks if token_ids(c.choices[0])]
+    assert all(len(e.logprobs.content) == 1 and len(e.logprobs.content[0].top_logprobs) == 2
+               for e in events)
+    greedy = [e.logprobs.content[0] for e in events]
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in greedy)
+
+
+def server_texts(server):
+    from pdgpu.serve.texts import Texts
+    return Texts.for_model(server.model)
 
 
 def itl_count(server) -> float:
@@ -385,7 +429,8 @@ def test_overload_gets_429(server):
     ({"seed": "7"}, "seed"),
     ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens
     ({"ignore_eos": "yes"}, "ignore_eos"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "8"}, "max_tokens"),

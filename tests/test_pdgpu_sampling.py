@@ -164,3 +164,24 @@ def test_out_of_range_options_are_named(field, value, ok):
     assert (found is None) == ok
     if not ok:
         assert "must" in found and repr(value) in found
+
+
+def test_logprobs_are_the_raw_distributions_whatever_the_draw():
+    """Each row's drawn token's log-probability and its top alternatives come from the raw
+    logits' log-softmax (not the temperature's or the penalties'), asked rows only."""
+    from pdgpu.sampler import logprobs
+    torch.manual_seed(2)
+    logits = torch.randn(3, 30)
+    steps = [Step(Sampling(temperature=1.5, seed=1, logprobs=4), 0), Step(GREEDY, 0),
+             Step(Sampling(repetition_penalty=1.5, logprobs=0), 0)]
+    sampler = Sampler(30, "cpu")
+    steps[2] = steps[2]._replace(slot=sampler.open(steps[2].sampling, [int(logits[2].argmax())]))
+    tokens, found = sampler.draw(logits, steps)
+    logp = torch.log_softmax(logits, dim=-1)
+    for row, (chosen, top) in enumerate(found):
+        assert chosen == pytest.approx(logp[row, tokens[row]].item())
+        assert [i for i, _ in top] == logp[row].topk(4).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(logp[row].topk(4).values.tolist())
+    assert tokens[2] != logits[2].argmax()  # the penalty moved the draw, not the logprobs
+    assert logprobs(logits, tokens, 0)[1] == (pytest.approx(logp[1, tokens[1]].item()), ())
+    assert Sampler(30, "cpu").draw(logits, [Step(GREEDY, 0)] * 3)[1] is None

@@ -265,6 +265,7 @@ class Decoder(Recovery):
             self.ledger.produced(life.req, msg.body["token"])
             self._stage(life, msg, "head", msg.body["start"], msg.body["end"])
             life.token, life.produced_t = msg.body["token"], self.ledger.now()
+            life.logprob = msg.body.get("logprob")  # [logprob, [[token, logprob], ...]]
 
     def _stage(self, life: Life, msg: Message, name: str, start, end, span=None) -> None:
         offset = self.members.offset(msg.src)
@@ -292,6 +293,7 @@ class Decoder(Recovery):
         t.seq = self.decode_cache.add(context)
         t.slot = self.sampler.open(t.request.sampling, t.request.tokens, [life.token])
         t.output = [life.token]
+        t.logprobs = [] if life.logprob is None else [life.logprob]
         t.token_t = [life.produced_t]
         t.status, t.life, t.admitted_t = Status.RUNNING, None, self.ledger.now()
         self.running.append(t)
@@ -316,13 +318,22 @@ class Decoder(Recovery):
         batch = DecodeBatch([t.seq for t in self.running])
         start = self.ledger.now()
         steps = [self._draw(t, len(t.output)) for t in self.running]
-        tokens = decode_tokens(self.model, batch, [t.output[-1] for t in self.running],
-                               lambda logits: self.sampler.pick(logits, steps))
+        found = []
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            tokens, logprobs = self.sampler.draw(logits, steps)
+            found.append(logprobs)
+            return tokens
+        tokens = decode_tokens(self.model, batch, [t.output[-1] for t in self.running], pick)
         now = self.ledger.now()
         self.ledger.stage(self.running[0].req, "decode", start, now, resource="decoder",
                           batch=len(self.running), kv_tokens=kv_tokens)
-        for t, token in zip(list(self.running), tokens, strict=True):
+        for row, (t, token) in enumerate(zip(list(self.running), tokens, strict=True)):
             t.output.append(token)
+            top = t.request.sampling.logprobs
+            if top is not None:
+                chosen, alternatives = found[0][row]
+                t.logprobs.append((chosen, alternatives[:top]))
             t.token_t.append(now)
             if self._complete(t):
                 self._release(t)

@@ -47,6 +47,7 @@ class Event:
     tokens: tuple[int, ...] = ()
     status: str | None = None
     reason: str | None = None
+    logprobs: tuple = ()  # per token, when the request asks: (logprob, ((token, logprob), ...))
 
 
 @attrs.define(eq=False)
@@ -147,7 +148,7 @@ class Frontend:
             elif handle.finished and t.status is Status.RUNNING:  # else: once admitted
                 handle.asked = True
                 decoder.finish_early(t)
-        new = _new_tokens(t, handle.sent)
+        new, logprobs = _new_tokens(t, handle.sent)
         if self.metrics is not None:
             self._measure(t, handle, len(new))
         handle.sent += len(new)
@@ -156,9 +157,9 @@ class Frontend:
             self.ended += 1
             if self.metrics is not None:
                 self.metrics.ended(t)
-            handle.sink(Event(new, str(t.status), t.reason))
+            handle.sink(Event(new, str(t.status), t.reason, logprobs))
         elif new:
-            handle.sink(Event(new))
+            handle.sink(Event(new, logprobs=logprobs))
 
     def _measure(self, t, handle: Handle, new: int) -> None:
         if handle.sent == 0 and new:
@@ -185,11 +186,12 @@ class Frontend:
         self.active.clear()
 
 
-def _new_tokens(t, sent: int) -> tuple[int, ...]:
+def _new_tokens(t, sent: int) -> tuple[tuple[int, ...], tuple]:
     """The request's tokens after the first `sent`. The first goes out at `produced`, before
     the request's spans all landed: the producer computed it, greedy, and a retried life
     computes the same one (its prefill is the same computation), as the batch mode's TTFT
-    counts it (`produced`); the others come with the decode steps after admission."""
+    counts it (`produced`); the others come with the decode steps after admission. With them
+    their log-probabilities, when the request asks."""
     if sent == 0 and not t.output and t.life is not None and t.life.token is not None:
-        return (t.life.token,)
-    return tuple(t.output[sent:])
+        return (t.life.token,), () if t.life.logprob is None else (t.life.logprob,)
+    return tuple(t.output[sent:]), tuple(t.logprobs[sent:])

@@ -75,10 +75,11 @@ async def _tokens(service: Service, handle, events: asyncio.Queue, out: Output):
     token None); raises ApiError if it failed."""
     while True:
         event = await events.get()
-        for token in event.tokens:
+        logprobs = event.logprobs or (None,) * len(event.tokens)
+        for token, logprob in zip(event.tokens, logprobs, strict=True):
             if out.stopped:
                 break
-            text = out.add(token)
+            text = out.add(token, logprob)
             if out.stopped:
                 service.frontend.finish(handle)  # a stop string: no more tokens needed
             yield text, token
@@ -92,11 +93,12 @@ async def _tokens(service: Service, handle, events: asyncio.Queue, out: Output):
             return
 
 
-def _choice(chat: bool, text: str, ids: list[int], finish: str | None, delta: bool) -> dict:
+def _choice(chat: bool, text: str, ids: list[int], finish: str | None, delta: bool,
+            logprobs: dict | None = None) -> dict:
     key = "delta" if delta else "message"
-    body = {key: {"role": "assistant", "content": text}} if chat else \
-        {"text": text, "logprobs": None}
-    return {"index": 0, **body, "token_ids": ids, "finish_reason": finish}
+    body = {key: {"role": "assistant", "content": text}} if chat else {"text": text}
+    return {"index": 0, **body, "logprobs": logprobs, "token_ids": ids,
+            "finish_reason": finish}
 
 
 class Answer:
@@ -122,7 +124,8 @@ class Answer:
                 text.append(piece)
         await _unless_gone(request, collect(), lambda: self.service.frontend.cancel(handle))
         body = {**self._head(False), "usage": self.out.usage(), "choices": [_choice(
-            self.chat, "".join(text), self.out.tokens, self.out.finish_reason(), False)]}
+            self.chat, "".join(text), self.out.tokens, self.out.finish_reason(), False,
+            self.out.logprobs_body(self.chat))]}
         return JSONResponse(body)
 
     def stream(self) -> StreamingResponse:
@@ -138,8 +141,10 @@ class Answer:
         try:
             async for text, token in _tokens(self.service, handle, events, self.out):
                 ids = [] if token is None else [token]
+                at = len(self.out.tokens) - 1
+                logprobs = None if token is None else self.out.logprobs_body(self.chat, at)
                 yield _sse({**self._head(True), "choices": [
-                    _choice(self.chat, text, ids, None, True)]})
+                    _choice(self.chat, text, ids, None, True, logprobs)]})
             yield _sse({**self._head(True), "choices": [
                 _choice(self.chat, "", [], self.out.finish_reason(), True)]})
             if self.ask.include_usage:

@@ -43,6 +43,7 @@ class Life:
     stopped: bool = False  # the producer confirmed it sends nothing more for this life
     cancel_sent: bool = False
     token: int | None = None  # the first output token, once produced
+    logprob: tuple | None = None  # its log-probabilities, when the request asks (sampler.py)
     produced_t: float | None = None
     spans: dict[int, int | None] = attrs.Factory(dict)  # sid -> pdref span id (None: ghost)
     unfenced: set[int] = attrs.Factory(set)  # pdref span ids whose writer may still write
@@ -68,6 +69,7 @@ class Tracked:
     reason: str | None = None  # why it was cancelled or failed
     life: Life | None = None  # its current life, until it is aborted or released
     output: list[int] = attrs.Factory(list)
+    logprobs: list = attrs.Factory(list)  # per output token, when the request asks
     token_t: list[float] = attrs.Factory(list)
     done_t: float | None = None
     seq: SequenceKV | None = None

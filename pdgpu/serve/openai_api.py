@@ -8,17 +8,19 @@ Served: greedy decoding (`temperature` absent or 0: exactly `pdgpu generate`'s t
 sampling with `temperature`, `top_p`, `top_k`, `min_p`, `seed`, the presence, frequency and
 repetition penalties, `min_tokens` and `ignore_eos` (vLLM's meanings; pdgpu/sampling.py; a
 request without a seed gets a random one). What would change the output and is not served
-(n or best_of > 1, echo, logprobs, a logit bias, tools, a response format) is refused naming
+(n or best_of > 1, echo, a logit bias, tools, a response format) is refused naming
 the field; other unknown fields are ignored, as OpenAI's servers do. Each choice also carries
 `token_ids` (the output's ids: what `pdgpu generate` prints; a model without a tokenizer has
-no other exact text).
+no other exact text). `logprobs` (completions: N; chat: true, with `top_logprobs` N <= 20):
+each token's log-probability under the model (its raw logits, vLLM's default) and the N most
+likely tokens', in OpenAI's shapes.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from pdgpu.sampling import GREEDY, Sampling, SamplingError, checked, random_seed
+from pdgpu.sampling import GREEDY, Sampling, SamplingError, checked, problem, random_seed
 from pdgpu.serve.detok import Detokenizer
 from pdgpu.serve.texts import TextError, Texts
 from pdref.models import context_error
@@ -71,7 +73,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_p
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos")
 # fields that would change the output, and the values that leave it as served (null: absent)
 UNSERVED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
-            "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+            "logit_bias": (None, {}),
             "tools": (None, []), "tool_choice": (None, "none"),
             "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
             "include_stop_str_in_output": (None, False)}
@@ -84,10 +86,28 @@ def _refuse_unserved(body: dict) -> None:
             raise bad(field, f"only {values[1]!r} is served, got {value!r}")
 
 
-def _sampling(body: dict, max_tokens: int, limit: str) -> Sampling:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with, or None: not asked
+    (completions: `logprobs` N; chat: `logprobs` true and `top_logprobs` N)."""
+    if not chat:
+        return body.get("logprobs")
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked not in (None, True, False) or not isinstance(asked, bool | None):
+        raise bad("logprobs", f"must be true or false, got {asked!r}")
+    if top is not None and not asked:
+        raise bad("top_logprobs", "needs logprobs: true")
+    wrong = top is not None and problem("logprobs", top)
+    if wrong:
+        raise bad("top_logprobs", wrong)
+    return (top or 0) if asked else None
+
+
+def _sampling(body: dict, max_tokens: int, limit: str, chat: bool) -> Sampling:
     """The request's sampling options (null: absent; no seed: a random one)."""
     given = {f: body[f] for f in SAMPLING_FIELDS if body.get(f) is not None}
     given.setdefault("seed", random_seed())
+    if _logprobs(body, chat) is not None:
+        given["logprobs"] = _logprobs(body, chat)
     try:
         return checked(max_tokens, limit, **given)
     except SamplingError as e:
@@ -164,7 +184,7 @@ def _ask(body: dict, tokens: tuple[int, ...], texts: Texts, limits: Limits, para
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise bad("stream", "stream must be true or false, stream_options an object")
-    sampling = _sampling(body, max_tokens, limit)
+    sampling = _sampling(body, max_tokens, limit, param == "messages")
     stop_ids, stop_texts = _stops(body, texts, limits.vocab)
     if texts.eos_id is not None and not sampling.ignore_eos:
         stop_ids |= {texts.eos_id}  # the tokenizer's end of sequence ends a request
@@ -211,16 +231,22 @@ class Output:
     def __init__(self, ask: Ask, texts: Texts) -> None:
         self.ask = ask
         self.detok = Detokenizer(texts)
+        self.texts = texts
         self.tokens: list[int] = []
+        self.logprobs: list = []  # per token, when asked: (logprob, ((token, logprob), ...))
+        self.offsets: list[int] = []  # per token: the text's length before it
         self.shown = 0  # characters of the text given out
         self.text = ""
         self.stopped = False  # by a stop token or string
         self.hold = max((len(s) for s in ask.stop_texts), default=1) - 1
 
-    def add(self, token: int) -> str:
+    def add(self, token: int, logprob=None) -> str:
         if self.stopped:  # tokens the decoder made before it heard of the stop: not output
             return ""
         self.tokens.append(token)
+        self.offsets.append(len(self.text))
+        if logprob is not None:
+            self.logprobs.append(logprob)
         if token in self.ask.stop_ids:  # its text is not output (OpenAI, vLLM)
             self.stopped = True
             return self._end()
@@ -255,6 +281,24 @@ class Output:
         """The request ended: the text held back for a stop string that never came, and an
         unfinished character as the tokenizer decodes it."""
         return "" if self.stopped else self._end()
+
+    def logprobs_body(self, chat: bool, start: int = 0, end: int | None = None) -> dict | None:
+        """The OpenAI `logprobs` of tokens [start, end), or None when not asked."""
+        if self.ask.sampling.logprobs is None or start == len(self.tokens):
+            return None
+        end = len(self.tokens) if end is None else end
+        rows = list(zip(self.tokens[start:end], self.logprobs[start:end], strict=True))
+        text = self.texts.decode
+        if chat:
+            def one(token: int, logprob: float) -> dict:
+                piece = text([token])
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+            return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]}
+                                for t, (lp, top) in rows]}
+        return {"tokens": [text([t]) for t, _ in rows],
+                "token_logprobs": [lp for _, (lp, _) in rows],
+                "top_logprobs": [{text([i]): v for i, v in top} for _, (_, top) in rows],
+                "text_offset": self.offsets[start:end]}
 
     def finish_reason(self) -> str:
         return "stop" if self.stopped or len(self.tokens) < self.ask.max_tokens else "length"

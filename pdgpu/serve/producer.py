@@ -218,10 +218,17 @@ class Producer:
     def _produce(self, job: Job) -> None:
         start = self.now()
         slot = self.sampler.open(job.draw.sampling, job.tokens)
-        token = first_token(self.model, job.last, lambda logits: self.sampler.pick(
-            logits, [job.draw._replace(slot=slot)]))
+        found = []
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            tokens, logprobs = self.sampler.draw(logits, [job.draw._replace(slot=slot)])
+            found.extend(logprobs or ())
+            return tokens
+        token = first_token(self.model, job.last, pick)
         self.sampler.close(slot)
-        self._send("produced", handle=job.handle, token=token, start=start, end=self.now())
+        asked = {"logprob": found[0]} if found else {}
+        self._send("produced", handle=job.handle, token=token, start=start, end=self.now(),
+                   **asked)
         if self.config.mode is Mode.WHOLE:
             for region in plan_spans(Mode.WHOLE, self.geometry, job.prompt, job.prefix,
                                      self.config.chunk):
