@@ -84,3 +84,22 @@ def test_both_endpoints_give_the_decode_streamed_and_whole(case, chat):
         if choice["token_ids"]:  # an event with a token: the text so far is settled
             assert text == settled(texts, seen)
     assert text == texts.decode(ids) and seen == ids
+
+
+def test_chat_content_parts_are_their_texts_joined_and_other_parts_refused():
+    """Content as OpenAI's list of text parts (as `vllm bench` sends it) renders as the texts
+    joined by newlines; an image part is a 400 naming `messages`."""
+    from test_pdgpu_detok import byte_level
+    frontend = Tokens([5])
+    body = {"model": "m", "max_tokens": 2}
+    parts = [{"type": "text", "text": "héllo"}, {"type": "text", "text": "wörld"}]
+    with client(byte_level(0, 300), frontend) as http:
+        assert http.post("/v1/chat/completions", json={**body, "messages": [
+            {"role": "user", "content": parts}]}).status_code == 200
+        assert http.post("/v1/chat/completions", json={**body, "messages": [
+            {"role": "user", "content": "héllo\nwörld"}]}).status_code == 200
+        refused = http.post("/v1/chat/completions", json={**body, "messages": [
+            {"role": "user", "content": [*parts, {"type": "image_url", "image_url": {}}]}]})
+    assert frontend.submitted[0][0] == frontend.submitted[1][0]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    assert "image_url" in refused.json()["error"]["message"]

@@ -202,6 +202,20 @@ def parse_completion(body, limits: Limits, texts: Texts) -> Ask:
     return _ask(body, tokens, texts, limits, "prompt", limit, "max_tokens")
 
 
+def _text_message(message: dict) -> dict:
+    """A message whose content is a list of parts (OpenAI's, as `vllm bench` sends them) with
+    its text parts joined by newlines, as vLLM renders them for a text-only model."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in content):
+        kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__
+                        for p in content} - {"text"})
+        raise bad("messages", f"only text content parts are served, got {', '.join(kinds)}")
+    return {**message, "content": "\n".join(p["text"] for p in content)}
+
+
 def parse_chat(body, limits: Limits, texts: Texts) -> Ask:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
@@ -212,7 +226,8 @@ def parse_chat(body, limits: Limits, texts: Texts) -> Ask:
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise bad("messages", "required: a non-empty list of {\"role\", \"content\"}")
     try:
-        tokens = _token_ids(texts.chat_prompt(messages), "messages", limits.vocab)
+        tokens = _token_ids(texts.chat_prompt([_text_message(m) for m in messages]),
+                            "messages", limits.vocab)
     except TextError as e:
         raise bad("messages", str(e)) from None
     field = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
