@@ -36,7 +36,7 @@ from pdgpu.serve.launch import (
     serve_local,
     start_header,
 )
-from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
+from pdgpu.serve.models import ENGINE_ARCHS, SERVED_ARCHS, load_served_model, model_spec
 from pdgpu.serve.report import SUMMARY_ORDER, ResultsLog, summary
 from pdgpu.serve.status import progress
 from pdgpu.serve.tracelog import TraceLog
@@ -176,6 +176,9 @@ def prepare(args) -> tuple[ServeConfig, FaultPolicy, Workload, int, Endpoint | N
     _check_out(args.trace, "trace")
     _check_out(args.results, "results")
     spec = model_spec(args.model, args.dtype)
+    if spec.arch not in SERVED_ARCHS:
+        raise WorkloadError(f"model: arch {spec.arch!r} is not served yet "
+                            f"({', '.join(SERVED_ARCHS)}): see docs/hybrid-models.md")
     _check_eos(args.eos_token, spec.vocab)
     workload = _workload(args, spec)
     return _config(args, workload, faults), policy, workload, producers, endpoint
