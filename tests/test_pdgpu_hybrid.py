@@ -67,16 +67,16 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize(("length", "chunk"), [(7, 32), (150, 32), (150, 64), (150, 200)])
+@pytest.mark.parametrize(("length", "chunk"), [(7, 32), (150, 32), (150, 200)])
 def test_generate_equals_transformers_greedy(family, length, chunk):
     """`pdgpu generate` (chunked prefill carrying the DeltaNet state / windowed attention,
     then recurrent / ring decode) gives transformers' greedy tokens where its margin is clear,
-    past the window and past one DeltaNet block."""
+    past the window and past one DeltaNet block (a chunk of 150: three blocks)."""
     _, model, hf = family
     tokens = _prompt(length, length)
-    ours = generate(model, tokens, 24, chunk=chunk)
-    theirs, margins = hf_greedy(hf, tokens, 24)
-    assert agree_while_clear(ours, theirs, margins) >= 12
+    ours = generate(model, tokens, 16, chunk=chunk)
+    theirs, margins = hf_greedy(hf, tokens, 16)
+    assert agree_while_clear(ours, theirs, margins) >= 8
 
 
 def test_decoding_in_a_batch_gives_the_tokens_of_decoding_alone(family):
@@ -84,15 +84,15 @@ def test_decoding_in_a_batch_gives_the_tokens_of_decoding_alone(family):
     outgrowing its bucket) get bit-for-bit the tokens each gets alone."""
     _, model, _ = family
     prompts = [_prompt(n, n) for n in (250, 9, 40)]
-    alone = [generate(model, p, 10, chunk=32) for p in prompts]
+    alone = [generate(model, p, 10, chunk=64) for p in prompts]
     cache, seqs, last = DecodeCache.for_model(model), [], []
     for prompt in prompts:
         source = SourceCache(model.spec.geometry(16), 32, "cpu", torch.float32,
                              model.state_shape)
         kv = source.open(len(prompt))
         hidden = None
-        for a in range(0, len(prompt), 32):
-            ids = torch.tensor(prompt[a:a + 32])
+        for a in range(0, len(prompt), 64):
+            ids = torch.tensor(prompt[a:a + 64])
             hidden = model.prefill_chunk(ids, a, kv)[-1:]
         last.append(first_token(model, hidden))
         seqs.append(cache.add(kv.kv.index_select(2, kv.slots), kv.read_state()))
