@@ -45,11 +45,12 @@ ray.shutdown()
 
 
 def run_on_ray(base: SimConfig, points: list[Point], prefix: int, address: str | None,
-               jobs: int, timeout_s: float, progress: bool = True) -> list[dict]:
-    """Every point's metrics, in grid order, on a Ray cluster (a private local one if None)."""
+               jobs: int, timeout_s: float, progress: bool = True, load=None) -> list[dict]:
+    """Every point's metrics, in grid order, on a Ray cluster (a private local one if None);
+    `load`: each point's workload (sweep_load.Load), drawn and run streamed in its worker."""
     cluster = _local_cluster(jobs) if address is None else _remote_cluster(address, timeout_s)
     with _restored_environment(), cluster as cpus:
-        return _rows(base, points, prefix, cpus, progress)
+        return _rows(base, points, prefix, cpus, progress, load)
 
 
 @contextlib.contextmanager
@@ -162,11 +163,11 @@ def _check_tcp(address: str) -> None:
 
 
 def _rows(base: SimConfig, points: list[Point], prefix: int, cpus: int,
-          progress: bool) -> list[dict]:
+          progress: bool, load=None) -> list[dict]:
     size = max(1, math.ceil(len(points) / (cpus * BATCHES_PER_CPU)))
     batches = [points[i:i + size] for i in range(0, len(points), size)]
     task, base_ref = ray.remote(_evaluate_batch), ray.put(base)
-    pending = {task.remote(base_ref, batch, prefix): i for i, batch in enumerate(batches)}
+    pending = {task.remote(base_ref, batch, prefix, load): i for i, batch in enumerate(batches)}
     done: list[list[dict] | None] = [None] * len(batches)
     with tqdm(total=len(points), disable=not progress, unit="cfg", file=sys.stderr) as bar:
         while pending:
@@ -177,8 +178,8 @@ def _rows(base: SimConfig, points: list[Point], prefix: int, cpus: int,
     return [row for batch in done for row in batch]
 
 
-def _evaluate_batch(base: SimConfig, points: list[Point], prefix: int) -> list[dict]:
-    return [evaluate(base, point, prefix) for point in points]
+def _evaluate_batch(base: SimConfig, points: list[Point], prefix: int, load=None) -> list[dict]:
+    return [evaluate(base, point, prefix, load) for point in points]
 
 
 def _first_line(error: Exception) -> str:

@@ -20,10 +20,12 @@ from tqdm import tqdm
 
 from pdref.events import Mode
 from pdref.models import context_error, load_model
+from pdsim import sweep_load
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.metrics import single_metrics
 from pdsim.core.sim import simulate
 from pdsim.options import UsageError, add_model_options, base_config
+from pdsim.sweep_load import Load, evaluate_load
 from pdsim.views.report import edge_note, write_atomic, write_json
 
 COLUMNS = ("mode", "prompt", "chunk", "max_pending", "bandwidth_scale", "prefill_s",
@@ -101,6 +103,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="tokens the decoder already holds (every point)")
     p.add_argument("--no-compute", action="store_true",
                    help="export-only what-if: the copy path alone")
+    p.add_argument("--requests", type=int, default=None,
+                   help="each point a serving workload of this many requests of its prompt "
+                        "(with --rate; run streamed: any count, memory of what is in flight)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="with --requests: Poisson arrivals, requests/s")
+    p.add_argument("--output-tokens", type=int, default=0,
+                   help="with --requests: tokens each request generates")
+    p.add_argument("--seed", type=int, default=0, help="with --requests: arrivals' seed")
     p.add_argument("--jobs", type=int, default=2,
                    help="worker processes, or the CPUs of the local Ray cluster (--ray with "
                         "an ADDRESS uses the cluster's own CPUs)")
@@ -120,8 +130,11 @@ def grid(args) -> list[Point]:
         args.modes, args.prompts, args.chunks, args.max_pending, args.bandwidths)]
 
 
-def evaluate(base: SimConfig, point: Point, prefix: int = 0) -> dict:
-    """Simulate one grid point (no stage events: metrics only)."""
+def evaluate(base: SimConfig, point: Point, prefix: int = 0, load: Load | None = None) -> dict:
+    """Simulate one grid point (no stage events: metrics only); with a `load`, its workload
+    (sweep_load.py)."""
+    if load is not None:
+        return evaluate_load(base, point, prefix, load)
     cfg = attrs.evolve(base, mode=point.mode, chunk=point.chunk, max_pending=point.max_pending,
                        costs=base.costs.scaled(bandwidth=point.bandwidth_scale), stages=False)
     cfg = attrs.evolve(cfg, pool_pages=max(1, cfg.geometry.pages_for(point.prompt - prefix)))
@@ -131,10 +144,10 @@ def evaluate(base: SimConfig, point: Point, prefix: int = 0) -> dict:
 
 
 def run_sweep(base: SimConfig, points: list[Point], prefix: int = 0, jobs: int = 2,
-              progress: bool = True) -> list[dict]:
+              progress: bool = True, load: Load | None = None) -> list[dict]:
     """Every point's metrics, in grid order, on `jobs` processes."""
     bar = dict(total=len(points), disable=not progress, unit="cfg", file=sys.stderr)
-    one = functools.partial(evaluate, base, prefix=prefix)
+    one = functools.partial(evaluate, base, prefix=prefix, load=load)
     if jobs <= 1 or len(points) < 8:
         return [one(p) for p in tqdm(points, **bar)]
     chunksize = max(1, len(points) // (jobs * 16))
@@ -170,9 +183,9 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def to_csv(rows: list[dict]) -> str:
+def to_csv(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> str:
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()
@@ -187,8 +200,10 @@ def command(args) -> int:
     if args.prefix > min(args.prompts):
         raise UsageError(f"--prefix {args.prefix} must be <= every --prompts value "
                          f"(smallest {min(args.prompts)})")
-    problem = None if args.no_compute else context_error(load_model(args.model),
-                                                         max(args.prompts), 0, "--prompts")
+    load = _load(args)
+    problem = None if args.no_compute else context_error(
+        load_model(args.model), max(args.prompts), load.output_tokens if load else 0,
+        "--prompts")
     if problem:  # export only (--no-compute) has no positions: no limit
         raise UsageError(problem)
     base = base_config(args)
@@ -196,16 +211,36 @@ def command(args) -> int:
     if "layer" in args.modes and base.geometry.recurrent:
         raise UsageError("--modes: layer is refused for a recurrent model (CFG-1)")
     if args.ray is None:
-        rows = run_sweep(base, grid(args), args.prefix, args.jobs, progress=not args.quiet)
+        rows = run_sweep(base, grid(args), args.prefix, args.jobs, progress=not args.quiet,
+                         load=load)
     else:
-        rows = _run_on_ray(base, grid(args), args)
-    _write_outputs(args, rows, base)
+        rows = _run_on_ray(base, grid(args), args, load)
+    _write_outputs(args, rows, base, load)
     if not args.quiet:
-        print(format_table(rows))
+        print(format_table(rows) if load is None else sweep_load.format_table(rows))
     return 0
 
 
-def _run_on_ray(base: SimConfig, points: list[Point], args) -> list[dict]:
+def _load(args) -> Load | None:
+    """The workload of every point (--requests with --rate), or None: one request each."""
+    if args.requests is None and args.rate is None:
+        if args.output_tokens:
+            raise UsageError("--output-tokens needs --requests and --rate (a workload point)")
+        return None
+    if args.requests is None or args.rate is None:
+        raise UsageError("--requests and --rate go together: each point a workload of "
+                         "--requests arrivals at --rate")
+    for flag, ok in (("--requests", args.requests >= 1), ("--rate", args.rate > 0),
+                     ("--output-tokens", args.output_tokens >= 0)):
+        if not ok:
+            raise UsageError(f"{flag} must be {'>= 0' if flag == '--output-tokens' else '> 0'}"
+                             f", got {getattr(args, flag[2:].replace('-', '_'))}")
+    if args.png:
+        raise UsageError("--png plots one-request points; give it without --requests")
+    return Load(args.requests, args.rate, args.output_tokens, args.seed)
+
+
+def _run_on_ray(base: SimConfig, points: list[Point], args, load: Load | None) -> list[dict]:
     if not args.ray_timeout > 0:
         raise UsageError(f"--ray-timeout must be > 0 seconds, got {args.ray_timeout}")
     try:
@@ -215,15 +250,16 @@ def _run_on_ray(base: SimConfig, points: list[Point], args) -> list[dict]:
             raise
         raise UsageError("--ray needs the ray package: pip install 'pdhandoff[ray]'") from None
     return run_on_ray(base, points, args.prefix, args.ray.address, args.jobs, args.ray_timeout,
-                      progress=not args.quiet)
+                      progress=not args.quiet, load=load)
 
 
-def _write_outputs(args, rows: list[dict], base: SimConfig) -> None:
+def _write_outputs(args, rows: list[dict], base: SimConfig, load: Load | None = None) -> None:
+    best = best_chunks(rows) if load is None else sweep_load.best_points(rows)
     if args.csv:
-        write_atomic(args.csv, to_csv(rows))
+        write_atomic(args.csv, to_csv(rows, COLUMNS if load is None else sweep_load.COLUMNS))
     if args.json:
         write_json(args.json, {"labels": dict(base.labels), "rows": rows,
-                               "best": {str(k): v for k, v in best_chunks(rows).items()}})
+                               "best": {str(k): v for k, v in best.items()}})
     if args.png:
         from pdsim.views.plots import labels_title, plotted_rows, sweep_png
 

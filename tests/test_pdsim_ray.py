@@ -1,6 +1,7 @@
 """`pdsim sweep --ray`: rows equal to the process pool, clean cluster lifetime, bad addresses."""
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -212,3 +213,22 @@ def test_ctrl_c_while_the_local_cluster_starts_leaves_nothing(own_temp):
     assert sweep.returncode != 0 and "KeyboardInterrupt" in err
     assert not _no_ray_processes_left(temp)
     assert not list(temp.glob("pdsim-ray-*"))
+
+
+LOAD = ["sweep", "--hw", "h200", "--modes", "chunk", "--prompts", "1024", "--chunks",
+        "128,512", "--requests", "400", "--rate", "30", "--output-tokens", "6", "--quiet"]
+
+
+def test_workload_points_on_ray_equal_the_process_pool(tmp_path, own_temp):
+    """--requests points (streamed workloads) on a local Ray cluster give the pool's rows
+    but for each worker's own peak RSS, which every row reports."""
+    rows = {}
+    for name, extra in (("pool", ["--jobs", "2"]), ("ray", ["--ray", "--jobs", "2"])):
+        path = tmp_path / f"{name}.json"
+        assert main([*LOAD, "--json", str(path), *extra]) == 0
+        rows[name] = json.loads(path.read_text())["rows"]
+    assert len(rows["pool"]) == 2 and all(r["requests"] == 400 for r in rows["pool"])
+    assert all(r["peak_rss_mb"] > 0 for r in rows["pool"] + rows["ray"])
+    strip = [{k: v for k, v in r.items() if k != "peak_rss_mb"} for r in rows["pool"]]
+    assert strip == [{k: v for k, v in r.items() if k != "peak_rss_mb"} for r in rows["ray"]]
+    assert not _no_ray_processes_left(own_temp)

@@ -189,3 +189,34 @@ def test_short_run_and_no_progress_say_nothing(capsys):
             "--prompt", "256", "--json"]
     assert main(argv) == 0 and capsys.readouterr().err == ""
     assert main([*argv, "--no-progress"]) == 0 and capsys.readouterr().err == ""
+
+
+def test_sweep_workload_point_is_the_run_of_that_workload(tmp_path, capsys):
+    """A `pdsim sweep --requests --rate` row holds what `pdsim run` reports for the same
+    workload (prompt, arrivals, chunk, mode, outputs, pool of 16)."""
+    sweep_json = tmp_path / "s.json"
+    assert main(["sweep", "--hw", "h200", "--modes", "layer", "--prompts", "768", "--chunks",
+                 "256", "--requests", "120", "--rate", "25", "--output-tokens", "5", "--seed",
+                 "3", "--jobs", "1", "--quiet", "--json", str(sweep_json)]) == 0
+    row = json.loads(sweep_json.read_text())["rows"][0]
+    assert main(["run", "--hw", "h200", "--mode", "layer", "--prompt", "768", "--chunk", "256",
+                 "--requests", "120", "--rate", "25", "--output-tokens", "5", "--seed", "3",
+                 "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    for key in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "tokens_per_s", "makespan_s",
+                "pool_occupancy_mean", "requests"):
+        assert row[key] == run[key], key
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--requests", "10"], "--requests and --rate go together"),
+    (["--rate", "3"], "--requests and --rate go together"),
+    (["--output-tokens", "3"], "--output-tokens needs --requests"),
+    (["--requests", "0", "--rate", "3"], "--requests must be > 0"),
+    (["--requests", "5", "--rate", "3", "--png", "x.png"], "--png plots one-request"),
+])
+def test_sweep_workload_bad_input(capsys, extra, words):
+    """Workload points' options refused by name, one line, exit 2."""
+    assert main(["sweep", "--hw", "h200", "--chunks", "256", "--quiet", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1
