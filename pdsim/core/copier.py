@@ -61,8 +61,9 @@ class Copier:
     def __init__(self, costs: Costs) -> None:
         self.costs = costs
         self.free: dict[str, float] = {}  # lane -> when its last span's stage ends
-        # serial: nbytes -> (stage offsets, copy time, contended offsets) of a span alone.
-        # Spans of a workload share a few sizes (every full chunk's): worked out once a size.
+        # serial: nbytes -> (stage offsets, copy time, contended offsets) of a span alone;
+        # pipelined: nbytes -> its SpanTimes alone, issued at 0. Spans of a workload share a
+        # few sizes (every full chunk's): worked out once a size.
         self._plans: dict[int, tuple] = {}
         # schedule(issue_t, nbytes) -> SpanTimes: place a span of `nbytes` issued at
         # `issue_t` on the lanes (bound once: it runs for every span)
@@ -89,19 +90,35 @@ class Copier:
         return offsets, self.costs.copy_s(nbytes), contended_spans(self.costs, offsets)
 
     def _pipelined(self, issue_t: float, nbytes: int) -> SpanTimes:
+        """A span on its lanes: as it would run alone (its size's plan, worked out once)
+        when every lane is free by the time the plan reaches it, else queued behind them."""
+        free = self.free
+        plan = self._plans.get(nbytes)
+        if plan is None:
+            plan = self._plans[nbytes] = self._queued(0.0, nbytes, {})
+        for name, a, _ in plan.offsets:
+            if free.get(name, 0.0) > issue_t + a:
+                return self._queued(issue_t, nbytes, free)
+        for name, _, b in plan.offsets:
+            free[name] = issue_t + b
+        return _new(SpanTimes, (issue_t, issue_t, plan.offsets, issue_t + plan.land,
+                                plan.contended))
+
+    def _queued(self, issue_t: float, nbytes: int, free: dict[str, float]) -> SpanTimes:
+        """A span placed on the lanes in `free` (updated): each stage when its lane is free."""
         c = self.costs
-        g0 = max(issue_t + c.span_s, self._free("gather"))
+        g0 = max(issue_t + c.span_s, free.get("gather", 0.0))
         stages = [("gather", g0, g0 + c.gather_s(nbytes))]
         ready = stages[0][2] + c.link_latency_s  # when the first link stage may start
         for name, per_byte in c.link_stages:
-            start = max(ready, self._free(name))
+            start = max(ready, free.get(name, 0.0))
             end = start + per_byte * nbytes
             if c.streamed and len(stages) > 1:
                 end = max(end, stages[-1][2])  # bytes flow through: not before the one before
             stages.append((name, start, end))
             ready = start if c.streamed else end
         for name, _, end in stages:
-            self.free[name] = end
+            free[name] = end
         stages = tuple(stages)  # (absolute: base 0)
         return SpanTimes(g0 - c.span_s, 0.0, stages, max(end for _, _, end in stages),
                          contended_spans(c, stages))
