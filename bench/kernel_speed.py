@@ -6,6 +6,7 @@ comes first on sys.path.)
     python bench/kernel_speed.py --device cuda    # GPU: qwen3-0.6b, 8192 tokens, bf16
     python bench/kernel_speed.py --json
     python bench/kernel_speed.py --family qwen3_5   # a hybrid of `small`'s sizes (or gemma3)
+    python bench/kernel_speed.py --count          # kernel ops per layer only (no timing)
 
 Both sides get the same weights (our random init, saved as a checkpoint and loaded by
 transformers' `AutoModelForCausalLM`, sdpa attention) and the same torch threads (the
@@ -27,6 +28,10 @@ random weights saved by transformers (Qwen3.5: 3 gated DeltaNet layers to 1 full
 real: both sides prefill the same `--batch` prompts (transformers left-padded in one
 forward), then time a step each (transformers' cache then grows by a token a step; ours
 decodes the same positions again).
+`--count` (issue 34): kernel ops per layer as a GPU launches them, views excluded, counted on
+`--device` (pdgpu/op_count.py; on CPU rms_norm counts as its one CUDA kernel): a decode step
+of `--batch` requests of `--contexts` tokens <= 20, a prefill chunk of `--chunk` (first and
+later, digests on) <= 25; and host syncs and host-made tensors in the step (target 0).
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ import sys
 import tempfile
 import time
 
+import attrs
 import torch
 
 from pdgpu.checkpoint import load_checkpoint, save_checkpoint
-from pdgpu.decode_kv import DecodeBatch, DecodeCache
+from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_logits
 from pdgpu.model import build_model
+from pdgpu.op_count import decode_step_ops, per_layer, prefill_chunk_ops
 from pdgpu.source_cache import SourceCache
 from pdgpu.streams import compute_threads
 from pdref.models import load_model
@@ -51,6 +58,7 @@ from pdref.models import load_model
 CPU_TARGETS = {"prefill_one_chunk": 1.10, "prefill_chunked": 1.35}
 GPU_TARGETS = {"prefill_one_chunk": 1.0, "prefill_chunked": 1.3}
 GPU_DECODE_TARGET_S = 0.008
+COUNT_TARGETS = {"decode_step": 20, "prefill_first_chunk": 25, "prefill_later_chunk": 25}
 
 
 def _parse(argv):
@@ -70,6 +78,8 @@ def _parse(argv):
     p.add_argument("--family", choices=("qwen3_5", "gemma3"),
                    help="a hybrid family of the preset's sizes, saved by transformers")
     p.add_argument("--window", type=int, default=512, help="gemma3's sliding window")
+    p.add_argument("--count", action="store_true",
+                   help="count kernel ops per layer (decode step, prefill chunk) instead of timing")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
@@ -129,11 +139,12 @@ def _decode_contexts(spec, args, device, dtype):
 def _ours_decode(model, contexts, device):
     cache = DecodeCache.for_model(model)
     seqs = [cache.add(c) for c in contexts]
-    tokens = torch.arange(len(seqs), device=device)
+    tokens = list(range(len(seqs)))
 
     def step():
         batch = DecodeBatch(seqs)  # no advance: every step decodes the same positions
-        return model.decode_step(tokens, batch.positions(device), batch)
+        batch.feed(tokens)
+        return decode_logits(model, batch)
     return step
 
 
@@ -217,11 +228,12 @@ def _ours_hybrid_decode(model, prompts, chunk, device):
         for a in range(0, len(ids), chunk):
             model.prefill_chunk(ids[a:a + chunk], a, kv)
         seqs.append(cache.add(kv.kv.index_select(2, kv.slots), kv.read_state()))
-    tokens = torch.arange(len(seqs), device=device)
+    tokens = list(range(len(seqs)))
 
     def step():
-        batch = DecodeBatch(seqs)
-        return model.decode_step(tokens, batch.positions(device), batch)
+        batch = DecodeBatch(seqs)  # no advance: every step decodes the same positions
+        batch.feed(tokens)
+        return decode_logits(model, batch)
     return step
 
 
@@ -251,7 +263,7 @@ def _hf_hybrid_decode(hf, prompts, device):
 def _models(spec, args, device, dtype):
     if args.family:
         return _hybrid_models(spec, args, device, dtype)
-    model = build_model(spec, device, seed=0).to(dtype)
+    model = build_model(attrs.evolve(spec, dtype=args.dtype), device, seed=0)
     return model, _transformers_model(model, device, dtype)
 
 
@@ -364,8 +376,46 @@ def _report(out: dict, cuda: bool) -> list[str]:
     return lines
 
 
+def counts(args) -> dict:
+    """Kernel ops per layer of a decode step and of a first and a later prefill chunk."""
+    spec = attrs.evolve(load_model(args.model), dtype=args.dtype)
+    lengths = torch.randint(args.context_range[0], args.context_range[1] + 1, (args.batch,),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    sides = {"decode_step": lambda s: decode_step_ops(s, lengths, args.device)}
+    for name, start in (("prefill_first_chunk", 0), ("prefill_later_chunk", args.chunk)):
+        sides[name] = lambda s, start=start: prefill_chunk_ops(s, args.chunk, start, True,
+                                                               args.device)
+    out = {"model": args.model, "device": args.device, "dtype": args.dtype,
+           "batch": args.batch, "contexts": args.contexts, "chunk": args.chunk}
+    for name, measure in sides.items():
+        layer, once = per_layer(spec, measure)
+        out[name] = {"per_layer": layer.kernels, "per_layer_cpu_dispatched": layer.cpu_ops,
+                     "once": once.kernels, "syncs": layer.syncs + once.syncs,
+                     "made": layer.made + once.made, "target": COUNT_TARGETS[name],
+                     "top": dict(layer.names.most_common(8))}
+    return out
+
+
+def _count_report(out: dict) -> list[str]:
+    lines = [f"{out['model']} {out['dtype']} on {out['device']}: kernel ops per layer "
+             f"(views excluded), decode batch {out['batch']} of {out['contexts']} tokens, "
+             f"chunk {out['chunk']}"]
+    for name in COUNT_TARGETS:
+        row = out[name]
+        ok = "ok" if row["per_layer"] <= row["target"] else "MISSED"
+        lines.append(f"  {name:20s} {row['per_layer']:3d} per layer (target <= {row['target']}: "
+                     f"{ok}), {row['once']} once per call, {row['syncs']} host syncs, "
+                     f"{row['made']} host-made tensors; CPU build dispatches "
+                     f"{row['per_layer_cpu_dispatched']} per layer")
+    return lines
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.count:
+        out = counts(args)
+        print(json.dumps(out, indent=1) if args.json else "\n".join(_count_report(out)))
+        return 0
     with compute_threads(args.device, args.threads):
         out = summary(measure(args), args, torch.get_num_threads())
     cuda = torch.device(args.device).type == "cuda"

@@ -13,8 +13,8 @@ A sliding-window layer (`window` W: a query at p sees keys (p - W, p]) whose chu
 past the first W positions attends only the keys its chunk can see, under a band mask.
 
 Decode. One query per request over its own length. A batch is split into groups whose K/V
-rows all have the same width (a power of two, decode_kv.py); each group is one batched
-matmul over [b, KVH, G, D] x [b, KVH, D, W], a length mask, softmax, and one more matmul.
+rows all have the same width (a power of two, decode_kv.py); each group is one SDPA call over
+q [b, KVH, G, D] and k/v [b, KVH, W, D] with an additive length mask made once a step.
 A request's arithmetic depends only on its own width, never on who else is in the batch:
 the same bits alone (`pdgpu generate`) as in any batch (tests/test_pdgpu_attention.py).
 """
@@ -59,30 +59,33 @@ def _windowed(q, k, v, start: int, window: int) -> torch.Tensor:
 
 
 def _split_causal_cpu(q, k, v, start: int) -> torch.Tensor:
-    """q [1, H, n, D] over k/v [1, KVH, start + n, D]: earlier keys in full, own keys causal."""
+    """q [1, H, n, D] over k/v [1, KVH, start + n, D]: earlier keys in full, own keys causal,
+    merged in three ops: own's share of the total weight is sigmoid(own_lse - old_lse)."""
     own, own_lse = _cpu_flash(q, k[:, :, start:], v[:, :, start:], 0.0, True)[:2]
     old, old_lse = _cpu_flash(q, k[:, :, :start], v[:, :, :start], 0.0, False)[:2]
-    top = torch.maximum(own_lse, old_lse)  # [1, H, n] float32
-    w_own, w_old = (own_lse - top).exp(), (old_lse - top).exp()
-    total = w_own + w_old
-    merged = own.float() * (w_own / total)[..., None] + old.float() * (w_old / total)[..., None]
-    return merged.to(q.dtype)  # [1, H, n, D]
+    share = torch.sigmoid(own_lse - old_lse)[..., None]  # [1, H, n, 1] float32
+    if q.dtype == torch.float32:
+        return torch.lerp(old, own, share)  # [1, H, n, D]
+    return torch.lerp(old.float(), own.float(), share).to(q.dtype)
 
 
-def key_padding(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """The keys past each row's length, [b, 1, 1, W] (True: masked): the same for every layer
-    of a decode step, so it is made once a step."""
-    return (torch.arange(width, device=lengths.device)[None, :] >= lengths[:, None])[:, None, None]
+def key_bias(positions: torch.Tensor, columns: torch.Tensor, dtype) -> torch.Tensor:
+    """The additive mask of rows whose new token sits at positions [b]: 0 for keys
+    [0, position], -inf past it -> [b, 1, 1, W] (columns: arange(W)). The same for every
+    layer of a decode step, so it is made once a step."""
+    past = columns[None, :] > positions[:, None]  # [b, W]
+    return past.to(dtype).masked_fill_(past, float("-inf"))[:, None, None]
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     pad: torch.Tensor) -> torch.Tensor:
-    """q [b, H, D]; k/v [b, KVH, W, D]; pad [b, 1, 1, W] from key_padding -> [b, H, D].
+                     bias: torch.Tensor) -> torch.Tensor:
+    """q [b, H, D]; k/v [b, KVH, W, D]; bias [b, 1, 1, W] from key_bias -> [b, KVH, G, D]
+    (G = H / KVH: a view of [b, H, D], whose memory is [b, G, KVH, D]).
 
-    Keys past a row's length must be finite (they are masked, then multiplied by 0)."""
+    A group's G query heads are SDPA's query positions over their KV head's keys, so no
+    `enable_gqa` is needed (CUDA's memory-efficient kernel refuses it, which would send it
+    to the math kernel with K/V repeated). Keys past a row's length must be finite."""
     b, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    qg = (q * head_dim ** -0.5).view(b, kv_heads, heads // kv_heads, head_dim)  # [b, KVH, G, D]
-    scores = (qg @ k.transpose(-1, -2)).masked_fill(pad, float("-inf"))  # [b, KVH, G, W]
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [b, KVH, G, W]
-    return (probs @ v).view(b, heads, head_dim)  # [b, H, D]
+    qg = q.view(b, kv_heads, heads // kv_heads, head_dim)  # [b, KVH, G, D]
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias)  # [b, KVH, G, D]

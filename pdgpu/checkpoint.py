@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from pdgpu.hf_config import CheckpointError, hf_config, spec_from_config
-from pdgpu.model import Transformer, build_model
+from pdgpu.model import Transformer, build_model, fuse_weights
 from pdref.models import ModelSpec
 
 __all__ = ["CheckpointError", "hf_config", "inspect_checkpoint", "load_checkpoint",
@@ -109,6 +109,7 @@ def load_checkpoint(folder: str | Path, device="cpu", dtype: str | None = None) 
         spec = attrs.evolve(spec, dtype=dtype)
     model = build_model(spec, device=device, seed=None)
     _load_tensors(model, _headers(Path(folder)))
+    fuse_weights(model)  # the q/k norm table is a copy of the loaded norms
     return model
 
 
@@ -131,6 +132,9 @@ def save_checkpoint(model: Transformer, folder: str | Path) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config(model.spec), indent=1))
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    # copies: q/k/v and gate/up are views of one fused matrix each, and safetensors refuses
+    # tensors that share memory
+    tensors = {k: v.clone(memory_format=torch.contiguous_format)
+               for k, v in model.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"))
 

@@ -5,13 +5,19 @@ state dict is a checkpoint. The math follows the published Qwen3 / Llama code: R
 float32, rotate-half RoPE (with Llama 3.1 frequency scaling), grouped-query attention,
 Qwen3's per-head q/k RMSNorm before RoPE, SwiGLU MLP, tied or untied embeddings.
 
+Few kernels per layer (on a GPU each op is a launch): `fuse_weights` (run at load time)
+lays q/k/v out as one matrix and gate/up as another, the HF-named weights becoming views of
+them (no memory is doubled and a checkpoint still loads into the HF names), so a layer makes
+one qkv and one gate-up product; the output and down products accumulate onto the residual
+stream in the same op (`add_linear`); every norm is torch's `rms_norm` (one kernel on CUDA); q and
+k are normed and rotated together; K and V reach the cache as one tensor. tests/
+test_pdgpu_op_count.py holds the counts (pdgpu/op_count.py counts them).
+
 The KV cache is not owned by the model: every attention call hands its new K/V to a `KVStore`
 (the producer's paged source cache) and gets back K/V of every earlier token of the request,
 a contiguous view the attention kernels read in place (attention.py). `decode_step` runs one
-new token for each of a batch of requests (a `DecodeKV` keeps each request's K/V and runs the
-batch's attention in one call per group of equal width); its matrix products always see at
-least DECODE_MIN_ROWS rows (padding), so a request's logits are bit-identical whatever else is
-in the batch (CPU GEMM kernels pick a different reduction for 1..3 rows).
+new token for each row of a padded batch (a `DecodeKV` keeps each request's K/V and runs the
+batch's attention in one call per group of equal width, decode_kv.py).
 """
 
 from __future__ import annotations
@@ -29,37 +35,38 @@ from pdgpu.attention import prefill_attention
 from pdref.models import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DECODE_MIN_ROWS = 8
 
 
 class KVStore(Protocol):
-    """Where attention keeps K/V: store this chunk's, return the request's K/V up to its end
-    ([KVH, start + n, D] each, the last dimension contiguous)."""
+    """Where attention keeps K/V: store this chunk's kv [n, 2, KVH, D] (K then V of each
+    token) and return the request's K/V up to its end ([KVH, start + n, D] each, the last
+    dimension contiguous)."""
 
-    def append(
-        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def append(self, layer: int, start: int,
+               kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class DecodeKV(Protocol):
-    """K/V of a decode batch: store row i's new k/v at its request's next position and
-    return the attention of its query over its request's keys."""
+    """K/V of a padded decode batch. `masks(positions, dtype)` runs once a step (what every
+    layer's attention shares); `attend` stores row i's new k/v at positions[i] and returns
+    the attention of its query over its request's keys, [R, H * D]."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor: ...
+    def masks(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               masks: tuple) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension: torch's `rms_norm` (one fused kernel on CUDA)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def inv_frequencies(spec: ModelSpec) -> torch.Tensor:
@@ -95,11 +102,13 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [n, H, D] rotated by position (tables [n, 1, D] from rope_tables)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    """x [n, H, D] rotated by position (tables [n, 1, D] from rope_tables): three ops."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class Attention(nn.Module):
+    """Grouped-query attention; q/k/v run as one product over `qkv_weight` (fuse_weights)."""
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
@@ -111,42 +120,84 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps)
+        self.eps = spec.rms_eps
 
-    def forward(self, x, cos, sin, kv: KVStore, layer: int, start: int) -> torch.Tensor:
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Lay q/k/v out as one matrix [(H + 2 KVH) * D, E], the HF weights becoming views of
+        it, and the q/k norm weights as one table [H + KVH, D] (a copy: run after loading)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        self.register_buffer("qkv_weight", torch.cat([p.weight for p in parts]), persistent=False)
+        _share_rows(self.qkv_weight, parts)
+        if self.qk_norm:
+            table = torch.cat((self.q_norm.weight.expand(self.heads, -1),
+                               self.k_norm.weight.expand(self.kv_heads, -1)))
+            self.register_buffer("qk_norm_weight", table, persistent=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [n, E] -> q [n, H, D] and k [n, KVH, D] normed and rotated, v [n, KVH, D]."""
+        n, heads, kv_heads, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_weight)  # [n, (H + 2 KVH) * D]
+        qk = qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d)  # [n, H + KVH, D]
+        if self.qk_norm:  # one norm over every q and k head, then each head kind's weight
+            qk = F.rms_norm(qk, (d,), None, self.eps) * self.qk_norm_weight
+        qk = apply_rope(qk, cos, sin)  # [n, H + KVH, D]
+        v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)  # [n, KVH, D]
+        return qk[:, :heads], qk[:, heads:], v
+
+    def forward(self, x, cos, sin, kv: KVStore, layer: int, start: int,
+                residual: torch.Tensor) -> torch.Tensor:
+        """residual [n, E] + attention of x [n, E] at positions [start, start + n)."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)  # [n, H, D]
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)  # [n, KVH, D]
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)  # [n, KVH, D]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = kv.append(layer, start, k, v)  # [KVH, start+n, D] each
+        q, k, v = self.project(x, cos, sin)
+        keys, values = kv.append(layer, start, torch.stack((k, v), dim=1))  # [KVH, start+n, D]
         out = prefill_attention(q, keys, values, start)  # [n, H, D]
-        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+        return add_linear(residual, out.reshape(n, self.heads * self.head_dim), self.o_proj)
 
-    def decode(self, x, cos, sin, kv: DecodeKV, layer: int, count: int) -> torch.Tensor:
-        """One new token per row of x [R, E]; rows from `count` on are padding."""
-        rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.heads, self.head_dim)  # [R, H, D]
-        k = self.k_proj(x).view(rows, self.kv_heads, self.head_dim)  # [R, KVH, D]
-        v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)  # [R, KVH, D]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = torch.zeros_like(q)  # [R, H, D]
-        out[:count] = kv.attend(layer, q[:count], k[:count], v[:count])  # [B, H, D]
-        return self.o_proj(out.reshape(rows, self.heads * self.head_dim))
+    def decode(self, x, cos, sin, kv: DecodeKV, layer: int, masks: tuple,
+               residual: torch.Tensor) -> torch.Tensor:
+        """residual [R, E] + attention of one new token per row of x [R, E] (padding rows
+        included)."""
+        q, k, v = self.project(x, cos, sin)
+        return add_linear(residual, kv.attend(layer, q, k, v, masks), self.o_proj)
 
 
 class MLP(nn.Module):
+    """SwiGLU; gate and up run as one product over `gate_up_weight` (fuse_weights)."""
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(spec.hidden, spec.intermediate, bias=False)
         self.up_proj = nn.Linear(spec.hidden, spec.intermediate, bias=False)
         self.down_proj = nn.Linear(spec.intermediate, spec.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    @torch.no_grad()
+    def fuse(self) -> None:
+        parts = (self.gate_proj, self.up_proj)
+        weight = torch.cat([p.weight for p in parts])  # [2I, E]
+        self.register_buffer("gate_up_weight", weight, persistent=False)
+        _share_rows(self.gate_up_weight, parts)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual [n, E] + the MLP of x [n, E]."""
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [n, I] each (views)
+        return add_linear(residual, F.silu(gate) * up, self.down_proj)
+
+
+def add_linear(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """residual + linear(x) as one op (a product accumulated onto the residual stream):
+    residual [n, E], x [n, K] -> [n, E]."""
+    return torch.addmm(residual, x, linear.weight.t())
+
+
+def _share_rows(fused: torch.Tensor, linears) -> None:
+    """Make each Linear's weight a view of its rows of `fused` (loading into the HF names
+    then writes the fused matrix)."""
+    row = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[row:row + rows], requires_grad=False)
+        row += rows
 
 
 class Block(nn.Module):
@@ -158,12 +209,13 @@ class Block(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(self, h, cos, sin, kv: KVStore, layer: int, start: int) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, start, residual=h)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
-    def decode(self, h, cos, sin, kv: DecodeKV, layer: int, count: int) -> torch.Tensor:
-        h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, kv, layer, count)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def decode(self, h, cos, sin, kv: DecodeKV, layer: int, masks: tuple) -> torch.Tensor:
+        h = self.self_attn.decode(self.input_layernorm(h), cos, sin, kv, layer, masks,
+                                  residual=h)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class Body(nn.Module):
@@ -277,20 +329,16 @@ class Transformer(nn.Module):
         return h
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, kv: DecodeKV):
-        """One greedy-decoding forward for a batch: tokens [B] at positions [B] (each request
-        its own length) -> logits [B, V]. `kv` stores each row's new K/V and returns its own."""
-        count = tokens.shape[0]
-        rows = max(count, DECODE_MIN_ROWS)
-        padded = torch.zeros(rows, dtype=tokens.dtype, device=tokens.device)  # [R]
-        padded[:count] = tokens
-        places = torch.zeros(rows, dtype=positions.dtype, device=positions.device)  # [R]
-        places[:count] = positions
-        h = self.embed(padded)  # [R, E]
-        tables = self.rope_by_kind(places, h.dtype)  # kind -> [R, 1, D] each
+        """One forward for a padded decode batch: tokens [R] at positions [R] (each row its
+        own request's length) -> logits [R, V]. Makes no tensor from host data and reads no
+        tensor value on the host: it can be traced whole and captured (decode_kv.py)."""
+        h = self.embed(tokens)  # [R, E]
+        tables = self.rope_by_kind(positions, h.dtype)  # kind -> [R, 1, D] each
+        masks = kv.masks(positions, h.dtype)
         for layer, block in enumerate(self.model.layers):
             cos, sin = tables[self.rope_kind[layer]]
-            h = block.decode(h, cos, sin, kv, self.store_index[layer], count)  # [R, E]
-        return self.logits(h)[:count]  # [B, V]
+            h = block.decode(h, cos, sin, kv, self.store_index[layer], masks)  # [R, E]
+        return self.logits(h)  # [R, V]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [n, E] -> logits [n, V]."""
@@ -319,6 +367,16 @@ def init_weights(model: Transformer, seed: int) -> None:
         param.copy_(values)
 
 
+def fuse_weights(model: Transformer) -> None:
+    """Build every dense layer's fused matrices from its HF-named weights (once weights are
+    loaded, and again after the model moves device or dtype)."""
+    if model.arch.family not in DENSE:
+        return
+    for block in model.model.layers:
+        block.self_attn.fuse()
+        block.mlp.fuse()
+
+
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int | None = 0):
     """A model of `spec`'s shape in its dtype on `device`; random weights when seed is set."""
     arch_of(spec)  # refuses an arch the engine cannot build
@@ -329,4 +387,5 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int |
         init_weights(model, seed)
     model = model.to(torch_dtype(spec)).eval().requires_grad_(False)
     model.set_frequencies(device)  # stays float32, like HF's
+    fuse_weights(model)
     return model

@@ -64,14 +64,12 @@ class RequestKV:
         """A copy of the request's whole state (None for a model without linear layers)."""
         return None if self.state_pool is None else self.state_pool.read(self.state_slot)
 
-    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k/v [n, KVH, D] at positions [start, start+n); K/V [KVH, start+n, D] back."""
-        end = start + k.shape[0]
-        new = self.slots[start:end]  # [n]
-        self.kv[layer, 0].index_copy_(0, new, k)
-        self.kv[layer, 1].index_copy_(0, new, v)
-        self.work[layer, 0, :, start:end] = k.transpose(0, 1)  # [KVH, n, D]
-        self.work[layer, 1, :, start:end] = v.transpose(0, 1)
+    def append(self, layer: int, start: int, kv: torch.Tensor):
+        """Store kv [n, 2, KVH, D] (K, V) at positions [start, start+n) in the pages and the
+        workspace (one op each); K/V [KVH, start+n, D] back (views of the workspace)."""
+        end = start + kv.shape[0]
+        self.kv[layer].index_copy_(1, self.slots[start:end], kv.transpose(0, 1))  # [2, n, ..]
+        self.work[layer, :, :, start:end] = kv.permute(1, 2, 0, 3)  # [2, KVH, n, D]
         return self.work[layer, 0, :, :end], self.work[layer, 1, :, :end]  # views
 
 

@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pdgpu.attention import decode_attention, key_padding, prefill_attention
+from pdgpu.attention import decode_attention, key_bias, prefill_attention
 from pdgpu.model import build_model
 from pdgpu.source_cache import SourceCache
 from pdref.models import load_model
@@ -51,7 +51,8 @@ def test_decode_attention_equals_each_request_alone_over_its_length():
     lengths = torch.tensor([1, 7, 256, 100])
     q = torch.randn(4, 4, 16, generator=gen)
     k, v = (torch.randn(4, 2, 256, 16, generator=gen) * 50 for _ in range(2))
-    got = decode_attention(q, k, v, key_padding(lengths, 256))
+    got = decode_attention(q, k, v, key_bias(lengths - 1, torch.arange(256), q.dtype))
+    got = got.reshape(4, 4, 16)  # [b, KVH, G, D] -> [b, H, D]
     for i, c in enumerate(lengths.tolist()):
         expected = masked_reference(q[i:i + 1], k[i, :, :c], v[i, :, :c], c - 1)[0]
         torch.testing.assert_close(got[i], expected, atol=1e-4, rtol=1e-5)
@@ -102,8 +103,8 @@ def test_a_chunks_new_memory_does_not_grow_with_its_context():
 
 
 def test_a_decode_step_calls_attention_once_per_bucket_not_per_request():
-    """Eight requests in one bucket make as many batched matmuls as one request does."""
-    from pdgpu.decode_kv import DecodeBatch, DecodeCache
+    """Eight requests in one bucket make as many attention calls as one request does."""
+    from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_logits
     model = build_model(load_model("tiny"), seed=0)
     spec = model.spec
 
@@ -112,11 +113,12 @@ def test_a_decode_step_calls_attention_once_per_bucket_not_per_request():
         seqs = [cache.add(torch.randn(spec.layers, 2, 30 + i, spec.kv_heads, spec.head_dim))
                 for i in range(batch)]
         step = DecodeBatch(seqs)
+        step.feed(list(range(batch)))
         with torch.no_grad(), Allocations() as seen:
-            model.decode_step(torch.arange(batch), step.positions("cpu"), step)
-        return sum("bmm" in op for op in seen.ops)
+            decode_logits(model, step)
+        return sum("scaled_dot_product" in op for op in seen.ops)
 
-    assert bmm_calls(8) == bmm_calls(1) == 2 * spec.layers
+    assert bmm_calls(8) == bmm_calls(1) == spec.layers
 
 
 @pytest.mark.gpu
@@ -142,8 +144,9 @@ def test_cuda_decode_attention_equals_each_request_alone():
     lengths = torch.tensor([1, 300, 1024, 77])
     q = torch.randn(4, 16, 128, generator=gen)
     k, v = (torch.randn(4, 8, 1024, 128, generator=gen) for _ in range(2))
-    got = decode_attention(q.cuda().bfloat16(), k.cuda().bfloat16(), v.cuda().bfloat16(),
-                           key_padding(lengths.cuda(), 1024))
+    bias = key_bias(lengths.cuda() - 1, torch.arange(1024, device="cuda"), torch.bfloat16)
+    got = decode_attention(q.cuda().bfloat16(), k.cuda().bfloat16(), v.cuda().bfloat16(), bias)
+    got = got.reshape(4, 16, 128)  # [b, KVH, G, D] -> [b, H, D]
     for i, c in enumerate(lengths.tolist()):
         expected = masked_reference(q[i:i + 1], k[i, :, :c], v[i, :, :c], c - 1)[0]
         torch.testing.assert_close(got[i].float().cpu(), expected, atol=2e-2, rtol=2e-2)

@@ -15,7 +15,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pdgpu.decode_kv import MIN_WIDTH, DecodeBatch, DecodeCache, width_for
+from pdgpu.decode_kv import MIN_WIDTH, DecodeBatch, DecodeCache, decode_logits, width_for
 from pdgpu.model import build_model
 from pdref.models import load_model
 
@@ -35,9 +35,11 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def test_decode_step_is_batch_invariant_across_buckets(one_torch_thread):
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+def test_decode_step_is_batch_invariant_across_buckets(one_torch_thread, padded):
     """A request's logits are bit-identical alone and in a batch whose others sit in other
-    buckets, including one that moves to a wider bucket in this very step."""
+    buckets, including one that moves to a wider bucket in this very step (groups exact, as
+    on CPU, or padded to powers of two, as on CUDA)."""
     model = build_model(load_model("small"), seed=0)
     spec = model.spec
     gen = torch.Generator().manual_seed(0)
@@ -47,10 +49,11 @@ def test_decode_step_is_batch_invariant_across_buckets(one_torch_thread):
     tokens = torch.tensor([7, 11, 13, 17])
 
     def step(indices):
-        cache = DecodeCache.for_model(model)
+        cache = DecodeCache.for_model(model, padded)
         batch = DecodeBatch([cache.add(contexts[i]) for i in indices])
+        batch.feed(tokens[indices].tolist())
         with torch.no_grad():
-            return model.decode_step(tokens[indices], batch.positions("cpu"), batch)
+            return decode_logits(model, batch)[batch.order]
 
     together = step([3, 0, 2, 1])
     for place, i in enumerate([3, 0, 2, 1]):

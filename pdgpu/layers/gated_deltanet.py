@@ -87,18 +87,16 @@ class GatedDeltaNet(nn.Module):
         state.copy_(last)
         return self._out(core.transpose(0, 1), x)  # [n, E]
 
-    def decode(self, x: torch.Tensor, store: DecodeState, layer: int, count: int) -> torch.Tensor:
-        """One token per row of x [R, E]; rows from `count` on are padding (no state). The
-        projections see all R rows (their bits then do not depend on the batch's size)."""
-        conv_state, state = store.read_states(layer)  # [B, C, K-1], [B, Hv, Dk, Dv]
-        mixed = self.in_proj_qkv(x)[:count]  # [B, C]
-        window = torch.cat((conv_state, mixed[:, :, None]), dim=2)  # [B, C, K]
-        conved = F.silu((window * self.conv1d.weight[:, 0]).sum(dim=-1))  # [B, C]
-        q, k, v = self._split(conved)  # [B, Hk, Dk] x2, [B, Hv, Dv]
-        q, k = delta_rule.prepare(q, k, self.shape.value_heads)  # [B, Hv, Dk]
+    def decode(self, x: torch.Tensor, store: DecodeState, layer: int) -> torch.Tensor:
+        """One token per row of x [R, E], every row with a state (a padding row's is the
+        decode cache's scratch slot): its bits do not depend on the batch."""
+        conv_state, state = store.read_states(layer)  # [R, C, K-1], [R, Hv, Dk, Dv]
+        mixed = self.in_proj_qkv(x)  # [R, C]
+        window = torch.cat((conv_state, mixed[:, :, None]), dim=2)  # [R, C, K]
+        conved = F.silu((window * self.conv1d.weight[:, 0]).sum(dim=-1))  # [R, C]
+        q, k, v = self._split(conved)  # [R, Hk, Dk] x2, [R, Hv, Dv]
+        q, k = delta_rule.prepare(q, k, self.shape.value_heads)  # [R, Hv, Dk]
         g, beta = self._gates(x)  # [R, Hv]
-        core, state = delta_rule.recurrent(q, k, v.float(), g[:count], beta[:count], state)
+        core, state = delta_rule.recurrent(q, k, v.float(), g, beta, state)
         store.write_states(layer, window[:, :, 1:], state)
-        padded = core.new_zeros((x.shape[0], *core.shape[1:]))  # [R, Hv, Dv]
-        padded[:count] = core
-        return self._out(padded, x)  # [R, E]
+        return self._out(core, x)  # [R, E]

@@ -73,15 +73,13 @@ class HybridAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv: KVStore, layer: int, start: int) -> torch.Tensor:
         q, k, v, gate = self._qkv(x, cos, sin)
-        keys, values = kv.append(layer, start, k, v)  # [KVH, start+n, D] each
+        keys, values = kv.append(layer, start, torch.stack((k, v), dim=1))  # [KVH, start+n, D]
         return self._out(prefill_attention(q, keys, values, start, self.window), gate)
 
-    def decode(self, x, cos, sin, kv: DecodeKV, layer: int, count: int) -> torch.Tensor:
-        """One new token per row of x [R, E]; rows from `count` on are padding."""
+    def decode(self, x, cos, sin, kv: DecodeKV, layer: int, masks: tuple) -> torch.Tensor:
+        """One new token per row of x [R, E] (padding rows included)."""
         q, k, v, gate = self._qkv(x, cos, sin)
-        out = torch.zeros_like(q)  # [R, H, D]
-        out[:count] = kv.attend(layer, q[:count], k[:count], v[:count])
-        return self._out(out, gate)
+        return self._out(kv.attend(layer, q, k, v, masks), gate)  # attend: [R, H * D]
 
 
 class GatedMLP(nn.Module):
@@ -121,10 +119,10 @@ class Qwen35Block(nn.Module):
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def decode(self, h, cos, sin, kv, layer: int, count: int) -> torch.Tensor:
+    def decode(self, h, cos, sin, kv, layer: int, masks: tuple) -> torch.Tensor:
         x = self.input_layernorm(h)
-        mixed = self.linear_attn.decode(x, kv, layer, count) if self.linear else \
-            self.self_attn.decode(x, cos, sin, kv, layer, count)
+        mixed = self.linear_attn.decode(x, kv, layer) if self.linear else \
+            self.self_attn.decode(x, cos, sin, kv, layer, masks)
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -151,8 +149,8 @@ class Gemma3Block(nn.Module):
         attn = self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, start)
         return self._mlp(h + self.post_attention_layernorm(attn))
 
-    def decode(self, h, cos, sin, kv, layer: int, count: int) -> torch.Tensor:
-        attn = self.self_attn.decode(self.input_layernorm(h), cos, sin, kv, layer, count)
+    def decode(self, h, cos, sin, kv, layer: int, masks: tuple) -> torch.Tensor:
+        attn = self.self_attn.decode(self.input_layernorm(h), cos, sin, kv, layer, masks)
         return self._mlp(h + self.post_attention_layernorm(attn))
 
 

@@ -26,32 +26,37 @@ def _weights(width: int, device: torch.device) -> torch.Tensor:
     return w.to(device)  # [KVH * D]
 
 
-def row_digests(rows: torch.Tensor) -> torch.Tensor:
-    """rows [..., KVH, D] (float) -> int64 [...], one digest per row."""
+def row_digests(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [..., KVH, D] (float) -> int64 [...], one digest per row (into `out` if given, a
+    contiguous int64 tensor of that shape)."""
     flat = rows.contiguous().view(BITS[rows.dtype]).flatten(-2).to(torch.int64)  # [..., KVH*D]
     weights = _weights(flat.shape[-1], rows.device)
+    if out is None:
+        out = flat.new_empty(flat.shape[:-1])
     if rows.device.type == "cpu":  # one pass and no product tensor: --verify's cost halves
-        return (flat.reshape(-1, flat.shape[-1]) @ weights).view(flat.shape[:-1])  # [...]
-    return (flat * weights).sum(dim=-1)  # [...] (CUDA has no int64 matmul)
+        torch.mv(flat.reshape(-1, flat.shape[-1]), weights, out=out.view(-1))
+    else:  # CUDA has no int64 matmul
+        torch.sum(flat * weights, dim=-1, out=out)
+    return out
 
 
 class DigestingKV:
-    """A KVStore around a request's source-cache view that digests every row it stores."""
+    """A KVStore around a request's source-cache view that digests every row it stores:
+    two ops a layer (the rows as int64, one product with the weights into the record)."""
 
     def __init__(self, inner, layers: int, prompt: int, device) -> None:
         self.inner = inner
-        self.digests = torch.zeros((layers, 2, prompt), dtype=torch.int64, device=device)
+        self.digests = torch.zeros((layers, prompt, 2), dtype=torch.int64, device=device)
 
-    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k/v [n, KVH, D] at [start, start+n) and digest them; K/V [start+n, ...]."""
-        end = start + k.shape[0]
-        self.digests[layer, 0, start:end] = row_digests(k)  # [n]
-        self.digests[layer, 1, start:end] = row_digests(v)  # [n]
-        return self.inner.append(layer, start, k, v)
+    def append(self, layer: int, start: int, kv: torch.Tensor):
+        """Store kv [n, 2, KVH, D] at [start, start+n) and digest it; K/V [start+n, ...]."""
+        row_digests(kv, out=self.digests[layer, start:start + kv.shape[0]])  # [n, 2]
+        return self.inner.append(layer, start, kv)
 
     def region(self, layers, tokens) -> torch.Tensor:
-        """Digests of a region -> [nl, 2, nt]."""
-        return self.digests[layers[0]:layers[1], :, tokens[0]:tokens[1]].clone()
+        """Digests of a region -> [nl, 2, nt] (a contiguous copy)."""
+        held = self.digests[layers[0]:layers[1], tokens[0]:tokens[1]]  # [nl, nt, 2]
+        return held.permute(0, 2, 1).clone(memory_format=torch.contiguous_format)
 
 
 def first_mismatch(landed: torch.Tensor, expected: torch.Tensor) -> tuple[int, int] | None:
