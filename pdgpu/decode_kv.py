@@ -136,7 +136,7 @@ class DecodeCache:
         self.buckets: dict[int, Bucket] = {}
         self.generation = 0  # bumped whenever a tensor a step reads is made or freed
         self.inputs = torch.zeros((4, 0), dtype=torch.int64, device=self.device)
-        self.staging = torch.zeros((4, 0), dtype=torch.int64)  # `inputs` on the host (pinned on CUDA)
+        self.staging = torch.zeros((4, 0), dtype=torch.int64)  # host side (pinned on CUDA)
         self.arange = torch.arange(0, device=self.device)  # row ids and key columns
         self.zero = torch.zeros((), dtype=dtype, device=self.device)  # padding rows' output
 

@@ -124,3 +124,26 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
+
+
+def test_decode_memory_stays_within_what_is_running():
+    """Rows double as requests join and halve as they leave: the bytes held never pass four
+    rows per running request of its width, and nothing is held once all have left."""
+    cache = DecodeCache(2, 1, 4, "cpu", torch.float32)
+    row_bytes = {w: 2 * 2 * 1 * w * 4 * 4 for w in (MIN_WIDTH, 2 * MIN_WIDTH)}
+
+    def bound():
+        return sum(4 * len(b.seqs) * row_bytes[b.width] for b in cache.buckets.values())
+
+    seqs = []
+    for i in range(64):
+        seqs.append(cache.add(torch.randn(2, 2, 10 + (i % 2) * 300, 1, 4)))
+        assert cache.nbytes <= max(bound(), 2 * sum(row_bytes.values()))
+    peak = cache.nbytes
+    for seq in seqs[:60]:
+        cache.remove(seq)
+        assert cache.nbytes <= bound()
+    assert cache.nbytes <= peak / 8
+    for seq in seqs[60:]:
+        cache.remove(seq)
+    assert cache.nbytes == 0 and not cache.buckets
