@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU check (issues 4, 9, 11 and 24), about 5 minutes on one GPU (each step has its own time
-# limit; together they are 425 s, the steps' usual times well under):
+# GPU check (issues 4, 9, 11, 24 and 33), about 5 minutes on one GPU without the hybrid
+# steps of issue 33 (in 1 and 2c, not yet timed on a GPU); each step has its own time limit,
+# together 545 s:
 #   1. the CUDA tests (pytest -m gpu): every one must run, a skipped one fails the check
-#      (the engine on CUDA, and the attention kernels in bf16 and float32)
+#      (the engine on CUDA, the attention kernels in bf16 and float32, and the hybrid
+#      families' tokens against transformers on CUDA, issue 33)
 #   1b. pdgpu serve on CUDA (tests/test_pdgpu_serve_gpu.py, pytest -m gpu): served tokens
 #      equal pdgpu generate on cuda:0 in whole/chunk/layer with 1 and 2 producers, --verify;
 #      a killed producer does not hang the decoder. With two GPUs the decoder is on cuda:1
@@ -15,6 +17,8 @@
 #   2b. bench/kernel_speed.py: pdgpu prefill (one chunk, chunks of 256) and a decode step
 #      (batch 16, contexts 1-4k) against transformers, same weights, same run; the GPU
 #      targets (one chunk <= 1.0x, chunks <= 1.3x, decode step <= 8 ms) printed with each
+#   2c. bench/kernel_speed.py --family qwen3_5 and gemma3: the same, on hybrids of the
+#      preset's sizes saved by transformers (decode: a real batch of 256..1024-token prompts)
 #   3. bench/engine_overlap.py with qwen3-0.6b at 8192 tokens / chunk 256, no link pacing,
 #      plus the measured pinned copy bandwidth, in the same run.
 #   4. the export-only curve (no compute, `pdgpu run --no-compute`): 0.1, 0.5, 1, 2 GB of
@@ -69,7 +73,7 @@ step() {  # step SECONDS NAME COMMAND...: run it under a time limit, output to $
 if [ "$DRY" = 1 ]; then
     DEV=cpu DECODER=cpu MODEL=tiny PROMPT=256 CHUNK=32 COMPARE_PROMPT=128
     PAYLOADS=2e4,5e4,1e5,2e5,4e5 REPEATS=1 CURVE_REPEATS=1 LANE_MB=4 LANE_ROUNDS=1
-    KERNEL_CONTEXTS=16:64
+    KERNEL_CONTEXTS=16:64 HYBRID_CONTEXTS=16:32
     TESTS=(--collect-only)
     echo "device: cpu (dry run: toy sizes, nothing measured)" | tee "$OUT/device.txt"
 else
@@ -77,7 +81,7 @@ else
     DEV=cuda:0 MODEL=qwen3-0.6b PROMPT=8192 CHUNK=256 COMPARE_PROMPT=2048
     DECODER=$("$PY" -c "import torch; print('cuda:1' if torch.cuda.device_count() > 1 else 'cuda:0')")
     PAYLOADS=1e8,5e8,1e9,2e9 REPEATS=3 CURVE_REPEATS=2 LANE_MB=64 LANE_ROUNDS=2
-    KERNEL_CONTEXTS=1024:4096
+    KERNEL_CONTEXTS=1024:4096 HYBRID_CONTEXTS=256:1024
     TESTS=(-rs)
 fi
 
@@ -90,7 +94,7 @@ no_skips() {  # no_skips NAME: a skipped CUDA test fails the check
 
 echo "== 1. CUDA tests"
 step 50 pytest_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" tests/test_pdgpu_gpu.py \
-    tests/test_pdgpu_attention.py
+    tests/test_pdgpu_attention.py tests/test_pdgpu_hybrid.py
 no_skips pytest_gpu
 
 case "$DRY:$DECODER" in
@@ -115,6 +119,13 @@ step 35 compare "$PY" -m pdgpu compare --model "$MODEL" --prompt "$COMPARE_PROMP
 echo "== 2b. kernels against transformers, $MODEL, $PROMPT tokens, chunk $CHUNK, decode batch 16"
 step 45 kernels "$PY" bench/kernel_speed.py --device "$DEV" --model "$MODEL" --prompt "$PROMPT" \
     --chunk "$CHUNK" --contexts "$KERNEL_CONTEXTS" --repeats "$REPEATS" --profile
+
+for family in qwen3_5 gemma3; do
+    echo "== 2c. kernels against transformers, $MODEL sizes as $family, $PROMPT tokens"
+    step 60 "kernels_$family" "$PY" bench/kernel_speed.py --device "$DEV" --model "$MODEL" \
+        --family "$family" --prompt "$PROMPT" --chunk "$CHUNK" --contexts "$HYBRID_CONTEXTS" \
+        --repeats "$REPEATS"
+done
 
 echo "== 3. overlap benchmark, $MODEL, $PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
 step 80 engine_overlap "$PY" bench/engine_overlap.py --model "$MODEL" --prompt "$PROMPT" \

@@ -77,8 +77,9 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     out = tmp_path / "out"
     steps = [line.split()[0] for line in (out / "timings.txt").read_text().splitlines()]
     nixl = importlib.util.find_spec("nixl_cu13") is not None
-    assert steps == ["pytest_gpu", "serve_gpu", "compare", "kernels", "engine_overlap",
-                     "export_curve", "kv_lane"] + ["ucx_transport"] * nixl
+    assert steps == ["pytest_gpu", "serve_gpu", "compare", "kernels", "kernels_qwen3_5",
+                     "kernels_gemma3", "engine_overlap", "export_curve",
+                     "kv_lane"] + ["ucx_transport"] * nixl
     if nixl:  # which UCX transport carried the NIXL READ, from UCX's own tables
         assert "remote memory read" in (out / "ucx_read.txt").read_text()
     collected = (out / "pytest_gpu.txt").read_text().split("test_pdgpu_gpu.py: ")[1]

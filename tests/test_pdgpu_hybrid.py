@@ -236,3 +236,39 @@ def test_the_command_line_runs_a_hybrid_and_refuses_to_serve_it(family, capsys):
                      "--prompt-range", "20:30", "--output-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "not served yet" in err and "\n" not in err
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3"])
+def test_cuda_generate_equals_transformers_greedy(tmp_path, name, dtype):
+    """On CUDA, in float32 and bfloat16: `pdgpu generate` gives transformers' greedy tokens
+    (same device and dtype) where its margin is clear, and a batch of two decodes each
+    request's tokens alone."""
+    transformers = pytest.importorskip("transformers")
+    save_hf(tmp_path, name)
+    model = ckpt.load_checkpoint(tmp_path, "cuda", dtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=getattr(torch, dtype)).to("cuda").eval()
+    tokens, other = _prompt(150, 150), _prompt(40, 40)
+    ours = generate(model, tokens, 16, chunk=32)
+    theirs, margins = hf_greedy(hf, tokens, 16, device="cuda")
+    assert agree_while_clear(ours, theirs, margins) >= 4
+    cache, seqs, outs = DecodeCache.for_model(model), [], []
+    for prompt in (tokens, other):
+        source = SourceCache(model.spec.geometry(16), 16, "cuda", getattr(torch, dtype),
+                             model.state_shape)
+        kv = source.open(len(prompt))
+        hidden = None
+        for a in range(0, len(prompt), 32):
+            hidden = model.prefill_chunk(torch.tensor(prompt[a:a + 32], device="cuda"), a,
+                                         kv)[-1:]
+        outs.append([first_token(model, hidden)])
+        seqs.append(cache.add(kv.kv.index_select(2, kv.slots), kv.read_state()))
+    for _ in range(7):
+        step = decode_tokens(model, DecodeBatch(seqs), [o[-1] for o in outs])
+        for out, token in zip(outs, step, strict=True):
+            out.append(token)
+    assert outs == [ours[:8], generate(model, other, 8, chunk=32)]

@@ -32,9 +32,10 @@ def models(tmp_path_factory):
     return ckpt.load_checkpoint(folder), hf
 
 
-def hf_greedy(hf, tokens: list[int], count: int) -> tuple[list[int], list[float]]:
+def hf_greedy(hf, tokens: list[int], count: int,
+              device: str = "cpu") -> tuple[list[int], list[float]]:
     """transformers' greedy tokens one step at a time, with each step's top-2 margin."""
-    ids = torch.tensor([tokens])
+    ids = torch.tensor([tokens], device=device)
     out, margins, cache = [], [], None
     name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     with torch.no_grad():
@@ -44,7 +45,7 @@ def hf_greedy(hf, tokens: list[int], count: int) -> tuple[list[int], list[float]
             top = logits.topk(2).values
             margins.append(float(top[0] - top[1]))
             out.append(int(logits.argmax()))
-            ids = torch.tensor([[out[-1]]])
+            ids = torch.tensor([[out[-1]]], device=device)
     return out, margins
 
 
