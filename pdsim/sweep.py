@@ -26,7 +26,7 @@ from pdsim.core.metrics import single_metrics
 from pdsim.core.sim import simulate
 from pdsim.options import UsageError, add_model_options, base_config
 from pdsim.sweep_load import Load, evaluate_load
-from pdsim.views.report import edge_note, write_atomic, write_json
+from pdsim.views.report import edge_note, labels_title, write_atomic, write_json
 
 COLUMNS = ("mode", "prompt", "chunk", "max_pending", "bandwidth_scale", "prefill_s",
            "handoff_s", "tail_s", "peak_staging_bytes", "spans", "lower_bound_s", "gap_s")
@@ -217,6 +217,7 @@ def command(args) -> int:
         rows = _run_on_ray(base, grid(args), args, load)
     _write_outputs(args, rows, base, load)
     if not args.quiet:
+        print(labels_title(dict(base.labels)))  # what was swept: model, hw, engine, link
         print(format_table(rows) if load is None else sweep_load.format_table(rows))
     return 0
 
@@ -261,7 +262,7 @@ def _write_outputs(args, rows: list[dict], base: SimConfig, load: Load | None = 
         write_json(args.json, {"labels": dict(base.labels), "rows": rows,
                                "best": {str(k): v for k, v in best.items()}})
     if args.png:
-        from pdsim.views.plots import labels_title, plotted_rows, sweep_png
+        from pdsim.views.plots import plotted_rows, sweep_png
 
         best = best_chunks(plotted_rows(rows))
         write_atomic(args.png, sweep_png(rows, best, title=labels_title(dict(base.labels))))

@@ -99,9 +99,11 @@ def test_sweep_parallel_equals_serial():
 
 
 def test_explain_names_the_binding_resource(capsys):
-    """explain says compute bounds a compute-heavy run and the copy path a slow-link one."""
+    """explain says compute bounds a compute-heavy run and the copy path a slow-link one,
+    and names what it simulated (the engine too)."""
     assert main(["explain", "--mode", "chunk", "--prompt", "2048"]) == 0
-    assert "bound by compute" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bound by compute" in out and "on a100-pcie under the production engine" in out
     assert main(["explain", "--mode", "chunk", "--prompt", "2048", "--bandwidth-scale",
                  "0.02"]) == 0
     assert "bound by the copy path" in capsys.readouterr().out

@@ -38,6 +38,7 @@ def summarize(result) -> dict:
             by_kind[kind] += g.nodes[node]["end"] - g.nodes[node]["start"]
     handoff = single_metrics(result)["handoff_s"]
     return {
+        **dict(result.cfg.labels),  # model, hw, engine, link: what was simulated
         "handoff_s": handoff, "nodes": g.number_of_nodes(), "edges": g.number_of_edges(),
         "path_nodes": len(path), "path_compute_s": by_kind["compute"],
         "path_copy_s": by_kind["copy"], "path_wait_s": by_kind["wait"], "path_slot_edges": slots,
@@ -64,7 +65,9 @@ def words(s: dict) -> str:
     """The summary as sentences an engineer can act on."""
     ms = 1e3
     total = s["handoff_s"] or 1e-300
-    lines = [f"Handoff completes at {s['handoff_s'] * ms:.3f} ms. Its critical path has "
+    where = (f"{s['model']} on {s['hw']} under the {s['engine']} engine: " if "engine" in s
+             else "")
+    lines = [f"{where}Handoff completes at {s['handoff_s'] * ms:.3f} ms. Its critical path has "
              f"{s['path_nodes']} of {s['nodes']} work items: compute {s['path_compute_s'] * ms:.3f}"
              f" ms ({100 * s['path_compute_s'] / total:.1f}%), copies {s['path_copy_s'] * ms:.3f}"
              f" ms ({100 * s['path_copy_s'] / total:.1f}%), waiting "

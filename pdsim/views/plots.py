@@ -27,20 +27,6 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def labels_title(labels: dict) -> str:
-    """A run's labels as a title: "qwen3-0.6b on a100-pcie under production (link
-    pcie-gen4), bandwidth x2"."""
-    rest = {k: v for k, v in labels.items() if k not in ("model", "hw", "engine", "link")}
-    head = f"{labels.get('model', '?')} on {labels.get('hw', '?')}"
-    if "engine" in labels:
-        head += f" under {labels['engine']}"
-    if "link" in labels:
-        head += f" (link {labels['link']})"
-    extra = [f"bandwidth x{v:g}" if k == "bandwidth_scale" else f"{k} {v}"
-             for k, v in rest.items()]
-    return ", ".join([head, *extra])
-
-
 def plotted_rows(rows: list[dict]) -> list[dict]:
     """The sweep rows a sweep plot draws: those at the first row's max_pending and bandwidth."""
     first = rows[0]

@@ -99,3 +99,17 @@ def edge_note(chunk: int, chunks, fixed: bool = False) -> str:
         return (f" (the edge of the range swept here, {chunks[0]}..{chunks[-1]}: a chunk "
                 "beyond it may do better)")
     return f" (best is the edge of the range {chunks[0]}..{chunks[-1]}: widen it)"
+
+
+def labels_title(labels: dict) -> str:
+    """A run's labels as a title: "qwen3-0.6b on a100-pcie under production (link
+    pcie-gen4), bandwidth x2"."""
+    rest = {k: v for k, v in labels.items() if k not in ("model", "hw", "engine", "link")}
+    head = f"{labels.get('model', '?')} on {labels.get('hw', '?')}"
+    if "engine" in labels:
+        head += f" under {labels['engine']}"
+    if "link" in labels:
+        head += f" (link {labels['link']})"
+    extra = [f"bandwidth x{v:g}" if k == "bandwidth_scale" else f"{k} {v}"
+             for k, v in rest.items()]
+    return ", ".join([head, *extra])
