@@ -108,7 +108,7 @@ class Sampler:
             rows.append((float(o.greedy), o.temperature or 1.0, o.top_p, o.top_k or self.vocab,
                          o.min_p, o.presence_penalty, o.frequency_penalty,
                          o.repetition_penalty, uniform(o.seed, s.position), s.slot))
-        return torch.tensor(rows, dtype=torch.float64).to(device, non_blocking=True)
+        return _host_to(rows, torch.float64, device)
 
     def _penalize(self, x: torch.Tensor, slots: torch.Tensor, options: torch.Tensor):
         """vLLM's repetition, frequency and presence penalties: x [B, V] -> [B, V]."""
@@ -138,13 +138,22 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[Logpr
             for c, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]
 
 
+def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of Python values on `device`; to a GPU from pinned memory, so the copy is
+    queued without waiting for the stream (a pageable one may wait for it)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def _ban(x: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:
     """Each row's banned tokens at -inf."""
     bans = [(row, token) for row, s in enumerate(steps) for token in s.ban]
     if not bans:
         return x
-    rows, tokens = torch.tensor(bans, device=x.device).T  # [n] each
-    return x.index_put((rows, tokens), torch.tensor(-torch.inf, device=x.device))
+    rows, tokens = _host_to(bans, torch.int64, x.device).T  # [n] each
+    return x.index_put((rows, tokens), x.new_full((), -torch.inf))
 
 
 def _kept(x: torch.Tensor, options: torch.Tensor, sampled: list[Sampling]) -> torch.Tensor:
