@@ -28,6 +28,9 @@ class UsedSpanIds:
     def __contains__(self, span) -> bool:
         if type(span) is not int:
             return span in self._others
+        hi = self._hi
+        if not hi or span >= hi[-1]:  # the usual case: a counter's next id, above them all
+            return False
         i = bisect_right(self._lo, span) - 1
         return i >= 0 and span < self._hi[i]
 
