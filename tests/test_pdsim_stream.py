@@ -44,7 +44,7 @@ def workload(n: int, seed: int = 1, rate: float = 40.0) -> list[RequestSpec]:
 def test_streamed_run_has_the_kept_runs_metrics(kw):
     """Drained every few hundred events, a run reports exactly the metrics of the same run
     kept whole (open and closed loop, several producers, every mode)."""
-    cfg, requests = small_cfg(**kw), workload(150)
+    cfg, requests = small_cfg(**kw), workload(100)
     if cfg.concurrency is not None:
         requests = [RequestSpec(r.req, 0.0, r.prompt, 0, r.output_tokens) for r in requests]
     kept = workload_metrics(simulate(cfg, requests))
