@@ -233,8 +233,9 @@ def _scan(args, cfg: SimConfig, requests) -> tuple[int, list[int]]:
         if model is not None:
             _check_request_context(args, model, request)
         if args.concurrency is not None and request.arrival:
-            raise UsageError("--concurrency (closed loop) sets the arrival times; the "
-                             "--prompts-csv arrival column gives them too")
+            source = "--workload" if args.workload else "the --prompts-csv arrival column"
+            raise UsageError(f"--concurrency (closed loop) sets the arrival times; {source} "
+                             "gives them too")
         need = cfg.geometry.pages_for(request.prompt - request.prefix)
         (heapq.heappush if len(largest) < keep else heapq.heappushpop)(largest, need)
         count += 1

@@ -103,7 +103,8 @@ def test_cli_workload_file(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] == 3 and out["generated_tokens"] == 44 + 109 + 15
     assert len(results.read_text().splitlines()) == 3
-    for extra in (["--rate", "2"], ["--prompt", "9"], ["--requests", "4"]):
+    for extra in (["--rate", "2"], ["--prompt", "9"], ["--requests", "4"],
+                  ["--concurrency", "2"]):
         assert main([*argv, *extra]) == 2
         assert capsys.readouterr().err.count("\n") == 1
     bad = tmp_path / "bad.csv"
