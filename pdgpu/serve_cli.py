@@ -176,7 +176,7 @@ def prepare(args) -> tuple[ServeConfig, FaultPolicy, Workload, int, Endpoint | N
     _check_out(args.trace, "trace")
     _check_out(args.results, "results")
     spec = model_spec(args.model, args.dtype)
-    if spec.arch not in SERVED_ARCHS:
+    if spec.arch in ENGINE_ARCHS and spec.arch not in SERVED_ARCHS:  # (others: handshake)
         raise WorkloadError(f"model: arch {spec.arch!r} is not served yet "
                             f"({', '.join(SERVED_ARCHS)}): see docs/hybrid-models.md")
     _check_eos(args.eos_token, spec.vocab)
