@@ -7,19 +7,34 @@ two rules always reports the same code.
 from __future__ import annotations
 
 from pdref import events as ev
+from pdref import hybrid
 from pdref.intervals import fmt
 from pdref.pool import PoolError, QuarantineError
 from pdref.progress import LayerProgress, ProgressError, empty_coverage
-from pdref.state import Phase, Quarantine, RequestLife, Span, SystemState, Unfenced
+from pdref.state import (
+    Phase,
+    Quarantine,
+    RequestLife,
+    Span,
+    SystemState,
+    Unfenced,
+    hybrid_missing,
+)
 from pdref.violations import Violation
 
 _new = tuple.__new__  # a NamedTuple made without its generated __new__ (one call less)
 
 
 def initial_state(header: ev.Header) -> SystemState:
-    """The state before any event; CFG-1 refuses layer streaming of a recurrent model."""
-    if header.mode is ev.Mode.LAYER and header.geometry.recurrent:
-        raise Violation("CFG-1", "mode layer is refused for a recurrent geometry", header)
+    """The state before any event; CFG-1 refuses layer streaming of a recurrent model whose
+    layer kinds are not named (its state would cross unchecked)."""
+    geometry = header.geometry
+    if geometry.kinds is not None and header.version < 3:
+        raise Violation("TRACE-1", f"layer kinds need version 3, the header says "
+                        f"{header.version}", header)
+    if header.mode is ev.Mode.LAYER and geometry.recurrent and geometry.kinds is None:
+        raise Violation("CFG-1", "mode layer is refused for a recurrent geometry that names "
+                        "no layer kinds", header)
     return SystemState.initial(header)
 
 
@@ -53,12 +68,14 @@ def apply_reserve(state: SystemState, event: ev.Reserve) -> SystemState:
         raise Violation("COPY-5", str(e), event) from None
     except PoolError as e:
         raise Violation("SLAB-1", str(e), event) from None
+    if state.geometry.recurrent and state.geometry.layout is not None:
+        hybrid.check_slot_free(state, event)
     layers = state.geometry.layers
     empty = empty_coverage(layers)
     life = RequestLife(
         req=event.req, producer=event.producer, prompt=event.prompt, prefix=event.prefix,
         pages=event.pages, progress=LayerProgress(layers, event.prefix, event.prompt),
-        computed=empty, held=empty, serial=state.lives,
+        computed=empty, held=empty, serial=state.lives, state_slot=event.state_slot,
     )
     return state.with_life(life, pool=pool, lives=state.lives + 1)
 
@@ -73,6 +90,8 @@ def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
             and (b <= a or (0 <= a and b <= life.prompt))):
         raise Violation("PROD-1", f"computed {fmt(layers)} x {fmt(tokens)} is outside "
                         f"[0, {state.geometry.layers}) x [0, {life.prompt})", event)
+    if state.geometry.recurrent and state.geometry.layout is not None:
+        hybrid.check_state_write(state.geometry.layout, life, event)
     computed = life.computed.union(layers, tokens)
     # Until the first reuse, held and computed are the same value: extend it once.
     held = computed if life.held is life.computed else life.held.union(layers, tokens)
@@ -86,14 +105,19 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
     span_id, layers, tokens = event.span, event.layers, event.tokens
     if span_id in state.spans_used:
         raise Violation("REQ-1", f"span id {span_id!r} was used before", event)
+    if event.state:
+        return hybrid.issue_state(state, life, event)
     geometry = state.geometry
     (l0, l1), (a, b) = layers, tokens  # `contains` and `region_bytes` inlined: every span
     if not ((l1 <= l0 or (0 <= l0 and l1 <= geometry.layers))
             and (b <= a or (life.prefix <= a and b <= life.prompt))):
         raise Violation("COV-1", f"span {_region(event)} is outside "
                         f"[0, {geometry.layers}) x {fmt(life.suffix)}", event)
-    want = (geometry.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0)
-            * (b - a if b > a else 0))
+    if geometry.layout is None:
+        want = (geometry.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0)
+                * (b - a if b > a else 0))
+    else:
+        want = hybrid.kv_span_bytes(geometry, life, event)
     if event.bytes != want:
         raise Violation("COPY-4", f"span {_region(event)} claims {event.bytes} bytes, "
                         f"its KV is {want}", event)
@@ -111,7 +135,7 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
     if count >= state.max_pending:
         raise Violation("COPY-2", f"producer {producer!r} already has "
                         f"{state.max_pending} spans in flight or unfenced (max_pending)", event)
-    span = _new(Span, (span_id, layers, tokens, event.bytes))
+    span = _new(Span, (span_id, layers, tokens, event.bytes, None))
     return state.with_life(
         life.with_flight(life.in_flight + (span,)),
         pending=pending.set(producer, count + 1),
@@ -149,6 +173,8 @@ def apply_land(state: SystemState, event: ev.Land) -> SystemState:
             progress = progress.add(layers, tokens)
         except ProgressError as e:  # bounds were checked at issue (COV-1): this is overlap
             raise Violation("COV-2", f"span {event.span!r} cannot land: {e}", event) from None
+    elif span.slot is not None:  # (v3) a state span publishes its layers' state
+        life = hybrid.land_state(life, span)
     producer, pending = life.producer, state.pending
     return state.with_life(life.with_flight(rest, progress),
                            pending=pending.set(producer, pending.get(producer, 0) - 1))
@@ -196,12 +222,18 @@ def apply_admit(state: SystemState, event: ev.Admit) -> SystemState:
         raise Violation("ADM-1", f"request {event.req!r} has a failed span", event)
     if life.in_flight:
         raise Violation("ADM-1", f"span {life.in_flight[0].span!r} is still in flight", event)
-    gap = life.progress.missing()
-    if gap is not None:
-        raise Violation("COV-3", f"layer {gap[0]} has not landed tokens {fmt(gap[1])}", event)
+    if state.geometry.layout is None:
+        gap = life.progress.missing()
+        if gap is not None:
+            raise Violation("COV-3", f"layer {gap[0]} has not landed tokens {fmt(gap[1])}",
+                            event)
+    else:
+        missing = hybrid_missing(state.geometry, life.progress.landed, life)
+        if missing is not None:
+            raise Violation(*missing, event)
     if life.phase is not Phase.PRODUCED:
         raise Violation("ADM-1", f"admit before produced for {event.req!r}", event)
-    done = life.replace(phase=Phase.ADMITTED, progress=life.progress.finish())
+    done = life.replace(phase=Phase.ADMITTED, progress=life.progress.finished_now())
     return state.with_life(done)
 
 

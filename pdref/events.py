@@ -10,8 +10,9 @@ import attrs
 from pdref.geometry import Geometry
 from pdref.intervals import Range
 
-VERSION = 2  # what writers write; the checker also reads version 1
-VERSIONS = (1, 2)
+VERSION = 2  # what writers write for a geometry without layer kinds (v3 means the same there)
+HYBRID_VERSION = 3  # what they write for one with layer kinds (v3: hybrid models)
+VERSIONS = (1, 2, 3)
 
 
 class Mode(enum.StrEnum):
@@ -33,7 +34,9 @@ class Header:
     geometry: Geometry
     pool_pages: int
     max_pending: int
-    version: int = VERSION
+    version: int = attrs.field(default=attrs.Factory(
+        lambda self: HYBRID_VERSION if self.geometry.kinds is not None else VERSION,
+        takes_self=True))
     # Extra header fields (e.g. chunk, link_gbps, hw) as sorted (key, value) pairs.
     extra: tuple[tuple[str, object], ...] = ()
 
@@ -50,6 +53,9 @@ class Reserve:
     prefix: int
     pages: tuple[int, ...] = attrs.field(converter=tuple)
     producer: str = "p0"
+    # (v3) the producer's state slot this life's linear layers compute into and its state
+    # spans read; needed when the geometry has linear layers
+    state_slot: SpanId | None = None
 
 
 @attrs.frozen
@@ -70,6 +76,8 @@ class Issue:
     layers: Range
     tokens: Range
     bytes: int
+    # (v3) a state span: the recurrent state of its (linear) layers at position tokens[0]
+    state: bool = False
 
 
 @attrs.frozen
@@ -169,11 +177,12 @@ EVENT_TYPES: dict[str, type] = {
 
 
 def event_to_json(event) -> dict:
-    """The JSON object of one event line (ranges as two-element lists, None fields left out)."""
+    """The JSON object of one event line (ranges as two-element lists, None fields and a
+    false `state` left out)."""
     out = {"kind": event.kind}
     for field in attrs.fields(type(event)):
         value = getattr(event, field.name)
-        if value is None:
+        if value is None or (value is False and field.default is False):
             continue
         out[field.name] = list(value) if isinstance(value, tuple) else value
     return out

@@ -19,14 +19,15 @@ from pdref import events as ev
 from pdref.apply import apply, check_end, initial_state
 from pdref.mirror import MirrorState
 from pdref.mirror_apply import MirrorTransitions
-from pdref.monitor import Monitor
+from pdref.mirror_hybrid import HybridTransitions
+from pdref.monitor import Monitor, first_free_slot
 from pdref.rows import ComputedRow, IssueRow, LandRow, as_event
 from pdref.violations import Violation
 
 _new = tuple.__new__
 
 
-class FastMonitor(MirrorTransitions, Monitor):
+class FastMonitor(MirrorTransitions, HybridTransitions, Monitor):
     """Live specification check of a run (see the module docstring)."""
 
     def __init__(self, header: ev.Header, sink=None, stage_sink=None, lean: bool = False) -> None:
@@ -40,11 +41,17 @@ class FastMonitor(MirrorTransitions, Monitor):
         self.deferred_legal = 0  # events this code refused and the specification accepted
         m = self.mirror
         self._handlers = {
-            ev.Reserve: self._reserve, ev.Computed: self._computed, ev.Issue: self._issue,
+            ev.Reserve: self._reserve, ev.Computed: self._computed, ev.Issue: self._issue_event,
             ev.Land: self._land, ev.Fail: self._fail, ev.Reuse: self._reuse,
             ev.Produced: self._produced, ev.Admit: self._admit, ev.Release: self._release,
             ev.Abort: self._abort, ev.Fence: self._fence, ev.Stage: None,
             ComputedRow: self._computed, IssueRow: self._issue, LandRow: self._land}
+        self._layout = header.geometry.layout
+        if self._layout is not None:  # (v3) layer kinds: mirror_hybrid.py's transitions
+            self._handlers.update({
+                ev.Reserve: self._reserve_h, ev.Computed: self._computed_h,
+                ev.Issue: self._issue_h, ev.Land: self._land_h, ev.Admit: self._admit_h,
+                ComputedRow: self._computed_h, IssueRow: self._issue, LandRow: self._land_h})
         self._requests, self._pending, self._used = m.requests, m.pending, m.spans_used
         self._token_layer_bytes = header.geometry.bytes_per_token_layer
 
@@ -88,11 +95,16 @@ class FastMonitor(MirrorTransitions, Monitor):
 
     # -- the queries shells drive the protocol with ----------------------------------------------
 
-    def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0"):
+    def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0",
+                state_slot=None):
         m = self.mirror
         _, pages = m.pool.allocate(m.geometry.pages_for(prompt - prefix))
-        self.emit(ev.Reserve(t, req, prompt, prefix, pages, producer))
+        self.emit(ev.Reserve(t, req, prompt, prefix, pages, producer, state_slot))
         return pages
+
+    def free_state_slot(self, producer: str = "p0") -> int:
+        return first_free_slot(self._layout, self._requests.values(), self.mirror.unfenced,
+                               producer)
 
     def can_reserve(self, prompt: int, prefix: int) -> bool:
         m = self.mirror
@@ -103,7 +115,9 @@ class FastMonitor(MirrorTransitions, Monitor):
 
     def can_admit(self, req: str) -> bool:
         life = self._requests.get(req)
-        return life is not None and life.can_admit()
+        if life is None:
+            return False
+        return life.can_admit() if self._layout is None else self._hybrid_ready(life)
 
     def pending(self, producer: str = "p0") -> int:
         return self._pending.get(producer, 0)

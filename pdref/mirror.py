@@ -18,6 +18,9 @@ from pdref.span_ids import UsedSpanIds
 from pdref.state import Phase, RequestLife, SystemState
 
 
+_NO_STATES = IntervalSet()  # (v3) a new life's landed states: none
+
+
 def band(num_layers: int, lo: int, hi: int) -> Coverage:
     """The coverage of tokens [lo, hi) on every layer (empty when lo >= hi), as the
     specification's unions build it."""
@@ -41,13 +44,13 @@ class MirrorLife:
     specification, the same object until the first reuse)."""
 
     __slots__ = ("req", "producer", "prompt", "prefix", "pages", "progress", "computed",
-                 "held", "phase", "in_flight", "failed", "serial", "unfenced", "layers",
-                 "c_lo", "c_hi", "p_lo", "p_hi", "finished")
+                 "held", "phase", "in_flight", "failed", "serial", "unfenced", "state_slot",
+                 "states", "layers", "c_lo", "c_hi", "p_lo", "p_hi", "finished")
 
     def __init__(self, life: RequestLife) -> None:
         (self.req, self.producer, self.prompt, self.prefix, self.pages, self.progress,
          self.computed, held, self.phase, in_flight, self.failed, self.serial,
-         unfenced) = life
+         unfenced, self.state_slot, self.states) = life
         self.held = None if held is self.computed else held
         self.in_flight, self.unfenced = list(in_flight), list(unfenced)
         self.layers = self.progress.num_layers
@@ -56,11 +59,12 @@ class MirrorLife:
 
     @classmethod
     def reserved(cls, req: str, producer: str, prompt: int, prefix: int, pages, layers: int,
-                 serial: int) -> MirrorLife:
+                 serial: int, state_slot=None) -> MirrorLife:
         """A new life: nothing computed, held or landed (all three as empty bands)."""
         life = cls.__new__(cls)
         life.req, life.producer, life.prompt, life.prefix, life.pages = (req, producer, prompt,
                                                                          prefix, pages)
+        life.state_slot, life.states = state_slot, _NO_STATES
         life.progress = life.computed = life.held = None
         life.phase, life.in_flight, life.failed, life.serial = Phase.RESERVED, [], False, serial
         life.unfenced, life.layers = [], layers
@@ -101,7 +105,7 @@ class MirrorLife:
                            self.progress_value(), computed,
                            computed if self.held is None else self.held, self.phase,
                            tuple(self.in_flight), self.failed, self.serial,
-                           tuple(self.unfenced))
+                           tuple(self.unfenced), self.state_slot, self.states)
 
     def complete(self) -> bool:
         """Every layer landed every suffix token (`LayerProgress.is_complete`)."""

@@ -18,7 +18,13 @@ _new = tuple.__new__
 
 class MirrorTransitions:
     """Mixed into FastMonitor: `self.mirror` (MirrorState), and its dicts `self._requests`,
-    `self._pending`, `self._used`, `self._token_layer_bytes` (looked up once)."""
+    `self._pending`, `self._used`, `self._token_layer_bytes` and `self._layout` (the
+    geometry's layer kinds, None without) looked up once."""
+
+    def _issue_event(self, e) -> bool:
+        """An issue event of a geometry without layer kinds: a state span there is refused
+        (COV-1, by the specification); a KV span as its row."""
+        return not e.state and self._issue(e)
 
     def _reserve(self, e) -> bool:
         m = self.mirror
@@ -32,7 +38,8 @@ class MirrorTransitions:
         except PoolError:
             return False
         self._requests[e.req] = MirrorLife.reserved(e.req, e.producer, e.prompt, e.prefix,
-                                                    e.pages, m.geometry.layers, m.lives)
+                                                    e.pages, m.geometry.layers, m.lives,
+                                                    e.state_slot)
         m.pool, m.lives = pool, m.lives + 1
         return True
 
@@ -70,8 +77,11 @@ class MirrorTransitions:
         if not ((l1 <= l0 or (0 <= l0 and l1 <= geometry.layers))
                 and (b <= a or (life.prefix <= a and b <= life.prompt))):
             return False
-        if e.bytes != (self._token_layer_bytes * (l1 - l0 if l1 > l0 else 0)
-                       * (b - a if b > a else 0)):
+        if self._layout is None:
+            if e.bytes != (self._token_layer_bytes * (l1 - l0 if l1 > l0 else 0)
+                           * (b - a if b > a else 0)):
+                return False
+        elif not self._kv_bytes_ok(life, e):  # (v3) per kind: mirror_hybrid.py
             return False
         if l0 < l1 and a < b:  # an empty region reads nothing
             if life.held is None and life.computed is None:  # the computed band
@@ -86,7 +96,7 @@ class MirrorTransitions:
         count = self._pending.get(life.producer, 0)
         if count >= m.max_pending:
             return False
-        life.in_flight.append(_new(Span, (e.span, layers, tokens, e.bytes)))
+        life.in_flight.append(_new(Span, (e.span, layers, tokens, e.bytes, None)))
         self._pending[life.producer] = count + 1
         self._used[e.span] = e.req
         return True
@@ -193,12 +203,17 @@ class MirrorTransitions:
         life = self._requests.get(e.req)
         if life is None or not life.can_admit():
             return False
+        self._finish(life)
+        return True
+
+    @staticmethod
+    def _finish(life: MirrorLife) -> None:
+        """Admitted: nothing more may land (the caller checked that it may be admitted)."""
         life.phase = Phase.ADMITTED
         if life.progress is None:
             life.finished = True
         else:
-            life.progress = life.progress.finish()
-        return True
+            life.progress = life.progress.finished_now()
 
     def _release(self, e) -> bool:
         life = self._requests.get(e.req)

@@ -11,6 +11,7 @@ from itertools import compress, count, islice
 from operator import gt, itemgetter
 
 from pdref import events as ev
+from pdref import hybrid
 from pdref.apply import TRANSITIONS, apply, check_end, initial_state
 from pdref.events import Stage
 from pdref.rows import as_event
@@ -109,12 +110,21 @@ class Monitor:
                                 f"{base})")
         self.events += sum(map(len, groups))
 
-    def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0"):
-        """Allocate the lowest free pages for [prefix, prompt) and emit the reserve; page ids."""
+    def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0",
+                state_slot=None):
+        """Allocate the lowest free pages for [prefix, prompt) and emit the reserve (v3: with
+        the producer's `state_slot`, see `free_state_slot`); page ids."""
         count = self.state.pages_needed(prompt, prefix)
         _, pages = self.state.pool.allocate(count)
-        self.emit(ev.Reserve(t, req, prompt, prefix, pages, producer))
+        self.emit(ev.Reserve(t, req, prompt, prefix, pages, producer, state_slot))
         return pages
+
+    def free_state_slot(self, producer: str = "p0") -> int:
+        """(v3) The lowest state slot number of `producer` that no live life holds and no
+        unfenced state span reads: the one a new life of a model with linear layers may
+        name."""
+        s = self.state
+        return first_free_slot(s.geometry.layout, s.requests.values(), s.unfenced, producer)
 
     def can_reserve(self, prompt: int, prefix: int) -> bool:
         return self.state.can_reserve(prompt, prefix)
@@ -167,6 +177,15 @@ class Monitor:
     def close(self) -> None:
         """End of a complete run: LIFE-1 says nothing may still hold pages or spans."""
         check_end(self.state)
+
+
+def first_free_slot(layout, lives, unfenced, producer: str) -> int:
+    """The lowest integer state slot of `producer` free in the given lives and unfenced
+    spans (hybrid.slot_holder)."""
+    slot = 0
+    while hybrid.slot_holder(layout, lives, unfenced, producer, slot) is not None:
+        slot += 1
+    return slot
 
 
 def _first_ending_before_start(starts, ends) -> int | None:

@@ -204,3 +204,8 @@ class LayerProgress(_Progress):
         if gap is not None:
             raise ProgressError(f"layer {gap[0]} has not landed tokens {fmt(gap[1])}")
         return self._replace(finished=True)
+
+    def finished_now(self) -> LayerProgress:
+        """Marked finished (admission) as it is: the caller checked what admission needs
+        (every layer of a geometry without kinds; per kind in version 3)."""
+        return self._replace(finished=True)

@@ -21,9 +21,10 @@ new_row = tuple.__new__
 
 
 def _row_of(event: type) -> type:
-    """The row class of an event class: its fields (names, order) and its `kind`."""
-    row = namedtuple(f"{event.__name__}Row", [f.name for f in attrs.fields(event)],
-                     module=__name__)
+    """The row class of an event class: its fields (names, order) and its `kind`. An issue
+    row stands for a KV span: it has no (v3) `state` field (a state span is an event)."""
+    names = [f.name for f in attrs.fields(event) if f.name != "state"]
+    row = namedtuple(f"{event.__name__}Row", names, module=__name__)
     row.kind = event.kind
     return row
 

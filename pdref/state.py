@@ -17,7 +17,7 @@ import immutables
 
 from pdref.events import Header, Mode, SpanId
 from pdref.geometry import Geometry
-from pdref.intervals import Range, overlaps
+from pdref.intervals import IntervalSet, Range, fmt, overlaps
 from pdref.pool import Pool
 from pdref.progress import Coverage, LayerProgress
 
@@ -31,12 +31,14 @@ class Phase(enum.Enum):
 
 
 class Span(NamedTuple):
-    """A copy in flight: the region it reads and the bytes it moves."""
+    """A copy in flight: the region it reads and the bytes it moves; (v3) a state span
+    names the producer's state slot it reads (`slot`; None: a KV span)."""
 
     span: SpanId
     layers: Range
     tokens: Range
     bytes: int
+    slot: SpanId | None = None
 
     def reads(self, tokens: Range) -> bool:
         """True when the span reads any of `tokens` (on any layer)."""
@@ -63,6 +65,8 @@ class RequestLife(NamedTuple):
     failed: bool = False
     serial: int = 0  # which life of the trace this is (the n-th reserve): names it after it ended
     unfenced: tuple[Span, ...] = ()  # (v2) failed spans whose writer may still write
+    state_slot: SpanId | None = None  # (v3) the producer's state slot of its linear layers
+    states: IntervalSet = IntervalSet()  # (v3) linear layers whose state landed
 
     @property
     def suffix(self) -> Range:
@@ -80,10 +84,10 @@ class RequestLife(NamedTuple):
     def with_flight(self, in_flight: tuple[Span, ...], progress: LayerProgress | None = None):
         """The life with these spans in flight and, after a land, its new progress."""
         (req, producer, prompt, prefix, pages, old, computed, held, phase, _, failed, serial,
-         unfenced) = self
+         unfenced, state_slot, states) = self
         return _new(RequestLife, (req, producer, prompt, prefix, pages,
                                   old if progress is None else progress, computed, held, phase,
-                                  in_flight, failed, serial, unfenced))
+                                  in_flight, failed, serial, unfenced, state_slot, states))
 
     def find_span(self, span: SpanId) -> Span | None:
         for s in self.in_flight:
@@ -109,6 +113,20 @@ class Quarantine:
     req: str
     pages: tuple[int, ...]
     unfenced: int  # how many of its spans are still unfenced (>= 1)
+
+
+def hybrid_missing(geometry: Geometry, landed: Coverage, life) -> tuple[str, str] | None:
+    """(v3) (code, sentence) of what a life (a RequestLife or the mirror's) of a geometry
+    with layer kinds still needs before admission, `landed` being its landed KV: KV per
+    kind (COV-3), then every linear layer's state (STATE-3); None when nothing is missing."""
+    layout = geometry.layout
+    gap = layout.first_gap(landed, life.prompt, life.prefix, geometry.page_tokens)
+    if gap is not None:
+        return "COV-3", f"layer {gap[0]} has not landed tokens {fmt(gap[1])}"
+    layer = layout.missing_state(life.states)
+    if layer is not None:
+        return "STATE-3", f"the state of linear layer {layer} has not landed"
+    return None
 
 
 class SystemState(NamedTuple):
@@ -163,7 +181,8 @@ class SystemState(NamedTuple):
             and life.phase is Phase.PRODUCED
             and not life.in_flight
             and not life.failed
-            and life.progress.is_complete()
+            and (life.progress.is_complete() if self.geometry.layout is None
+                 else hybrid_missing(self.geometry, life.progress.landed, life) is None)
         )
 
     def replace(self, **changes) -> SystemState:

@@ -1,5 +1,5 @@
-"""Reading and writing JSONL traces (contract versions 1 and 2), strictly: every malformed line
-is TRACE-1."""
+"""Reading and writing JSONL traces (contract versions 1, 2 and 3), strictly: every malformed
+line is TRACE-1."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import orjson
 
 from pdref import events as ev
 from pdref.geometry import Geometry
+from pdref.kinds import LayerKind
 from pdref.outfile import create_beside
 from pdref.violations import Violation
 
@@ -84,6 +85,12 @@ def _span(v, name):
     return _int(v, name)
 
 
+def _bool(v, name):
+    if type(v) is not bool:
+        raise _Bad(f"field {name!r} must be true or false, got {v!r}")
+    return v
+
+
 def _opt(check):
     return lambda v, name: None if v is None else check(v, name)
 
@@ -107,6 +114,10 @@ FIELDS: dict[str, tuple] = {
               ("resource", _opt(_name), False), ("tokens", _opt(_range), False),
               ("batch", _opt(_pos_int), False), ("kv_tokens", _opt(_int), False)),
 }
+# Version 3 adds a reserve's state slot and the state span's flag (both optional).
+FIELDS_V3 = {**FIELDS,
+             "reserve": FIELDS["reserve"] + (("state_slot", _opt(_span), False),),
+             "issue": FIELDS["issue"] + (("state", _bool, False),)}
 _GEOMETRY = (("layers", _pos_int), ("kv_heads", _pos_int), ("head_dim", _pos_int),
              ("dtype_bytes", _pos_int), ("page_tokens", _pos_int))
 _HEADER_KEYS = {"kind", "version", "source", "mode", "geometry", "pool_pages", "max_pending"}
@@ -114,17 +125,24 @@ _HEADER_KEYS = {"kind", "version", "source", "mode", "geometry", "pool_pages", "
 
 def _with_defaults(cls, spec):
     """(name, check, required, default) per field, in the event class's field order, so an
-    event is built positionally (no keyword dict per line: the checker's hot path)."""
+    event is built positionally (no keyword dict per line: the checker's hot path). The
+    fields a version does not read are the class's last ones and keep their defaults."""
     fields = attrs.fields_dict(cls)
     out = tuple((name, check, required, fields[name].default) for name, check, required in spec)
-    assert tuple(f[0] for f in out) == tuple(fields), cls
+    assert tuple(f[0] for f in out) == tuple(fields)[:len(out)], cls
     return out
 
 
-_SPECS_V2 = {kind: (ev.EVENT_TYPES[kind], _with_defaults(ev.EVENT_TYPES[kind], _COMMON + spec))
-             for kind, spec in FIELDS.items()}
-# Version 1 has no fence: there it is an unknown kind.
-_SPECS = {1: {k: v for k, v in _SPECS_V2.items() if k != "fence"}, 2: _SPECS_V2}
+def _specs(fields: dict) -> dict:
+    return {kind: (ev.EVENT_TYPES[kind], _with_defaults(ev.EVENT_TYPES[kind], _COMMON + spec))
+            for kind, spec in fields.items()}
+
+
+_SPECS_V2 = _specs(FIELDS)
+# Version 1 has no fence: there it is an unknown kind. Versions 1 and 2 do not read v3's
+# fields (an extra field is an extension there, ignored as before).
+_SPECS = {1: {k: v for k, v in _SPECS_V2.items() if k != "fence"}, 2: _SPECS_V2,
+          3: _specs(FIELDS_V3)}
 
 
 def _event_from(obj: dict, specs: dict):
@@ -148,7 +166,7 @@ def _header_from(obj: dict) -> ev.Header:
         raise _Bad("line 1 must be the header")
     version = obj.get("version")
     if type(version) is not int or version not in ev.VERSIONS:
-        raise _Bad(f"version must be 1 or 2, got {version!r}")
+        raise _Bad(f"version must be 1, 2 or 3, got {version!r}")
     mode = obj.get("mode")
     if mode not in ("whole", "chunk", "layer"):
         raise _Bad(f"mode must be whole, chunk or layer, got {mode!r}")
@@ -156,17 +174,43 @@ def _header_from(obj: dict) -> ev.Header:
     if type(geo) is not dict:
         raise _Bad("header needs a 'geometry' object")
     fields = {k: check(geo.get(k, 16 if k == "page_tokens" else None), k) for k, check in _GEOMETRY}
-    recurrent = geo.get("recurrent", False)
+    kinds = _kinds(geo.get("kinds"), fields["layers"]) if version >= 3 else None
+    linear = kinds is not None and any(k.kind == "linear" for k in kinds)
+    recurrent = geo.get("recurrent", linear)
     if type(recurrent) is not bool:
         raise _Bad(f"field 'recurrent' must be true or false, got {recurrent!r}")
+    if kinds is not None and recurrent != linear:
+        raise _Bad(f"field 'recurrent' must be {str(linear).lower()}: "
+                   f"{'a' if linear else 'no'} layer is linear")
     extra = tuple(sorted((k, v) for k, v in obj.items() if k not in _HEADER_KEYS))
     return ev.Header(
         source=_str(obj.get("source", ""), "source"), mode=ev.Mode(mode),
-        geometry=Geometry(**fields, recurrent=recurrent),
+        geometry=Geometry(**fields, recurrent=recurrent, kinds=kinds),
         pool_pages=_int(obj.get("pool_pages"), "pool_pages"),
         max_pending=_pos_int(obj.get("max_pending"), "max_pending"), version=version,
         extra=extra,
     )
+
+
+def _kinds(value, layers: int) -> tuple[LayerKind, ...] | None:
+    """(v3) The geometry's `kinds`: one object per layer, or None when absent."""
+    if value is None:
+        return None
+    if type(value) is not list or len(value) != layers:
+        raise _Bad(f"field 'kinds' must be an array of {layers} layer kinds, got {value!r}")
+    out = []
+    for i, item in enumerate(value):
+        if type(item) is not dict or set(item) - {"kind", "window", "state_bytes"}:
+            raise _Bad(f"kinds[{i}] must be an object with kind and its window or "
+                       f"state_bytes, got {item!r}")
+        try:
+            out.append(LayerKind(item.get("kind"),
+                                 _opt(_pos_int)(item.get("window"), f"kinds[{i}].window"),
+                                 _opt(_pos_int)(item.get("state_bytes"),
+                                                f"kinds[{i}].state_bytes")))
+        except ValueError as e:
+            raise _Bad(f"kinds[{i}]: {e}") from None
+    return tuple(out)
 
 
 def _load(raw: bytes) -> dict:

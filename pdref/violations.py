@@ -5,7 +5,7 @@ from __future__ import annotations
 CODES = {
     "TRACE-1": "every line is well-formed",
     "TRACE-2": "t never decreases; a stage has end >= t",
-    "CFG-1": "layer mode is refused for a recurrent geometry",
+    "CFG-1": "layer mode is refused for a recurrent geometry that names no layer kinds",
     "SLAB-1": "a reservation gets exactly the right free pages, inside the pool",
     "SLAB-2": "prefix is page-aligned and 0 <= prefix <= prompt, prompt >= 1",
     "REQ-1": "events name a live request and a span in flight (fence: unfenced); ids unique",
@@ -20,6 +20,12 @@ CODES = {
     "ADM-1": "admit comes once, after produced, with no span in flight or failed",
     "LIFE-1": "release only after admit; a complete trace ends with nothing held or unfenced",
     "COPY-5": "a reserve never takes a page that an unfenced writer may still write (v2)",
+    "STATE-1": "a state span is issued only once its linear layers consumed the whole prompt (v3)",
+    "STATE-2": "a linear layer's state lands once per life (v3)",
+    "STATE-3": "admit needs the state of every linear layer landed (v3)",
+    "STATE-4": "a state slot is never written or given to another life while its state may "
+               "still be read (v3)",
+    "SLIDE-1": "a span never moves a sliding layer's KV from outside its window (v3)",
 }
 
 

@@ -1,5 +1,6 @@
 """Write specs/examples/: legal traces for each mode and version, and illegal traces covering
-every violation code and every rule that version 2 (fences) adds or changes.
+every violation code and every rule that version 2 (fences) and version 3 (hybrid models)
+add or change.
 
 Illegal examples are short, hand-readable traces named `illegal-CODE-what.jsonl`; each breaks
 exactly the rule its name gives. Run: python scripts/make_examples.py
@@ -108,7 +109,7 @@ ILLEGAL = {
     # Version 2: fences.
     "TRACE-1-fence-in-version-1": None,  # written specially below (a version 1 header)
     "TRACE-1-fence-without-span": [*CANCELLED, simple("fence", 0.3)],
-    "TRACE-1-version-3": [reserve(0.0)],  # header edited below
+    "TRACE-1-version-4": [reserve(0.0)],  # header edited below
     "COPY-5-reserve-takes-quarantined-page": [*CANCELLED,
                                               reserve(0.3, req="b", prompt=4, pages=(1,))],
     "COPY-2-unfenced-span-holds-its-slot": [
@@ -157,6 +158,85 @@ LEGAL_V1 = {
 }
 
 
+# Version 3: a hybrid of three layers (linear with a 100-byte state, sliding with a window of
+# 5 tokens, full). For the 8-token prompt the sliding layer carries [4, 8): the first decode
+# step (position 8) attends 4..8, and 4 starts a page.
+GEO_V3 = {**GEO, "layers": 3, "recurrent": True,
+          "kinds": [{"kind": "linear", "state_bytes": 100}, {"kind": "sliding", "window": 5},
+                    {"kind": "full"}]}
+HEADER_V3 = {**HEADER, "version": 3, "geometry": GEO_V3, "max_pending": 3}
+ALL3 = (0, 3)
+
+
+def state(t, span, layers=(0, 1), at=8, nbytes=100, **kw):
+    return R(t, kind="issue", span=span, layers=list(layers), tokens=[at, at], bytes=nbytes,
+             state=True, **kw)
+
+
+def hybrid_life(end=True):
+    """A legal chunk-mode life of the v3 hybrid: chunk 0 carries the full layer only (the
+    sliding layer's window starts at 4), chunk 1 both, then the linear layer's state."""
+    head = [reserve(0.0, state_slot=0),
+            computed(0.1, ALL3, (0, 4)), issue(0.1, 0, ALL3, (0, 4), nbytes=B * 4),
+            computed(0.2, ALL3, (4, 8)), issue(0.2, 1, ALL3, (4, 8), nbytes=B * 8)]
+    tail = [state(0.3, 2), simple("produced", 0.3, token=7), simple("land", 0.4, span=0),
+            simple("land", 0.4, span=1), simple("land", 0.5, span=2), simple("admit", 0.5),
+            simple("release", 0.9)]
+    return head + tail if end else head
+
+
+ILLEGAL_V3 = {
+    "STATE-1-state-issued-mid-prompt": hybrid_life(end=False)[:3] + [state(0.15, 1)],
+    "STATE-1-state-at-a-mid-prompt-position": hybrid_life(end=False) + [state(0.3, 2, at=4)],
+    "STATE-2-state-landed-twice": hybrid_life()[:-1] + [state(0.6, 3)],
+    "STATE-3-admit-without-a-state": [e for e in hybrid_life() if e.get("span") != 2],
+    "STATE-4-state-written-under-copy": hybrid_life(end=False) + [
+        state(0.3, 2), computed(0.35, (0, 1), (7, 8))],
+    "STATE-4-reused-state-buffer": hybrid_life(end=False) + [
+        state(0.3, 2), simple("abort", 0.4, reason="cancelled"),
+        reserve(0.5, req="b", prompt=4, pages=(2,), state_slot=0)],
+    "STATE-4-reserve-without-a-state-slot": [reserve(0.0)],
+    "SLIDE-1-sliding-span-outside-the-window": hybrid_life(end=False)[:2] + [
+        issue(0.1, 0, ALL3, (0, 4), nbytes=B * 8)],
+}
+LEGAL_V3 = {
+    "legal-hand-v3-hybrid-chunk": (HEADER_V3, hybrid_life()),
+    # Layer streaming: the linear layer's state ships once that layer has the whole prompt,
+    # while the later layers still compute.
+    "legal-hand-v3-hybrid-layer": ({**HEADER_V3, "mode": "layer"}, [
+        reserve(0.0, state_slot=0), computed(0.1, (0, 1), (0, 8)), state(0.1, 0),
+        computed(0.2, (1, 2), (0, 8)), issue(0.2, 1, (1, 2), (4, 8)),
+        simple("land", 0.25, span=0),
+        computed(0.3, (2, 3), (0, 8)), issue(0.3, 2, (2, 3), (0, 8)),
+        simple("produced", 0.3, token=7), simple("land", 0.35, span=1),
+        simple("land", 0.4, span=2), simple("admit", 0.4), simple("release", 0.9)]),
+    # Sliding windows without linear layers (Gemma 3's kind): only the window crosses on the
+    # sliding layer; no state slot is needed.
+    "legal-hand-v3-sliding-window-only": (
+        {**HEADER_V3, "geometry": {**GEO, "recurrent": False,
+                                   "kinds": [{"kind": "sliding", "window": 5}, {"kind": "full"}]}},
+        [reserve(0.0), computed(0.1, tokens=(0, 4)), issue(0.1, 0, tokens=(0, 4), nbytes=B * 4),
+         computed(0.2, tokens=(4, 8)), issue(0.2, 1, tokens=(4, 8)),
+         simple("produced", 0.2, token=7), simple("land", 0.3, span=0),
+         simple("land", 0.4, span=1), simple("admit", 0.4), simple("release", 0.9)]),
+    # Prefix reuse: the producer resumes the linear layer from its state snapshot at the
+    # prefix (it computes [4, 12) only), and the state that crosses is the whole prompt's.
+    "legal-hand-v3-hybrid-prefix": (HEADER_V3, [
+        reserve(0.0, prompt=12, prefix=4, pages=(0, 1), state_slot=0),
+        computed(0.1, ALL3, (4, 12)), issue(0.1, 0, ALL3, (4, 12), nbytes=B * 12),
+        state(0.1, 1, at=12), simple("produced", 0.2, token=7), simple("land", 0.3, span=0),
+        simple("land", 0.3, span=1), simple("admit", 0.3), simple("release", 0.9)]),
+    # A failed state span is fenced and retried like a KV span; the slot is free again
+    # after the fence.
+    "legal-hand-v3-state-fail-fence-retry": (HEADER_V3, hybrid_life(end=False) + [
+        simple("land", 0.25, span=0), simple("land", 0.25, span=1),
+        state(0.3, 2), simple("fail", 0.35, span=2, error="link down"),
+        simple("abort", 0.35, reason="span failed"), simple("fence", 0.4, span=2),
+        *[{**e, "t": e["t"] + 0.5, **({"span": e["span"] + 10} if "span" in e else {})}
+          for e in hybrid_life()]]),
+}
+
+
 def write(name: str, header: dict, lines: list[dict]) -> None:
     text = "".join(dumps(obj) + "\n" for obj in [header, *lines])
     (OUT / f"{name}.jsonl").write_text(text, encoding="utf-8")
@@ -193,9 +273,13 @@ def main() -> None:
         header = HEADER
         if code_name.startswith("CFG-1"):
             header = {**HEADER, "mode": "layer", "geometry": {**GEO, "recurrent": True}}
-        if code_name == "TRACE-1-version-3":
-            header = {**HEADER, "version": 3}
+        if code_name == "TRACE-1-version-4":
+            header = {**HEADER, "version": 4}
         write(f"illegal-{code_name}", header, lines)
+    for code_name, lines in ILLEGAL_V3.items():
+        write(f"illegal-{code_name}", HEADER_V3, lines)
+    for name, (header, lines) in LEGAL_V3.items():
+        write(name, header, lines)
 
 
 if __name__ == "__main__":

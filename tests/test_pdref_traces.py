@@ -526,7 +526,7 @@ def header_with(**changes) -> str:
 
 BAD_HEADERS = {
     "missing header": RESERVE,
-    "version 3": header_with(version=3),
+    "version 4": header_with(version=4),
     "version 0": header_with(version=0),
     "version string": header_with(version="1"),
     "version float": header_with(version=1.0),
