@@ -17,7 +17,6 @@ from pdref.progress import Coverage, LayerProgress, empty_coverage
 from pdref.span_ids import UsedSpanIds
 from pdref.state import Phase, RequestLife, SystemState
 
-
 _NO_STATES = IntervalSet()  # (v3) a new life's landed states: none
 
 
