@@ -20,7 +20,8 @@ from pathlib import Path
 # the hot path of `pdsim run` (a profile's top files); models.py reads its own __file__
 COMPILED = {
     "pdref": ("fast_monitor", "mirror_apply", "mirror", "intervals", "plan", "pool",
-              "progress", "metrics", "monitor", "rows", "span_ids"),
+              "progress", "metrics", "monitor", "rows", "span_ids", "mirror_hybrid", "hybrid",
+              "kinds"),
     "pdsim.core": ("producer", "decoder", "env", "copier", "sim", "steps", "metrics",
                    "serving_metrics", "workload", "running", "stream", "quantiles"),
 }
