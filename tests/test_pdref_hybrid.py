@@ -264,3 +264,26 @@ def test_free_state_slot_follows_the_rules():
         for e in life[4:6]:
             m.emit(e)
         assert m.free_state_slot() == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(hybrid_traces(), st.sampled_from(["whole", "chunk", "layer"]), st.booleans())
+def test_the_plan_of_every_mode_is_legal(case, mode, compute):
+    """The shells' plan (plan_steps: compute steps and the spans each makes ready) of any
+    hybrid geometry, mode, prompt, prefix and chunk, issued and landed in order, is a legal
+    life to both monitors and the checker; every span's bytes from `Region.span_bytes`."""
+    from pdref.plan import plan_steps
+
+    head, events = case
+    head = ev.Header("test", mode, head.geometry, head.pool_pages, 1)
+    reserve, prompt, prefix = events[0], events[0].prompt, events[0].prefix
+    life, span = [reserve], 0
+    for step in plan_steps(mode, head.geometry, prompt, prefix, 5, compute):
+        life.append(ev.Computed(0.0, "a", step.layers, step.tokens))
+        for region in step.spans:
+            life += [ev.Issue(0.0, "a", span, region.layers, region.tokens,
+                              region.span_bytes(head.geometry, prompt, prefix), region.state),
+                     ev.Land(0.0, "a", span)]
+            span += 1
+    life += [ev.Produced(0.0, "a", 1), ev.Admit(0.0, "a"), ev.Release(0.0, "a")]
+    assert verdicts(head, life) is None
