@@ -13,6 +13,7 @@ from pathlib import Path
 import attrs
 
 from pdref.geometry import Geometry
+from pdref.kinds import FULL, LINEAR, SLIDING, LayerKind
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
 MODELS_DIR = SPECS_DIR / "models"
@@ -66,15 +67,37 @@ class ModelSpec:
         return DTYPE_BYTES[self.dtype]
 
     def geometry(self, page_tokens: int = 16) -> Geometry:
-        """The KV the handoff carries: of a hybrid, only its attention layers (`kv_layers`)."""
+        """The KV the handoff carries: of a hybrid, only its attention layers (`kv_layers`);
+        (contract v3) with `layer_types`, every layer, each of its kind."""
+        kinds = self.layer_kinds()
         return Geometry(
-            layers=self.get("kv_layers") or self.layers,
+            layers=self.layers if kinds else (self.get("kv_layers") or self.layers),
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             dtype_bytes=self.dtype_bytes,
             page_tokens=page_tokens,
             recurrent=self.recurrent,
+            kinds=kinds,
         )
+
+    def layer_kinds(self) -> tuple[LayerKind, ...] | None:
+        """(v3) Each layer's kind from the profile's `layer_types` (Hugging Face's names:
+        full_attention, sliding_attention with `sliding_window`, linear_attention with
+        `linear_state_bytes`, the state of one layer); None without `layer_types`."""
+        types = self.get("layer_types")
+        if types is None:
+            return None
+        if type(types) is not list or len(types) != self.layers:
+            raise ValueError(f"field 'layer_types' must list {self.layers} layer types")
+        made = {"full_attention": lambda: LayerKind(FULL),
+                "sliding_attention": lambda: LayerKind(SLIDING, self.get("sliding_window")),
+                "linear_attention": lambda: LayerKind(LINEAR, None,
+                                                      self.get("linear_state_bytes"))}
+        unknown = sorted(set(types) - set(made))
+        if unknown:
+            raise ValueError(f"field 'layer_types': unknown type {unknown[0]!r} (known: "
+                             f"{', '.join(made)})")
+        return tuple(made[t]() for t in types)
 
     def get(self, key: str, default=None):
         """A field of the profile that the spec does not name (e.g. simulator extras)."""
@@ -135,7 +158,9 @@ def model_from_dict(data: dict, default_name: str, where: str) -> ModelSpec:
     extra = tuple(sorted((k, v) for k, v in data.items() if k not in known))
     try:
         rope = RopeScaling(**scaling) if scaling else None
-        return ModelSpec(**fields, rope_scaling=rope, extra=extra)
+        spec = ModelSpec(**fields, rope_scaling=rope, extra=extra)
+        spec.geometry()  # (v3) its layer kinds agree with the rest
+        return spec
     except (TypeError, ValueError) as e:
         raise ProfileError(f"{where}: {e}") from None
 
