@@ -287,3 +287,21 @@ def test_the_plan_of_every_mode_is_legal(case, mode, compute):
             span += 1
     life += [ev.Produced(0.0, "a", 1), ev.Admit(0.0, "a"), ev.Release(0.0, "a")]
     assert verdicts(head, life) is None
+
+
+def test_a_profiles_layer_types_make_the_geometrys_kinds():
+    """A model profile's Hugging Face layer_types become the geometry's kinds (every layer,
+    version 3); an unknown type or a wrong count is refused naming the field."""
+    from pdref.models import ProfileError, model_from_dict
+
+    base = {"layers": 3, "hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4,
+            "intermediate": 8, "vocab": 16, "arch": "hybrid", "dtype": "bfloat16",
+            "recurrent": True, "sliding_window": 5, "linear_state_bytes": 10,
+            "layer_types": ["linear_attention", "sliding_attention", "full_attention"]}
+    geo = model_from_dict(base, "m", "m.toml").geometry(page_tokens=PAGE)
+    assert geo.kinds == GEO.kinds and geo.layers == 3
+    assert ev.Header("t", "chunk", geo, 8, 1).version == 3
+    for bad, words in ((["full_attention"] * 2, "must list 3"),
+                       (["full_attention", "mamba", "full_attention"], "unknown type 'mamba'")):
+        with pytest.raises(ProfileError, match=words):
+            model_from_dict({**base, "layer_types": bad}, "m", "m.toml")
