@@ -31,6 +31,10 @@ from pdref.violations import Violation
 
 PAGE_TOKENS = 4
 MAX_PROMPT = 40
+# The machine spends about 20 s of CPU (300 examples of 50 steps over three versions); on a
+# loaded 2-core machine its wall time passed the default 120 s bound.
+pytestmark = pytest.mark.timeout(300)
+
 # (code, version, event kind) of every refusal the machine made: `test_the_machine_reaches_
 # every_rules_edge` needs each rule's illegal cases reached, so a mirror that drifts on one
 # of them (say COPY-3 against an unfenced span) is compared with `apply` there.
@@ -391,7 +395,11 @@ class ApplyVsSimple(RuleBasedStateMachine):
                                          st.integers(1, 12)), min_size=4, max_size=4))
     def start(self, layers, pool_pages, max_pending, mode, recurrent, version, kinds):
         kinds = kinds[:layers] if version == 3 else None  # (v3) (kind, window or state bytes)
-        if kinds is not None:
+        if kinds is not None:  # every v3 run has a linear and a sliding layer (their edges)
+            if all(k != "linear" for k, _ in kinds):
+                kinds[-1] = ("linear", kinds[-1][1])
+            if all(k != "sliding" for k, _ in kinds):
+                kinds[0] = ("sliding", kinds[0][1])
             recurrent = any(k == "linear" for k, _ in kinds)
         geo = Geometry(layers=layers, kv_heads=1, head_dim=2, dtype_bytes=1,
                        page_tokens=PAGE_TOKENS, recurrent=recurrent, kinds=layer_kinds(kinds))
