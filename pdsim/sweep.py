@@ -208,7 +208,7 @@ def command(args) -> int:
         raise UsageError(problem)
     base = base_config(args)
     base = attrs.evolve(base, no_compute=args.no_compute)
-    if "layer" in args.modes and base.geometry.recurrent:
+    if "layer" in args.modes and base.geometry.recurrent and base.geometry.kinds is None:
         raise UsageError("--modes: layer is refused for a recurrent model (CFG-1)")
     if args.ray is None:
         rows = run_sweep(base, grid(args), args.prefix, args.jobs, progress=not args.quiet,

@@ -68,8 +68,9 @@ class SimConfig:
     labels: tuple[tuple[str, object], ...] = ()  # extra header fields (model, hw, link, ...)
 
     def __attrs_post_init__(self) -> None:
-        if self.mode is Mode.LAYER and self.geometry.recurrent:
-            raise ValueError("mode layer is refused for a recurrent model (CFG-1)")
+        if self.mode is Mode.LAYER and self.geometry.recurrent and self.geometry.kinds is None:
+            raise ValueError("mode layer is refused for a recurrent model that names no "
+                             "layer kinds (CFG-1)")
 
     def producer_name(self, index: int) -> str:
         return f"p{index}"

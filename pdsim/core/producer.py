@@ -23,6 +23,7 @@ from collections import deque
 
 import attrs
 
+from pdref import events as ev
 from pdref.events import Mode
 from pdref.plan import Region
 from pdref.rows import ComputedRow, IssueRow, LandRow, new_row
@@ -83,6 +84,10 @@ class Producer:
         self.whole = cfg.mode is Mode.WHOLE
         self.compute_lane = f"{name}.compute"
         self.bytes_per_token_layer = cfg.geometry.bytes_per_token_layer
+        # (contract v3) a geometry with layer kinds: spans priced per kind, states as spans,
+        # and (linear layers) each life named a state slot of this producer
+        self.hybrid = cfg.geometry.layout is not None
+        self.state_slots = self.hybrid and cfg.geometry.recurrent
         self.land_byte_s = cfg.costs.land_byte_s
         # shared host cores: a landing slows the prefill running then (cores.py)
         self.land_slow = cfg.costs.land_contention if sim.cores is not None else 0.0
@@ -104,8 +109,9 @@ class Producer:
         """The decoder reserved the request's slab for this producer: it joins the queue."""
         job = self._new_job(request, plan_steps(self.cfg, request, self.sim.chunk_steps))
         job.owner, job.queued_work = self, request.prompt - request.prefix
+        slot = self.monitor.free_state_slot(self.name) if self.state_slots else None
         self.monitor.reserve(self.env.now, request.req, request.prompt, request.prefix,
-                             self.name)
+                             self.name, slot)
         self.load += job.queued_work
         self.queue.append(job)
         self._start_next()
@@ -256,15 +262,31 @@ class Producer:
     def _issue(self, job: Job, region: Region) -> None:
         now, sim = self.env.now, self.sim
         span = sim.next_span()
-        (l0, l1), (a, b) = layers, tokens = region.layers, region.tokens  # Region.bytes inlined
-        nbytes = self.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0) * (b - a if b > a else 0)
+        if self.hybrid:
+            nbytes = self._emit_hybrid(now, job, span, region)
+        else:
+            (l0, l1), (a, b) = layers, tokens = region.layers, region.tokens  # Region.bytes
+            nbytes = (self.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0)
+                      * (b - a if b > a else 0))
+            self.emit(new_row(IssueRow, (now, job.req, span, layers, tokens, nbytes)))
         job.spans_issued += 1
-        self.emit(new_row(IssueRow, (now, job.req, span, layers, tokens, nbytes)))
         if self.land_byte_s or self.land_slow:
             self.span_bytes[span] = nbytes
         if job.spans_issued == job.spans_total:  # the last: the recurrent state goes too
             nbytes += self.state_bytes  # (steps.copied_bytes inlined)
         self._schedule_copy(job, span, self.copier.schedule(now, nbytes))
+
+    def _emit_hybrid(self, now: float, job: Job, span: int, region: Region) -> int:
+        """(v3) Issue a span of a geometry with layer kinds: its bytes per kind, a state
+        span as an event of its own (a row stands for a KV span); its bytes."""
+        request = job.request
+        nbytes = region.span_bytes(self.cfg.geometry, request.prompt, request.prefix)
+        if region.state:
+            self.emit(ev.Issue(now, job.req, span, region.layers, region.tokens, nbytes, True))
+        else:
+            self.emit(new_row(IssueRow, (now, job.req, span, region.layers, region.tokens,
+                                         nbytes)))
+        return nbytes
 
     def _schedule_copy(self, job: Job, span: int, times: SpanTimes) -> None:
         """The copier runs the span's stages at `times`, then the span lands."""

@@ -154,19 +154,51 @@ def recurrent_decode_row_s(r: Roofline) -> float:
 
 
 def _state_bytes_layer(r: Roofline) -> float:
+    if r.spec.layer_kinds() is not None:  # (contract v3) the profile names one layer's state
+        return float(r.spec.get("linear_state_bytes"))
     linear_layers = r.spec.layers - r.spec.geometry().layers
     return (r.spec.get("recurrent_state_bytes", 0) or 0) / max(linear_layers, 1)
+
+
+def sliding_prefill_s(r: Roofline, a: int, b: int) -> float:
+    """Sliding-window attention of queries [a, b): query q attends its last W keys
+    (min(q + 1, W) pairs), against reading those keys once; FlashAttention-class kernels
+    skip the tiles outside the band, as they skip the masked ones."""
+    w = r.spec.get("sliding_window")
+    full = min(b, w)  # queries below w attend every key before them
+    pairs = (max(0, full * (full + 1) - a * (a + 1)) // 2 if a < full else 0)
+    pairs += w * (b - max(a, full))
+    flops = 4.0 * r.spec.heads * r.spec.head_dim * pairs
+    eff = curve_at(r.figures.attention_prefill, min(b, w))
+    kv = min(b, w - 1 + (b - a)) * _kv_bytes_layer(r)  # keys [a - w + 1, b)
+    return max(flops / (r.peak * eff), kv / (r.bandwidth * r.figures.memory))
+
+
+def sliding_decode_row_s(r: Roofline) -> float:
+    """A decode row of a sliding layer reads its window's KV, whatever the context (the
+    decoder keeps only the window: a ring or freed pages), priced as a full window."""
+    return r.spec.get("sliding_window") * _kv_bytes_layer(r) / (r.bandwidth * r.figures.kv_memory)
 
 
 MIXERS: dict[str, Mixer] = {
     "attention": Mixer(attention_prefill_s, lambda r: 0.0, attention_decode_kv_token_s),
     "recurrent": Mixer(recurrent_prefill_s, recurrent_decode_row_s, lambda r: 0.0),
+    "sliding": Mixer(sliding_prefill_s, sliding_decode_row_s, lambda r: 0.0),
 }
+_MIXER_OF_KIND = {"full": "attention", "sliding": "sliding", "linear": "recurrent"}
 
 
 def layer_kinds(spec: ModelSpec) -> tuple[tuple[str, int], ...]:
     """(kind, count) of the model's token mixers: its KV layers are full attention, a
-    hybrid's other layers recurrent (linear attention)."""
+    hybrid's other layers recurrent (linear attention); (contract v3) a profile with
+    `layer_types` counts each layer's own kind (full, sliding, linear)."""
+    kinds = spec.layer_kinds()
+    if kinds is not None:
+        counts = {}
+        for kind in kinds:
+            name = _MIXER_OF_KIND[kind.kind]
+            counts[name] = counts.get(name, 0) + 1
+        return tuple(counts.items())
     attention = spec.geometry().layers
     rest = spec.layers - attention
     return (("attention", attention),) + ((("recurrent", rest),) if rest else ())

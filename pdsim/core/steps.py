@@ -98,7 +98,8 @@ def lower_bound_s(cfg: SimConfig, request: RequestSpec) -> float:
         compute_end += step.base_s
         for span in step.spans:
             seen += 1
-            nbytes = copied_bytes(cfg, span.bytes(cfg.geometry), seen == total)
+            nbytes = copied_bytes(cfg, span.span_bytes(cfg.geometry, request.prompt,
+                                                       request.prefix), seen == total)
             copy_end = max(copy_end, copier.schedule(compute_end, nbytes).land)
     return max(compute_end, copy_end)
 
@@ -108,5 +109,6 @@ def copy_total_s(cfg: SimConfig, request: RequestSpec) -> float:
     its worker is busy)."""
     spans = [s for step in plan_steps(cfg, request) for s in step.spans]
     return sum(
-        span_copy_s(cfg, s.bytes(cfg.geometry), i == len(spans) - 1) for i, s in enumerate(spans)
+        span_copy_s(cfg, s.span_bytes(cfg.geometry, request.prompt, request.prefix),
+                    i == len(spans) - 1) for i, s in enumerate(spans)
     )
