@@ -41,7 +41,7 @@ class FastMonitor(MirrorTransitions, HybridTransitions, Monitor):
         self.deferred_legal = 0  # events this code refused and the specification accepted
         m = self.mirror
         self._handlers = {
-            ev.Reserve: self._reserve, ev.Computed: self._computed, ev.Issue: self._issue_event,
+            ev.Reserve: self._reserve, ev.Computed: self._computed, ev.Issue: self._issue,
             ev.Land: self._land, ev.Fail: self._fail, ev.Reuse: self._reuse,
             ev.Produced: self._produced, ev.Admit: self._admit, ev.Release: self._release,
             ev.Abort: self._abort, ev.Fence: self._fence, ev.Stage: None,

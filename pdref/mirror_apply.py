@@ -21,10 +21,6 @@ class MirrorTransitions:
     `self._pending`, `self._used`, `self._token_layer_bytes` and `self._layout` (the
     geometry's layer kinds, None without) looked up once."""
 
-    def _issue_event(self, e) -> bool:
-        """An issue event of a geometry without layer kinds: a state span there is refused
-        (COV-1, by the specification); a KV span as its row."""
-        return not e.state and self._issue(e)
 
     def _reserve(self, e) -> bool:
         m = self.mirror
@@ -89,6 +85,8 @@ class MirrorTransitions:
                     return False
             elif life.held_value().first_gap(layers, tokens) is not None:
                 return False
+        elif e.state:  # (v3) a state span (its tokens are empty) is mirror_hybrid.py's
+            return False
         for other in life.in_flight:
             (o0, o1), (x, y) = other.layers, other.tokens
             if l0 < o1 and o0 < l1 and l0 < l1 and o0 < o1 and a < y and x < b and a < b and x < y:

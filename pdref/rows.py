@@ -30,6 +30,7 @@ def _row_of(event: type) -> type:
 
 
 ComputedRow, IssueRow, LandRow = map(_row_of, (ev.Computed, ev.Issue, ev.Land))
+IssueRow.state = False  # a row is a KV span (read only for an empty one: FastMonitor._issue)
 
 EVENT_OF_ROW: dict[type, type] = {ComputedRow: ev.Computed, IssueRow: ev.Issue,
                                   LandRow: ev.Land}

@@ -566,6 +566,34 @@ class ApplyVsSimple(RuleBasedStateMachine):
         accepted = self.do(ev.Reuse(0.0, req, (t, t + 1)))
         assert accepted == (fail_first and self.version == 1)
 
+    @precondition(lambda self: self.model.linear_layers()
+                  and any(n not in self.model.lives for n in NAMES))
+    @rule()
+    def admit_without_states(self):
+        """(v3) A fresh life sent every KV it needs and admitted without its states:
+        STATE-3. Other spans in flight are failed and every writer fenced first (legal), so
+        the producer has a free slot."""
+        model = self.model
+        for req, life in sorted(model.lives.items()):
+            for span in sorted(life.flying, key=str):
+                assert self.do(ev.Fail(0.0, req, span, "e"))
+        for span, (req, _, _) in sorted(model.unfenced.items(), key=lambda p: str(p[0])):
+            assert self.do(ev.Fence(0.0, req, span))
+        name = next(n for n in NAMES if n not in model.lives)
+        if len(model.free) < 2 or not self.do(ev.Reserve(0.0, name, 2 * PAGE_TOKENS, 0, tuple(
+                sorted(model.free)[:2]), "p0", model.free_slot("p0"))):
+            return
+        life = model.lives[name]
+        self.do(ev.Computed(0.0, name, (0, self.L), (0, life.prompt)))
+        for layer in range(self.L):
+            if model.kind(layer) == "linear":
+                continue
+            lo = model.window_lo(life, layer) if model.kind(layer) == "sliding" else 0
+            sent = self._issue(name, None, (layer, layer + 1), (lo, life.prompt), 0)
+            assert sent is not None and self.do(ev.Land(0.0, name, sent[1]))
+        assert self.do(ev.Produced(0.0, name, 1))
+        assert not self.do(ev.Admit(0.0, name))
+
     @precondition(lambda self: any(self.model.clips(life) for life in self.model.lives.values()))
     @rule(data=st.data())
     def issue_unclipped(self, data):
