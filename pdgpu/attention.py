@@ -9,6 +9,9 @@ tensor is built and K/V are never repeated for GQA (`enable_gqa`):
               (square: upper-left = lower-right), merged by their log-sum-exp. torch's CPU
               SDPA has no lower-right flash path: it would build the [n, start + n] mask
               and run the math kernel (3x slower at 2048 tokens in chunks of 256).
+float32 on CUDA with grouped K/V is the exception: no fused kernel takes it, so K/V are
+repeated per query head for the memory-efficient kernel (tests/test_pdgpu_attention.py runs
+it with only that kernel enabled), rather than leave torch to the math kernel.
 A sliding-window layer (`window` W: a query at p sees keys (p - W, p]) whose chunk reaches
 past the first W positions attends only the keys its chunk can see, under a band mask.
 
@@ -35,14 +38,30 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     if window is not None and start + n > window:
         return _windowed(q, k, v, start, window)
     qh, kh, vh = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, n, D], [1, KVH, c, D]
+    gqa = not _no_fused_gqa(q, k)
+    if not gqa:
+        kh, vh = _repeat_heads(kh, q.shape[1]), _repeat_heads(vh, q.shape[1])  # [1, H, c, D]
     if start == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     elif q.device.type == "cpu":
         out = _split_causal_cpu(qh, kh, vh, start)
     else:
         bias = causal_lower_right(n, k.shape[1])
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, enable_gqa=gqa)
     return out[0].transpose(0, 1)  # [n, H, D]
+
+
+def _no_fused_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """float32 grouped-query attention on CUDA: flash refuses float32 and memory-efficient
+    refuses fewer K/V heads than query heads (torch 2.11..2.13), so torch would build the mask
+    and run the math kernel (scores materialized, K/V repeated anyway)."""
+    return q.device.type == "cuda" and q.dtype == torch.float32 and k.shape[0] != q.shape[1]
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[1, KVH, c, D] -> [1, H, c, D], each K/V head repeated for its query group: memory-
+    efficient attention then runs it (c x D per query head; no [n, c] scores or mask)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def _windowed(q, k, v, start: int, window: int) -> torch.Tensor:

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# GPU check (issues 4, 9, 11, 24 and 33), about 5 minutes on one GPU without the hybrid
+# GPU check (issues 4, 9, 11, 24, 33 and 34), about 6 minutes on one GPU without the hybrid
 # steps of issue 33 (in 1 and 2c, not yet timed on a GPU); each step has its own time limit,
-# together 545 s:
+# together 665 s (695 with NIXL):
 #   1. the CUDA tests (pytest -m gpu): every one must run, a skipped one fails the check
 #      (the engine on CUDA, the attention kernels in bf16 and float32, and the hybrid
-#      families' tokens against transformers on CUDA, issue 33)
+#      families' tokens against transformers on CUDA, issue 33; issue 34: the decode step
+#      replayed as a CUDA graph gives the eager step's tokens, a request's decode logits are
+#      bit-identical alone and in a batch on CUDA (bf16, fp32), the op counts of 2d with
+#      every dispatched op counted)
 #   1b. pdgpu serve on CUDA (tests/test_pdgpu_serve_gpu.py, pytest -m gpu): served tokens
 #      equal pdgpu generate on cuda:0 in whole/chunk/layer with 1 and 2 producers, --verify;
 #      a killed producer does not hang the decoder. With two GPUs the decoder is on cuda:1
@@ -16,9 +19,13 @@
 #      layer with whole, traces checked by pdref
 #   2b. bench/kernel_speed.py: pdgpu prefill (one chunk, chunks of 256) and a decode step
 #      (batch 16, contexts 1-4k) against transformers, same weights, same run; the GPU
-#      targets (one chunk <= 1.0x, chunks <= 1.3x, decode step <= 8 ms) printed with each
+#      targets (one chunk <= 1.0x, chunks <= 1.3x, decode step <= 8 ms, eager and replayed as
+#      a CUDA graph: the ITL at batch 16) printed with each
 #   2c. bench/kernel_speed.py --family qwen3_5 and gemma3: the same, on hybrids of the
 #      preset's sizes saved by transformers (decode: a real batch of 256..1024-token prompts)
+#   2d. kernel ops per layer on the device (bench/kernel_speed.py --count, issue 34): decode
+#      step of batch 16 <= 20, prefill chunk (first, later; digests on) <= 25, host syncs and
+#      host-made tensors in the step 0, each printed with its target
 #   3. bench/engine_overlap.py with qwen3-0.6b at 8192 tokens / chunk 256, no link pacing,
 #      plus the measured pinned copy bandwidth, in the same run.
 #   4. the export-only curve (no compute, `pdgpu run --no-compute`): 0.1, 0.5, 1, 2 GB of
@@ -36,7 +43,8 @@
 #
 #   scripts/gpu_check.sh --dry-run   # no GPU: the same steps on CPU at toy sizes (tiny model,
 #                                    # KB payloads; the CUDA tests only collected), so the
-#                                    # commands and their options are known to work (~1 min)
+#                                    # commands and their options are known to work (~3 min;
+#                                    # each step's limit x3: processes start slowly on a busy CPU)
 # A failed step stops the check, unless KEEP_GOING=1: then every step runs (a first run on a
 # lent GPU gets all it can from one call), failures are listed in failed.txt, and it exits 1.
 set -euo pipefail
@@ -63,7 +71,7 @@ failed() {  # failed NAME: stop, or with KEEP_GOING=1 note it and go on
 }
 
 step() {  # step SECONDS NAME COMMAND...: run it under a time limit, output to $OUT/NAME.txt
-    local limit=$1 name=$2 start=$SECONDS status=0
+    local limit=$(($1 * LIMIT_SCALE)) name=$2 start=$SECONDS status=0
     shift 2
     timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt" || status=$?
     echo "$name $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/timings.txt"
@@ -75,6 +83,7 @@ if [ "$DRY" = 1 ]; then
     PAYLOADS=2e4,5e4,1e5,2e5,4e5 REPEATS=1 CURVE_REPEATS=1 LANE_MB=4 LANE_ROUNDS=1
     KERNEL_CONTEXTS=16:64 HYBRID_CONTEXTS=16:32
     TESTS=(--collect-only)
+    LIMIT_SCALE=3  # the limits bound a GPU run; a dry run's processes start on a shared CPU
     echo "device: cpu (dry run: toy sizes, nothing measured)" | tee "$OUT/device.txt"
 else
     "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| GPUs:', torch.cuda.device_count())" | tee "$OUT/device.txt"
@@ -83,6 +92,7 @@ else
     PAYLOADS=1e8,5e8,1e9,2e9 REPEATS=3 CURVE_REPEATS=2 LANE_MB=64 LANE_ROUNDS=2
     KERNEL_CONTEXTS=1024:4096 HYBRID_CONTEXTS=256:1024
     TESTS=(-rs)
+    LIMIT_SCALE=1
 fi
 
 no_skips() {  # no_skips NAME: a skipped CUDA test fails the check
@@ -93,8 +103,9 @@ no_skips() {  # no_skips NAME: a skipped CUDA test fails the check
 }
 
 echo "== 1. CUDA tests"
-step 50 pytest_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" tests/test_pdgpu_gpu.py \
-    tests/test_pdgpu_attention.py tests/test_pdgpu_hybrid.py
+step 90 pytest_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" tests/test_pdgpu_gpu.py \
+    tests/test_pdgpu_attention.py tests/test_pdgpu_hybrid.py tests/test_pdgpu_decode_graph.py \
+    tests/test_pdgpu_op_count.py
 no_skips pytest_gpu
 
 case "$DRY:$DECODER" in
@@ -117,7 +128,7 @@ step 35 compare "$PY" -m pdgpu compare --model "$MODEL" --prompt "$COMPARE_PROMP
 "$PY" -m pdref check "$OUT"/whole.jsonl "$OUT"/chunk.jsonl "$OUT"/layer.jsonl || failed "pdref check"
 
 echo "== 2b. kernels against transformers, $MODEL, $PROMPT tokens, chunk $CHUNK, decode batch 16"
-step 45 kernels "$PY" bench/kernel_speed.py --device "$DEV" --model "$MODEL" --prompt "$PROMPT" \
+step 60 kernels "$PY" bench/kernel_speed.py --device "$DEV" --model "$MODEL" --prompt "$PROMPT" \
     --chunk "$CHUNK" --contexts "$KERNEL_CONTEXTS" --repeats "$REPEATS" --profile
 
 for family in qwen3_5 gemma3; do
@@ -126,6 +137,10 @@ for family in qwen3_5 gemma3; do
         --family "$family" --prompt "$PROMPT" --chunk "$CHUNK" --contexts "$HYBRID_CONTEXTS" \
         --repeats "$REPEATS"
 done
+
+echo "== 2d. kernel ops per layer on $DEV, $MODEL: decode batch 16, chunk $CHUNK (issue 34)"
+step 60 op_counts "$PY" bench/kernel_speed.py --count --device "$DEV" --model "$MODEL" \
+    --chunk "$CHUNK" --contexts "$KERNEL_CONTEXTS" --batch 16
 
 echo "== 3. overlap benchmark, $MODEL, $PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
 step 80 engine_overlap "$PY" bench/engine_overlap.py --model "$MODEL" --prompt "$PROMPT" \
@@ -138,7 +153,7 @@ step 55 export_curve "$PY" bench/engine_overlap.py --model "$MODEL" --chunk "$CH
     --link-gbps 0 --repeats "$CURVE_REPEATS" --out "$OUT/export_curve.json"
 
 echo "== 5. KV between processes on $DEV: shm vs gloo lanes, against a same-size copy"
-step 40 kv_lane "$PY" bench/serve.py --modes "" --lanes "gloo,shm${NIXL:+,nixl}" --device "$DEV" \
+step 75 kv_lane "$PY" bench/serve.py --modes "" --lanes "gloo,shm${NIXL:+,nixl}" --device "$DEV" \
     --lane-mb "$LANE_MB" --lane-messages 20 --rounds "$LANE_ROUNDS"
 if [ "${#NIXL[@]}" -gt 0 ]; then
     echo "== 5b. which UCX transport carried the NIXL lane's READ on $DEV (UCX_PROTO_INFO)"

@@ -164,3 +164,20 @@ def test_cuda_bf16_prefill_runs_on_the_flash_backend(start):
             for _ in range(2))
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         assert prefill_attention(q, k, v, start).shape == q.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("start", [0, 256])
+def test_cuda_float32_grouped_prefill_runs_on_the_memory_efficient_backend(start):
+    """float32 with grouped K/V (flash refuses float32, memory-efficient grouped K/V): with
+    only the memory-efficient backend enabled a chunk still runs, and gives the masked
+    reference's answer: it is not left to the math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    gen = torch.Generator().manual_seed(start)
+    q = torch.randn(256, 16, 128, generator=gen)
+    k, v = (torch.randn(8, start + 256, 128, generator=gen) for _ in range(2))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        got = prefill_attention(q.cuda(), k.cuda(), v.cuda(), start)
+    torch.testing.assert_close(got.cpu(), masked_reference(q, k, v, start), atol=1e-4,
+                               rtol=1e-4)

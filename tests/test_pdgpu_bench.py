@@ -78,7 +78,7 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     steps = [line.split()[0] for line in (out / "timings.txt").read_text().splitlines()]
     nixl = importlib.util.find_spec("nixl_cu13") is not None
     assert steps == ["pytest_gpu", "serve_gpu", "compare", "kernels", "kernels_qwen3_5",
-                     "kernels_gemma3", "engine_overlap", "export_curve",
+                     "kernels_gemma3", "op_counts", "engine_overlap", "export_curve",
                      "kv_lane"] + ["ucx_transport"] * nixl
     if nixl:  # which UCX transport carried the NIXL READ, from UCX's own tables
         assert "remote memory read" in (out / "ucx_read.txt").read_text()
@@ -92,6 +92,8 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert len(curve) == 5 and all(r["chunk_s"] > 0 and r["whole_s"] > 0 for r in curve)
     kernels = (out / "kernels.txt").read_text()
     assert "prefill_one_chunk" in kernels and "decode_step" in kernels
+    counts = (out / "op_counts.txt").read_text()  # issue 34: ops per layer beside targets
+    assert "decode_step" in counts and "target <= 20: ok" in counts and "0 host syncs" in counts
     lanes = (out / "kv_lane.txt").read_text()
     assert "| shm |" in lanes and "| gloo |" in lanes and "of memcpy" in lanes
 
@@ -107,7 +109,7 @@ def test_gpu_check_stops_at_a_failed_step_unless_keep_going(tmp_path, keep_going
     failed = (out / "failed.txt").read_text().splitlines()
     assert run.returncode == 1
     if keep_going:
-        kernels = ["kernels", "kernels_qwen3_5", "kernels_gemma3"]
+        kernels = ["kernels", "kernels_qwen3_5", "kernels_gemma3", "op_counts"]
         assert steps == ["pytest_gpu", "serve_gpu", "compare", *kernels, "engine_overlap",
                          "export_curve", "kv_lane"]
         names = ["pytest_gpu", "serve_gpu", "compare", "pdref check", *kernels,

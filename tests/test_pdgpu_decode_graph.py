@@ -13,12 +13,14 @@ TINY = load_model("tiny")
 
 
 def _cache(model, lengths, seed=0):
-    """A padded decode cache (as on CUDA) holding requests of `lengths` tokens of seeded K/V."""
+    """A padded decode cache (as on CUDA) holding requests of `lengths` tokens of seeded K/V
+    (each length draws the same values whatever the others)."""
     gen = torch.Generator().manual_seed(seed)
     cache = DecodeCache.for_model(model, padded=True)
     spec = model.spec
     seqs = [cache.add(torch.randn(spec.layers, 2, n, spec.kv_heads, spec.head_dim,
-                                  generator=gen).to(cache.device, cache.dtype)) for n in lengths]
+                                  generator=gen.manual_seed(seed + n))
+                      .to(cache.device, cache.dtype)) for n in lengths]
     return cache, seqs
 
 
@@ -89,3 +91,26 @@ def test_cuda_graph_replay_gives_the_eager_steps_tokens():
         runs[name] = out
     assert runs["graph"] == runs["eager"]
     assert 2 <= graphed.captures <= 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_decode_step_is_batch_invariant(dtype):
+    """On CUDA (padded groups, as served): a request's logits are bit-identical alone and in
+    a batch of requests in other buckets. If cuBLAS picks another algorithm for another
+    batch size, this fails: the README's token-parity statement rests on it."""
+    import attrs
+    model = build_model(attrs.evolve(TINY, dtype=dtype), device="cuda", seed=0)
+    lengths, tokens = [20, 300, 40, 700, 90], [5, 6, 7, 8, 9]
+
+    def logits(indices):
+        _, seqs = _cache(model, [lengths[i] for i in indices])
+        batch = DecodeBatch(seqs)
+        batch.feed([tokens[i] for i in indices])
+        with torch.no_grad():
+            return decode_logits(model, batch)[batch.order]
+
+    together = logits([0, 1, 2, 3, 4])
+    for place in range(5):
+        assert torch.equal(logits([place])[0], together[place]), place

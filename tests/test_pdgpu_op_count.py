@@ -54,3 +54,15 @@ def test_a_prefill_chunk_meets_the_ops_per_layer_target_with_digests(spec, start
     plain, _ = per_layer(spec, lambda s: prefill_chunk_ops(s, 256, start, digests=False))
     assert layer.kernels <= PREFILL_TARGET, dict(layer.names)
     assert layer.kernels - plain.kernels == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_counts_meet_the_targets_with_every_dispatched_op():
+    """On CUDA no convention applies (rms_norm is one fused kernel there): the decode step
+    and a later prefill chunk meet their targets counting every dispatched op."""
+    layer, once = per_layer(TINY, lambda s: decode_step_ops(s, [40, 90, 200], "cuda"))
+    assert layer.kernels == layer.cpu_ops <= DECODE_TARGET, dict(layer.names)
+    assert layer.syncs == once.syncs == 0 and layer.made == once.made == 0
+    chunk, _ = per_layer(TINY, lambda s: prefill_chunk_ops(s, 256, 256, True, "cuda"))
+    assert chunk.kernels <= PREFILL_TARGET, dict(chunk.names)

@@ -190,19 +190,38 @@ def test_one_gpu_serves_through_pinned_shared_memory(tmp_path, capsys):
         assert r["output"] == reference("tiny", line["tokens"], 4, 16, 0, device="cuda:0")
 
 
-def test_a_full_dev_shm_sends_the_message_over_gloo(monkeypatch):
+def test_a_full_dev_shm_sends_the_message_over_gloo_and_says_so(monkeypatch, capsys):
     """/dev/shm without room for a slot (its pages cannot be allocated): that message crosses
-    over gloo, equal, and no half-made file is left."""
+    over gloo, equal, and no half-made file is left; the writer says so once, and the
+    reader's bytes by lane name gloo, not shm."""
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(transport_shm.os, "posix_fallocate", full)
     reader, writer = _pair()
     try:
-        writer.send(0, "span", {"sid": 1}, (torch.arange(10.0),))
-        msg = reader.get(timeout=20)
-        assert torch.equal(msg.tensors[0], torch.arange(10.0)) and msg.slots == ()
+        writer.send(0, "span", {"sid": 0}, (torch.arange(4.0),))
+        reader.done(reader.get(timeout=20))
+        monkeypatch.setattr(transport_shm.os, "posix_fallocate", full)
+        for sid in (1, 2):
+            writer.send(0, "span", {"sid": sid}, (torch.arange(1 << 19, dtype=torch.int32),))
+            msg = reader.get(timeout=20)
+            assert torch.equal(msg.tensors[0], torch.arange(1 << 19, dtype=torch.int32))
+            assert msg.slots == ()
         assert shm_segments() == []
+        assert reader.received_bytes() == {GLOO: 2 << 21, SHM: 16}
+        assert capsys.readouterr().err.count("such messages go over gloo") == 1
+    finally:
+        close_ends([reader, writer])
+
+
+def test_a_dev_shm_too_small_for_the_slots_is_refused_at_connect(monkeypatch, capsys):
+    """/dev/shm with less room than a link's slots at their smallest: the reader offers no
+    shared memory, says why, and both ends agree on gloo."""
+    monkeypatch.setattr(transport_shm, "free_bytes", lambda: 4 << 20)
+    reader, writer = _pair()
+    try:
+        assert reader.lanes() == {1: GLOO} and writer.lanes() == {0: GLOO}
+        assert "kv lane shm refused" in capsys.readouterr().err
     finally:
         close_ends([reader, writer])
 

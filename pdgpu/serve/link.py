@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from typing import Protocol
 
 import attrs
@@ -81,6 +82,8 @@ class Link:
         self.error: str | None = None  # the link broke
         self.thread: threading.Thread | None = None  # receiving
         self.sender: threading.Thread | None = None
+        self.received: Counter = Counter()  # lane -> tensor bytes received (its thread's)
+        self.said_no_room = False  # a message found no room in /dev/shm (said once)
 
     @property
     def other(self) -> int:

@@ -102,9 +102,17 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "lives": len(lives),
         "stages_clamped": ledger.log.stages_clamped,
         "transport": dict(ledger.header.extra).get("transport"),  # shm, gloo, nccl, ...
+        "kv_bytes_by_lane": _received(decoder),  # which lane carried the bytes, measured
         "verify_s": ledger.verify_s,  # the decoder's seconds checking landed bytes
         **ledger.check_metrics(wall_s),  # live checks' share of wall, the audit's lag
     }
+
+
+def _received(decoder: Decoder) -> dict[str, int] | None:
+    """Tensor bytes the decoder received by the lane that carried them (a shared-memory lane
+    whose /dev/shm had no room sent those messages over gloo)."""
+    received = getattr(decoder.members.transport, "received_bytes", None)
+    return None if received is None else received()
 
 
 def format_summary(values: dict) -> str:

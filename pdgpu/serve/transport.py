@@ -22,8 +22,10 @@ once it copied them out), and a subclass may carry some of its tensors another w
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
+from collections import Counter
 from datetime import timedelta
 
 import orjson
@@ -75,6 +77,14 @@ class GlooTransport:
 
     def peers(self) -> list[int]:
         return sorted(self.links)
+
+    def received_bytes(self) -> dict[str, int]:
+        """Tensor bytes this end received, by the lane that carried them (a shared-memory
+        link's message that found no room in /dev/shm came over gloo)."""
+        total: Counter = Counter()
+        for link in list(self.links.values()) + self.dropped:
+            total.update(link.received)
+        return dict(sorted(total.items()))
 
     def lanes(self) -> dict[int, str]:
         """peer -> the lane its link's tensors take (rendezvous.py)."""
@@ -177,8 +187,13 @@ class GlooTransport:
     def _place(self, link: Link, tensors):
         try:
             return shared.place(link.ring, tensors, lambda: self._broken(link))
-        except shared.NoRoom:
-            return None  # /dev/shm is full: this message goes over gloo
+        except shared.NoRoom as e:  # this message goes over gloo: said once per link
+            if not link.said_no_room:
+                link.said_no_room = True
+                print(f"pdgpu: kv lane {link.lane} to {peer_name(link.peer)}: {e}; such "
+                      "messages go over gloo (the summary's kv_bytes_by_lane counts them)",
+                      file=sys.stderr, flush=True)
+            return None
         except shared.SlotError as e:
             raise TransportError(f"send to {peer_name(link.peer)} failed: {e}") from None
 
@@ -304,6 +319,9 @@ class GlooTransport:
         tensors = [link.views.view(shared, next(offsets), DTYPES[dtype], shape) if via == [SHM]
                    else self._recv_payload(link, DTYPES[dtype], shape, via[0] if via else None)
                    for dtype, shape, *via in meta["tensors"]]
+        for (_, _, *via), t in zip(meta["tensors"], tensors, strict=True):
+            lane = link.lane if via == [SHM] else (via[0] if via and via[0] else GLOO)
+            link.received[lane] += t.numel() * t.element_size()
         return Message(link.peer, meta["op"], meta["body"], tuple(tensors), link.generation,
                        (shared["slot"],) if shared else ())
 

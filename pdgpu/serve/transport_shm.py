@@ -32,6 +32,7 @@ import itertools
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from contextlib import suppress
@@ -56,10 +57,24 @@ class SlotError(RuntimeError):
 
 def shm_token(enabled: bool) -> str | None:
     """This process's name stem for the segments of the links it reads; None when shared
-    memory is not wanted or this machine has no /dev/shm."""
+    memory is not wanted, this machine has no /dev/shm, or it cannot hold a link's slots
+    at their smallest (said on stderr: the link then agrees on gloo, which the trace header
+    and the summary name)."""
     if not enabled or not SHM_DIR.is_dir():
         return None
+    free, need = free_bytes(), MAX_SLOTS * GRAIN
+    if free < need:
+        print(f"pdgpu: kv lane shm refused: {SHM_DIR} has {free >> 20} MiB free, less than "
+              f"{MAX_SLOTS} slots of {GRAIN >> 20} MiB ({need >> 20} MiB); KV goes over gloo",
+              file=sys.stderr, flush=True)
+        return None
     return f"pdgpu-kv-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def free_bytes() -> int:
+    """Bytes /dev/shm can still give an unprivileged writer."""
+    stats = os.statvfs(SHM_DIR)
+    return stats.f_bavail * stats.f_frsize
 
 
 def host_id() -> str:
