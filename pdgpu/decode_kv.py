@@ -274,7 +274,7 @@ class DecodeBatch:
             start += self.groups[-1].rows
         self.covered, self.size = start, max(start, MIN_ROWS)
         self.rows = [starts[s.bucket.width] + s.row for s in seqs]  # batch row of each
-        cache.buffers(self.size, max(self.size, max(cache.buckets)))
+        cache.buffers(self.size, max(self.size, max(cache.buckets), cache.window or 0))
         # [4, R]: tokens, positions, the caller's order, state slots (hybrids)
         self.inputs = cache.inputs[:, :self.size]
         self.key = (cache.generation, self.size, tuple((g.start, g.rows) for g in self.groups))

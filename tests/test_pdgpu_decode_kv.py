@@ -147,3 +147,18 @@ def test_decode_memory_stays_within_what_is_running():
     for seq in seqs[60:]:
         cache.remove(seq)
     assert cache.nbytes == 0 and not cache.buckets
+
+
+def test_a_ring_wider_than_every_bucket_gets_a_mask_of_its_window():
+    """A sliding window (512) wider than the widest bucket (256): each row's ring mask spans
+    the window, and a ring write and attention run (the step's key columns cover it)."""
+    cache = DecodeCache(2, 1, 4, "cpu", torch.float32, windows=(None, 512))
+    seq = cache.add(torch.randn(2, 2, 30, 1, 4))
+    batch = DecodeBatch([seq])
+    batch.feed([3])
+    positions = batch.inputs[1]
+    (full, ring), = batch.masks(positions, torch.float32)
+    assert full[1].shape[-1] == 256 and ring[1].shape[-1] == 512
+    q, k = torch.randn(batch.size, 2, 4), torch.randn(batch.size, 1, 4)
+    out = batch.attend(1, q, k, k, batch.masks(positions, torch.float32))
+    assert out.shape == (batch.size, 8) and torch.isfinite(out).all()
