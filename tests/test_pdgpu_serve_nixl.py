@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-import types
 
 import pytest
 import torch
@@ -33,7 +32,6 @@ from pdgpu.serve import transport_nixl
 from pdgpu.serve.digest import row_digests
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.link import local, rows_into
-from pdgpu.serve.nixl_end import NixlEnd, RemoteSlice
 from pdgpu.serve.rendezvous import GLOO, NIXL, SHM, TransportError, choose_lane
 from pdgpu.serve.tracelog import TraceLog
 from pdgpu.serve.transport_nixl import SLOT_BYTES, SLOTS, NixlTransport, nixl_module
@@ -414,55 +412,3 @@ def test_served_tokens_over_nixl_on_cuda_equal_generate(tmp_path, capsys, checkp
     for line, r in zip(prompts, results, strict=True):
         want = reference(checkpoint, line["tokens"], 4, CHUNK, 16, device="cuda:0")
         assert r["status"] == "ok" and r["output"] == want, r
-
-
-class _FakeAgent:
-    """Stands in for a NIXL agent in this process: a READ is a memmove of each descriptor,
-    registrations are counted."""
-
-    def __init__(self, name, config) -> None:
-        self.registered: dict[int, list] = {}
-        self.registrations = 0
-
-    def register_memory(self, regions, mem):
-        self.registrations += 1
-        self.registered[self.registrations] = regions
-        return self.registrations
-
-    def deregister_memory(self, reg) -> None:
-        del self.registered[reg]
-
-    def get_xfer_descs(self, descs, mem):
-        return descs
-
-    def initialize_xfer(self, op, local, remote, peer):
-        import ctypes
-        for (dst, size, _), (src, _, _) in zip(local, remote, strict=True):
-            ctypes.memmove(int(dst), int(src), int(size))
-        return types.SimpleNamespace(release=lambda: None)
-
-    def transfer(self, handle) -> str:
-        return "DONE"
-
-    def get_new_notifs(self) -> dict:
-        return {}
-
-
-def test_digest_reads_land_in_one_registered_buffer_not_one_per_span():
-    """RemoteSlice.read (a span's digests) READs into the end's landing buffer: one
-    registration for many spans (a larger read replaces it once), the bytes right."""
-    api = types.SimpleNamespace(nixl_agent=_FakeAgent, nixl_agent_config=lambda **kw: None)
-    end = NixlEnd(api, "decoder", torch.device("cpu"), slots=0)
-    try:
-        source = torch.arange(1 << 12, dtype=torch.int64)  # the producer's slot, as bytes
-        end.remote[0] = (source.data_ptr(), source.numel() * 8, 0)
-        for span in range(20):
-            got = RemoteSlice(end, 0, span * 64, torch.int64, (2, 2, 2), 5.0,
-                              lambda: None).read()
-            assert torch.equal(got, source[span * 8:span * 8 + 8].view(2, 2, 2))
-        assert end.agent.registrations == 1 and len(end.agent.registered) == 1
-        big = RemoteSlice(end, 0, 0, torch.int64, (1 << 11,), 5.0, lambda: None).read()
-        assert torch.equal(big, source[:1 << 11])
-        assert end.agent.registrations == 2 and len(end.agent.registered) == 1
-    finally:
-        end.close()

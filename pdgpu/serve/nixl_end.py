@@ -58,8 +58,6 @@ class NixlEnd:
         self.remote: dict[int, tuple[int, int, int]] = {}  # decoder: the producer's slots
         self.grown: list[tuple[bytes, int, tuple]] = []  # (metadata, slot, desc) to load
         self.targets: dict[tuple[int, int], object] = {}  # decoder: (address, bytes) -> reg
-        self.landing: torch.Tensor | None = None  # decoder: where `RemoteSlice.read` READs
-        self.landing_lock = threading.Lock()  # one read into it at a time
         self.closed = threading.Event()
         self.poller = threading.Thread(target=self._poll, daemon=True, name=f"{name}-poll")
         self.poller.start()
@@ -134,19 +132,6 @@ class NixlEnd:
             with self.lock:
                 self.targets[key] = self.agent.register_memory([(*key, self.dev_id, "")],
                                                                self.mem)
-
-    def landing_for(self, nbytes: int) -> torch.Tensor:
-        """uint8 [>= nbytes], registered once (a READ target: digests land here span after
-        span); outgrown, a buffer twice the size takes its place, the old one deregistered
-        and kept until close (no address of this agent's is registered twice)."""
-        if self.landing is None or self.landing.numel() < nbytes:
-            if self.landing is not None:
-                self.untarget(self.landing)
-                self.retired.append(self.landing)
-            size = max(nbytes, 2 * (0 if self.landing is None else self.landing.numel()), 4096)
-            self.landing = torch.zeros(size, dtype=torch.uint8, device=self.device)
-            self.target(self.landing)
-        return self.landing
 
     def untarget(self, memory: torch.Tensor) -> None:
         with self.lock:
@@ -253,14 +238,14 @@ class RemoteSlice:
         self.nbytes = _nbytes(dtype, self.shape)
 
     def read(self, device=None) -> torch.Tensor:
-        """The bytes, READ into this end's landing buffer (registered once, in the memory
-        type its agent registers: DRAM or VRAM; not a region registered and deregistered per
-        span), then copied out to a new tensor, on `device` if another is asked for."""
-        with self.end.landing_lock:
-            landing = self.end.landing_for(self.nbytes)
-            out = view(landing, 0, self.dtype, self.shape)
+        """The bytes, READ into a new tensor on this end's device (the memory type its
+        agent registers: DRAM or VRAM), then moved to `device` if another is asked for."""
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.end.device)
+        try:
             self.copy_into(out)
-            return out.clone() if device is None else out.to(device, copy=True)
+        finally:
+            self.end.untarget(out)  # its memory goes back to torch: no registration stays
+        return out if device is None else out.to(device)
 
     def copy_into(self, dst: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """dst = the bytes (same shape, contiguous); with `index`: dst[:, :, index] = them,

@@ -321,7 +321,7 @@ class GlooTransport:
                    for dtype, shape, *via in meta["tensors"]]
         for (_, _, *via), t in zip(meta["tensors"], tensors, strict=True):
             lane = link.lane if via == [SHM] else (via[0] if via and via[0] else GLOO)
-            link.received[lane] += t.numel() * t.element_size()
+            link.received[lane] += t.nbytes  # (a NIXL RemoteSlice has its nbytes too)
         return Message(link.peer, meta["op"], meta["body"], tuple(tensors), link.generation,
                        (shared["slot"],) if shared else ())
 
