@@ -493,6 +493,18 @@ class ApplyVsSimple(RuleBasedStateMachine):
         self.do(ev.Computed(0.0, req, layers, tokens))
 
     @precondition(lambda self: self.model.lives)
+    @rule(data=st.data(), past=st.integers(1, 3), on_layers=st.booleans())
+    def computed_outside(self, data, past, on_layers):
+        """A producer reports a region past its prompt or past the model's layers (PROD-1):
+        the random ranges above reach this edge only by chance."""
+        req = data.draw(st.sampled_from(sorted(self.model.lives)))
+        prompt = self.model.lives[req].prompt
+        layers, tokens = (0, self.L), (prompt, prompt + past)
+        if on_layers:
+            layers, tokens = (0, self.L + past), (0, prompt)
+        self.do(ev.Computed(0.0, req, layers, tokens))
+
+    @precondition(lambda self: self.model.lives)
     @rule(other=st.sampled_from(NAMES) | reqs, data=st.data())
     def produced(self, other, data):
         """The producer finished a request's prefill."""
