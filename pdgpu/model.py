@@ -269,6 +269,9 @@ class Transformer(nn.Module):
             name = "inv_freq" if kind == "full" else "local_inv_freq"
             self.register_buffer(name, inv if device is None else inv.to(device),
                                  persistent=False)
+        if self.arch.family == "gemma3":  # made once: a step builds no tensor from host data
+            self.register_buffer("embed_scale", torch.tensor(self.spec.hidden ** 0.5,
+                                                             device=device), persistent=False)
 
     @property
     def state_shape(self):
@@ -284,7 +287,7 @@ class Transformer(nn.Module):
         """tokens [n] -> hidden [n, E] (Gemma 3 scales by sqrt(E), rounded to the dtype)."""
         h = self.model.embed_tokens(tokens)
         if self.arch.family == "gemma3":
-            h = h * torch.tensor(self.spec.hidden ** 0.5).to(h.dtype)  # as HF rounds it
+            h = h * self.embed_scale.to(h.dtype)  # as HF rounds it
         return h
 
     def rope(self, start: int, n: int, dtype: torch.dtype):

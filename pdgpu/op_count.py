@@ -119,14 +119,16 @@ def per_layer(spec, measure) -> tuple[OpCount, OpCount]:
 
 
 def decode_step_ops(spec, contexts, device="cpu") -> OpCount:
-    """A decode step of requests with `contexts` tokens each (random weights, zero K/V),
-    counted after a first step (the steady state)."""
+    """A decode step of requests with `contexts` tokens each (random weights, zero K/V and
+    state), counted after a first step (the steady state)."""
     from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_logits
     from pdgpu.model import build_model
     model = build_model(spec, device, seed=0)
     cache = DecodeCache.for_model(model)
-    seqs = [cache.add(torch.zeros(spec.layers, 2, n, spec.kv_heads, spec.head_dim,
-                                  dtype=cache.dtype, device=device)) for n in contexts]
+    state = None if cache.states is None else cache.states.read(cache.scratch)  # zeroed
+    seqs = [cache.add(torch.zeros(len(model.arch.kv_layers), 2, n, spec.kv_heads,
+                                  spec.head_dim, dtype=cache.dtype, device=device), state)
+            for n in contexts]
     batch = DecodeBatch(seqs)
     batch.feed([1] * len(seqs))
     with torch.no_grad():

@@ -16,6 +16,7 @@ from pdgpu.compare import compare_modes
 from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
 from pdgpu.generate import first_token, generate
 from pdgpu.model import build_model
+from pdgpu.op_count import decode_step_ops
 from pdgpu.source_cache import SourceCache
 from pdgpu.workload import EngineConfig, Request
 from pdref.events import Mode
@@ -272,3 +273,15 @@ def test_cuda_generate_equals_transformers_greedy(tmp_path, name, dtype):
         for out, token in zip(outs, step, strict=True):
             out.append(token)
     assert outs == [ours[:8], generate(model, other, 8, chunk=32)]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3"])
+def test_a_hybrid_decode_step_reads_nothing_on_the_host_and_makes_no_host_tensor(tmp_path,
+                                                                                  name):
+    """The capturable-step rule holds for the hybrids too: a steady-state decode step of a
+    batch (DeltaNet states, sliding rings) has no host sync and builds no tensor from host
+    data (Gemma 3's embedding scale included)."""
+    spec = ckpt.spec_from_config(_config(tmp_path, name), name, "config.json")
+    seen = decode_step_ops(spec, [40, 90, 200])
+    assert seen.kernels > 0
+    assert (seen.syncs, seen.made) == (0, 0), dict(seen.names)
