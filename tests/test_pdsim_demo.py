@@ -8,6 +8,7 @@ import pytest
 from pdsim.cli import main
 
 
+@pytest.mark.timeout(360)  # ~50 s alone; a hang guard, not a clock: it ran near 120 s at load 10
 def test_demo_tiny_end_to_end(tmp_path, capsys):
     """A tiny demo writes a report whose PNG links exist, every trace legal, parity ok, and
     its served prompts streamed through `pdgpu serve --http` give the chunk run's tokens."""
