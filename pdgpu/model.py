@@ -22,9 +22,7 @@ batch's attention in one call per group of equal width, decode_kv.py).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -32,29 +30,13 @@ from torch.nn import functional as F
 
 from pdgpu.arch import DENSE, Arch, arch_of
 from pdgpu.attention import prefill_attention
+from pdgpu.layers.hybrid_blocks import hybrid_layers
+from pdgpu.layers.kv_ports import DecodeKV, KVStore
+from pdgpu.layers.norms import OffsetRMSNorm
+from pdgpu.layers.rope import apply_rope, inv_frequencies, rope_tables
 from pdref.models import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class KVStore(Protocol):
-    """Where attention keeps K/V: store this chunk's kv [n, 2, KVH, D] (K then V of each
-    token) and return the request's K/V up to its end ([KVH, start + n, D] each, the last
-    dimension contiguous)."""
-
-    def append(self, layer: int, start: int,
-               kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class DecodeKV(Protocol):
-    """K/V of a padded decode batch. `masks(positions, dtype)` runs once a step (what every
-    layer's attention shares); `attend` stores row i's new k/v at positions[i] and returns
-    the attention of its query over its request's keys, [R, H * D]."""
-
-    def masks(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple: ...
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               masks: tuple) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -67,43 +49,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-def inv_frequencies(spec: ModelSpec) -> torch.Tensor:
-    """RoPE inverse frequencies [D/2] (float32), with Llama 3.1 scaling when the spec has it."""
-    d = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    s = spec.rope_scaling
-    if s is None:
-        return inv
-    low_wavelen = s.original_max_position / s.low_freq_factor
-    high_wavelen = s.original_max_position / s.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos and signed sin [n, 1, D] for positions [n], computed in float32 then cast.
-
-    The sin table's first half carries rotate-half's minus sign, so `apply_rope` rotates
-    with one `roll` instead of two slices, a negation and a cat (the same bits: -a*b is
-    a*-b exactly)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, D/2]
-    cos, sin = freqs.cos(), freqs.sin()  # [n, D/2] each
-    cos = torch.cat((cos, cos), dim=-1)  # [n, D]
-    signed = torch.cat((-sin, sin), dim=-1)  # [n, D]
-    return cos.to(dtype)[:, None, :], signed.to(dtype)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [n, H, D] rotated by position (tables [n, 1, D] from rope_tables): three ops."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class Attention(nn.Module):
@@ -225,9 +170,7 @@ class Body(nn.Module):
         if arch.family in DENSE:
             self.layers = nn.ModuleList(Block(spec) for _ in range(spec.layers))
             self.norm = RMSNorm(spec.hidden, spec.rms_eps)
-        else:  # the hybrid layers build on this module's primitives: imported here
-            from pdgpu.layers.hybrid_blocks import hybrid_layers
-            from pdgpu.layers.norms import OffsetRMSNorm
+        else:
             self.layers = nn.ModuleList(hybrid_layers(spec, arch))
             self.norm = OffsetRMSNorm(spec.hidden, spec.rms_eps)
 

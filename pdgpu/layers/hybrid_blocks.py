@@ -24,8 +24,9 @@ from torch.nn import functional as F
 from pdgpu.arch import Arch
 from pdgpu.attention import prefill_attention
 from pdgpu.layers.gated_deltanet import GatedDeltaNet
+from pdgpu.layers.kv_ports import DecodeKV, KVStore
 from pdgpu.layers.norms import OffsetRMSNorm
-from pdgpu.model import DecodeKV, KVStore, apply_rope
+from pdgpu.layers.rope import apply_rope
 from pdref.models import ModelSpec
 
 

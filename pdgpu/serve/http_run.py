@@ -21,7 +21,10 @@ import threading
 from contextlib import contextmanager
 
 from pdgpu import interrupt
+from pdgpu.serve import command
+from pdgpu.serve.devices import serve_devices
 from pdgpu.serve.launch import ServeRun
+from pdgpu.serve.models import model_spec
 from pdgpu.serve.workload import ServeRequest, Workload
 from pdgpu.workload import WorkloadError
 
@@ -60,22 +63,21 @@ def _refuse_batch_options(args) -> None:
 
 def prepare_http(args):
     """The batch mode's checks, with the pool and caches sized for `--http-max-prompt`."""
-    from pdgpu import serve_cli as parts
     _refuse_batch_options(args)
-    producers, endpoint = parts._roles(args)
+    producers, endpoint = command.roles(args)
     try:
-        faults, policy = parts._faults(args, producers)
+        faults, policy = command.fault_options(args, producers)
     except ValueError as e:
         raise WorkloadError(str(e)) from None
-    args.device, args.decoder_device = parts.serve_devices(args.device, args.decoder_device,
+    args.device, args.decoder_device = serve_devices(args.device, args.decoder_device,
                                                            args.role)
-    parts._check_out(args.trace, "trace")
-    parts._check_out(args.results, "results")
-    spec = parts.model_spec(args.model, args.dtype)
-    parts._check_eos(args.eos_token, spec.vocab)
+    command.check_out(args.trace, "trace")
+    command.check_out(args.results, "results")
+    spec = model_spec(args.model, args.dtype)
+    command.check_eos(args.eos_token, spec.vocab)
     longest = tuple(ServeRequest(f"size{i}", [0] * args.http_max_prompt)
                     for i in range(SIZING_SLABS))
-    config = parts._config(args, Workload(longest, (), None, SIZING_SLABS), faults)
+    config = command.serve_config(args, Workload(longest, (), None, SIZING_SLABS), faults)
     return config, policy, Workload((), (), None, 1), producers, endpoint, spec
 
 
@@ -143,7 +145,6 @@ def _service(args, spec, frontend):
 
 def serve_http(args) -> int:
     """The whole `--http` run; the exit code (as cmd_serve's)."""
-    from pdgpu import serve_cli as parts
     from pdgpu.serve.frontend import Frontend
     from pdgpu.serve.http import build_app
     from pdgpu.serve.metrics import ServeMetrics
@@ -162,14 +163,14 @@ def serve_http(args) -> int:
     # Two threads take turns on the GIL: at the default 5 ms a token event could wait that
     # long for the decoder thread's Python to let go of it.
     sys.setswitchinterval(SWITCH_S)
-    run = parts.open_outputs(args, config, producers, ServeRun(frontend=frontend))
+    run = command.open_outputs(args, config, producers, ServeRun(frontend=frontend))
     signalled: list[int] = []
 
     def serve() -> None:
         nonlocal signalled
         try:
             with drain_on_signals(frontend) as signalled:
-                parts._serve(args, config, policy, workload, producers, endpoint, run)
+                command.serve(args, config, policy, workload, producers, endpoint, run)
         except BaseException as e:
             if type(e).__name__ == "Violation":
                 frontend.metrics.violations.inc()
@@ -178,7 +179,7 @@ def serve_http(args) -> int:
             frontend.abandon("the server stopped")
             server.stop()
     try:
-        parts.serve_with_outputs(args, run, serve)
+        command.serve_with_outputs(args, run, serve)
         return _report(args, run, signalled)
     finally:
         run.log.discard()
@@ -189,8 +190,7 @@ def _report(args, run: ServeRun, signalled: list[int]) -> int:
     promise for every run a signal stops), else 1 if a request failed, else 0."""
     from pdgpu.serve.report import summary
     values = summary(run.decoder, run.ledger, run.wall_s)
-    from pdgpu.serve_cli import _summary_text
-    print(json.dumps(values) if args.json else _summary_text(values))
+    print(json.dumps(values) if args.json else command.summary_text(values))
     if signalled:
         stop = interrupt.error_for(signalled[0])
         print(f"pdgpu: {interrupt.describe(stop)}: drained, every process stopped",
