@@ -32,13 +32,14 @@ from pdgpu.faults import DEBUG_BREAKS, Faults
 from pdgpu.ledger import Ledger, Life
 from pdgpu.model import Transformer
 from pdgpu.payload import fill_payload, payload_matches
+from pdgpu.prefill import Prefill, warm_prefix
 from pdgpu.recorder import Recorder, engine_metrics
 from pdgpu.source_cache import RequestKV, SourceCache
 from pdgpu.streams import compute_threads
 from pdgpu.workload import EngineConfig, Plan, Request, setup_check
 from pdref import events as ev
 from pdref.events import Mode
-from pdref.plan import Region, Step, plan_chunks, plan_spans, plan_steps
+from pdref.plan import Region, Step, plan_spans, plan_steps
 
 __all__ = ["DEBUG_BREAKS", "Engine", "EngineError", "Outcome", "RunResult"]
 
@@ -77,10 +78,9 @@ class _Loop:
     """The per-life state of the step loop."""
 
     life: Life
+    prefill: Prefill  # the request's compute, step by step (its `last` hidden state)
     pending: deque = attrs.Factory(deque)  # _Pending, in step order
     ready: deque = attrs.Factory(deque)  # (Region, mark) computed and not yet issued
-    hidden: torch.Tensor | None = None  # [1, E] the last position's hidden state
-    layer_states: list | None = None  # layer mode: [n_i, E] per chunk, layer by layer
 
 
 class Engine:
@@ -161,8 +161,9 @@ class Engine:
         tokens = torch.tensor(request.tokens[:self.config.chunk], dtype=torch.int64,
                               device=self.config.device)
         if len(tokens) and not self.config.no_compute:
-            hidden = self.model.prefill_chunk(tokens, 0, src)[-1:]  # [1, E]
-            self.model.logits(hidden)
+            throwaway = Prefill(self.model, tokens, 0, self.config.chunk, src)
+            throwaway.chunk((0, len(tokens)))
+            self.model.logits(throwaway.last)
         ready = self.copier.mark_ready()
         region = max(self._plan_spans(request), key=self._region_elems, default=None)
         if region is not None:
@@ -207,14 +208,14 @@ class Engine:
     def _attempt(self, rec: Recorder, request: Request, attempt: int, first: bool):
         src = self.source.open(request.prompt)
         tokens = torch.tensor(request.tokens, dtype=torch.int64, device=self.config.device)
-        warm = self._warm_prefix(src, tokens, request.prefix)  # [1, E] or None
+        prefill = self._warm_prefix(src, tokens, request.prefix)
         if first:
             rec.restart_clock()  # t = 0 once the producer's prefix cache is warm
-        loop = _Loop(self.ledger.reserve(request, src, tokens), hidden=warm)
+        loop = _Loop(self.ledger.reserve(request, src, tokens), prefill)
         self._run_steps(rec, loop)
         if self.ledger.failed(request.req):
             return self._abort(loop.life)
-        token = self._first_token(rec, request.req, loop.hidden)
+        token = self._first_token(rec, request.req, loop.prefill.last)
         self.ledger.produced(request.req, 0 if token is None else token)
         self.faults.after_produced(self.ledger, request.req)
         self._issue_ready(rec, loop)  # whole mode's span goes out here
@@ -223,13 +224,13 @@ class Engine:
             return self._abort(loop.life)
         return self._admit(rec, loop.life, token, attempt)
 
-    def _warm_prefix(self, src: RequestKV, tokens: torch.Tensor, prefix: int):
-        """The producer's prefix cache: K/V of [0, prefix) from an earlier request."""
-        hidden = None
-        for a, b in plan_chunks(0 if self.config.no_compute else prefix, 0, self.config.chunk):
-            hidden = self.model.prefill_chunk(tokens[a:b], a, src)[-1:]  # [1, E]
+    def _warm_prefix(self, src: RequestKV, tokens: torch.Tensor, prefix: int) -> Prefill:
+        """The producer's prefix cache: K/V (and state) of [0, prefix) from an earlier
+        request; the request's prefill, ready for its first step."""
+        c = self.config
+        last = warm_prefix(self.model, tokens, 0 if c.no_compute else prefix, c.chunk, src)
         self.copier.mark_ready().wait()  # done on the device before the timed part starts
-        return hidden
+        return Prefill(self.model, tokens, prefix, c.chunk, src, last)
 
     def _first_token(self, rec: Recorder, req: str, hidden):
         """Final norm and LM head on the last position's hidden state [1, E]: greedy token."""
@@ -270,24 +271,12 @@ class Engine:
 
     def _compute(self, loop: _Loop, step: Step) -> None:
         """Launch one step's compute (on CUDA this only enqueues kernels)."""
-        life = loop.life
         if self.config.no_compute:
-            fill_payload(life.src, step.layers, step.tokens)
+            fill_payload(loop.life.src, step.layers, step.tokens)
         elif self.config.mode is Mode.LAYER:
-            self._compute_layer(loop, step.layers[0])
+            loop.prefill.layer(step.layers[0])
         else:
-            a, b = step.tokens
-            loop.hidden = self.model.prefill_chunk(life.tokens[a:b], a, life.src)[-1:]  # [1, E]
-
-    def _compute_layer(self, loop: _Loop, layer: int) -> None:
-        """Layer-major prefill: this layer over every chunk of the suffix."""
-        life = loop.life
-        chunks = plan_chunks(life.request.prompt, life.request.prefix, self.config.chunk)
-        if loop.layer_states is None:
-            loop.layer_states = [self.model.embed(life.tokens[a:b]) for a, b in chunks]
-        loop.layer_states = [self.model.run_layer(layer, h, a, life.src)
-                             for h, (a, _) in zip(loop.layer_states, chunks, strict=True)]
-        loop.hidden = loop.layer_states[-1][-1:]  # [1, E]
+            loop.prefill.chunk(step.tokens)
 
     def _emit_computed(self, rec: Recorder, loop: _Loop) -> None:
         """`computed` (and its `compute` stage) for each launched step whose readiness mark

@@ -14,6 +14,7 @@ import torch
 
 from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens, greedy
 from pdgpu.model import Transformer
+from pdgpu.prefill import Prefill, warm_prefix
 from pdgpu.sampler import Sampler, Step
 from pdgpu.sampling import GREEDY, Sampling
 from pdgpu.source_cache import SourceCache
@@ -57,16 +58,16 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
                         model.state_shape)
     kv = cache.open(len(tokens))
     ids = torch.tensor(tokens, dtype=torch.int64, device=device)  # [prompt]
-    hidden = None
-    for a, b in prefill_chunks(len(tokens), prefix, chunk):
-        hidden = model.prefill_chunk(ids[a:b], a, kv)[-1:]  # [1, E]
+    prefill = Prefill(model, ids, prefix, chunk, kv, warm_prefix(model, ids, prefix, chunk, kv))
+    for step in plan_chunks(len(tokens), prefix, chunk):
+        prefill.chunk(step)
     sampler, stops = Sampler(model.spec.vocab, device), stop_tokens(sampling, eos)
     slot = sampler.open(sampling, tokens)
 
     def pick(logits: torch.Tensor) -> torch.Tensor:
         return sampler.pick(logits, [step_at(sampling, len(out), stops, slot)])
     out: list[int] = []
-    out.append(first_token(model, hidden, pick))
+    out.append(first_token(model, prefill.last, pick))
     context = kv.kv.index_select(2, kv.slots)  # [L, 2, prompt, KVH, D]
     seq = DecodeCache.for_model(model).add(context, kv.read_state())
     while len(out) < output_tokens and out[-1] not in stops:

@@ -17,6 +17,7 @@ from pdgpu.generate import prefill_chunks
 from pdgpu.ledger import Ledger
 from pdgpu.model import build_model
 from pdgpu.payload import fill_payload, payload_matches, payload_values
+from pdgpu.prefill import Prefill
 from pdgpu.recorder import Recorder
 from pdgpu.source_cache import SourceCache
 from pdgpu.streams import Backend, HostMark
@@ -305,7 +306,9 @@ def test_computed_waits_for_the_steps_readiness_mark():
     a launched step whose mark is pending emits nothing yet."""
     with _engine_with_ledger() as (engine, rec, request):
         src = engine.source.open(request.prompt)
-        loop = _Loop(engine.ledger.reserve(request, src, torch.tensor(request.tokens)))
+        tokens = torch.tensor(request.tokens)
+        loop = _Loop(engine.ledger.reserve(request, src, tokens),
+                     Prefill(engine.model, tokens, 0, 16, src))
         step = plan_steps("chunk", engine.geometry, request.prompt, 0, 16)[0]
         end = HostMark(rec.now)
         loop.pending.append(_Pending(step, HostMark.now(rec.now), end))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_pdgpu_prefill import prefilled
 from test_pdgpu_transformers_parity import agree_while_clear, hf_greedy
 
 from pdgpu import checkpoint as ckpt
@@ -118,6 +119,21 @@ def test_compare_whole_and_chunk_hand_off_the_same_kv(family):
     theirs, margins = hf_greedy(hf, tokens, 1)
     if margins[0] >= 1e-3:
         assert report.results["whole"].outcomes[0].first_token == theirs[0]
+
+
+def test_layer_steps_leave_the_kv_and_state_of_chunk_steps(family):
+    """The shared prefill step, layer-major (a DeltaNet layer carrying its state over the
+    chunks of the suffix), leaves bit for bit the K/V, state and last hidden state of the
+    chunk-major steps, after a prefix warm-up."""
+    _, model, _ = family
+    tokens = _prompt(70, 5)
+    by_chunk, src_c, chunked = prefilled(model, tokens, 16, 24, False)
+    by_layer, src_l, layered = prefilled(model, tokens, 16, 24, True)
+    assert torch.equal(by_chunk.kv[:, :, src_c.slots], by_layer.kv[:, :, src_l.slots])
+    assert torch.equal(chunked.last, layered.last)
+    if model.state_shape is not None:
+        for ours, theirs in zip(src_c.read_state(), src_l.read_state(), strict=True):
+            assert torch.equal(ours, theirs) and ours.abs().sum() > 0
 
 
 def test_the_geometry_counts_only_layers_that_keep_kv(family):

@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pdgpu import audit, interrupt
+from pdgpu.prefill import warm_prefix
 from pdgpu.serve import clock
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
 from pdgpu.serve.decoder import Decoder, ServeError
@@ -49,7 +50,6 @@ from pdgpu.source_cache import SourceCache
 from pdgpu.streams import compute_threads
 from pdgpu.workload import WorkloadError
 from pdref import events as ev
-from pdref.plan import plan_chunks
 
 START_METHOD = "forkserver"
 
@@ -224,8 +224,7 @@ def prefix_cache(model, config: ServeConfig) -> torch.Tensor:
     cache = SourceCache(geometry, max(1, geometry.pages_for(config.prefix)), device, dtype)
     kv = cache.open(max(1, config.prefix))
     ids = torch.tensor(config.prefix_tokens, dtype=torch.int64, device=device)  # [prefix]
-    for a, b in plan_chunks(config.prefix, 0, config.chunk):
-        model.prefill_chunk(ids[a:b], a, kv)
+    warm_prefix(model, ids, config.prefix, config.chunk, kv)
     return kv.kv.index_select(2, kv.slots[:config.prefix])
 
 

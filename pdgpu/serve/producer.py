@@ -36,6 +36,7 @@ import attrs
 import torch
 
 from pdgpu.generate import first_token
+from pdgpu.prefill import Prefill, warm_prefix
 from pdgpu.sampler import Sampler, Step
 from pdgpu.sampling import GREEDY, Sampling
 from pdgpu.serve.bugs import NO_BUG, NoBug
@@ -60,8 +61,7 @@ class Job:
     pages: tuple[int, ...]  # this life's own source pages (the prefix pages are shared)
     kv: DigestingKV
     steps: list  # chunk ranges (chunk-major) or layer ids (layer mode) still to compute
-    hidden: list | None = None  # layer mode: hidden states per chunk
-    last: torch.Tensor | None = None  # [1, E] hidden of the last position so far
+    prefill: Prefill  # the compute, step by step, into `kv` (its `last` hidden state)
     draw: Step = Step(GREEDY, 0)  # how the first token is drawn (the request's options)
     cancelled: bool = False
     stop: threading.Event = attrs.Factory(threading.Event)  # set by the life's cancel
@@ -105,17 +105,15 @@ class Producer:
     # -- setup --------------------------------------------------------------------------------
 
     def _warm_prefix(self) -> torch.Tensor | None:
-        """The prefix cache: K/V of the shared prefix, computed once, never freed."""
+        """The prefix cache: K/V of the shared prefix, computed once, never freed; the last
+        prefix position's hidden state [1, E] (None without a prefix)."""
         prefix = self.config.prefix
         if not prefix:
             return None
         slots = token_slots(self.prefix_pages, self.geometry.page_tokens, prefix, self.device)
         kv = self.cache.view(slots, self.prefix_pages)
         ids = torch.tensor(self.config.prefix_tokens, dtype=torch.int64, device=self.device)
-        last = None
-        for a, b in plan_chunks(prefix, 0, self.config.chunk):
-            last = self.model.prefill_chunk(ids[a:b], a, kv)[-1:]  # [1, E]
-        return last
+        return warm_prefix(self.model, ids, prefix, self.config.chunk, kv)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -189,10 +187,8 @@ class Producer:
         steps = list(range(self.geometry.layers)) if self.config.mode is Mode.LAYER and chunks \
             else chunks
         draw = Step(Sampling(**body.get("sampling", {})), 0, tuple(body.get("ban", ())))
-        job = Job(body["handle"], tokens, prefix, own, kv, steps, last=self.prefix_last,
-                  draw=draw)
-        if self.config.mode is Mode.LAYER:
-            job.hidden = [self.model.embed(tokens[a:b]) for a, b in chunks]  # [n_i, E] each
+        prefill = Prefill(self.model, tokens, prefix, self.config.chunk, kv, self.prefix_last)
+        job = Job(body["handle"], tokens, prefix, own, kv, steps, prefill, draw=draw)
         self.jobs[job.handle] = job
         return job
 
@@ -201,14 +197,10 @@ class Producer:
         step = job.steps.pop(0)
         self.bugs.before_compute(self, job, step)
         if self.config.mode is Mode.LAYER:
-            chunks = plan_chunks(job.prompt, job.prefix, self.config.chunk)
-            job.hidden = [self.model.run_layer(step, h, a, job.kv)
-                          for h, (a, _) in zip(job.hidden, chunks, strict=True)]  # [n_i, E]
-            job.last = job.hidden[-1][-1:]  # [1, E]
+            job.prefill.layer(step)
             layers, tokens = (step, step + 1), (job.prefix, job.prompt)
         else:
-            a, b = step
-            job.last = self.model.prefill_chunk(job.tokens[a:b], a, job.kv)[-1:]  # [1, E]
+            job.prefill.chunk(step)
             layers, tokens = (0, self.geometry.layers), step
         self._send("computed", handle=job.handle, layers=layers, tokens=tokens,
                    start=start, end=self.now())
@@ -224,7 +216,7 @@ class Producer:
             tokens, logprobs = self.sampler.draw(logits, [job.draw._replace(slot=slot)])
             found.extend(logprobs or ())
             return tokens
-        token = first_token(self.model, job.last, pick)
+        token = first_token(self.model, job.prefill.last, pick)
         self.sampler.close(slot)
         asked = {"logprob": found[0]} if found else {}
         self._send("produced", handle=job.handle, token=token, start=start, end=self.now(),
