@@ -37,8 +37,8 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.engines import load_engine
 from pdsim.core.metrics import workload_metrics
+from pdsim.core.play import simulate
 from pdsim.core.profiles import load_hw, load_link
-from pdsim.core.sim import simulate
 from pdsim.core.workload import WorkloadSpec, build_requests
 from pdsim.sweep import Point, run_sweep
 

@@ -17,7 +17,7 @@ from pdref.plan import PlanError
 from pdsim.core.env import gc_paused
 from pdsim.core.faults import add_fault_options, fault_spec
 from pdsim.core.metrics import serving_summary, single_metrics, workload_metrics
-from pdsim.core.sim import simulate
+from pdsim.core.play import simulate
 from pdsim.core.stream import RunStream
 from pdsim.fit import EngineRunError
 from pdsim.options import Parser, UsageError, add_run_options, run_setup

@@ -14,7 +14,8 @@ from pdref.models import context_error, list_models, load_model
 from pdsim.core.config import SENDERS, RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, engine_of, sim_geometry
 from pdsim.core.engines import DEFAULT_ENGINE, list_engines
-from pdsim.core.profiles import COPIERS, link_of, load_hw
+from pdsim.core.profile_fields import COPIERS
+from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.workload import WorkloadSpec, workload
 
 DEFAULT_PROMPT = 8192

@@ -30,7 +30,7 @@ import pdref
 import pdsim
 from pdsim.core.config import SimConfig
 from pdsim.options import UsageError
-from pdsim.sweep import Point, evaluate
+from pdsim.sweep_point import Point, evaluate
 
 OBJECT_STORE_BYTES = 128 * 2**20  # rows are a few hundred bytes; Ray's default is 30% of RAM
 TCP_TIMEOUT_S = 5.0  # a head that does not accept a connection by then is unreachable

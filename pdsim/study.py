@@ -129,10 +129,6 @@ def answer_rows(models, hws, engines, prompt: int, concurrencies, requests: int,
     return with_gains([run_point(p, requests, output_tokens, chunk) for p in todo])
 
 
-def png_name(model: str, hw: str, engine: str) -> str:
-    return f"study-{model}-{hw}-{engine}.png"
-
-
 def with_gains(rows: list[dict]) -> list[dict]:
     """Each row with its tokens/s gain and TTFT p50 change over whole copy, in percent."""
     key = ("hw", "engine", "model", "axis", "prompt", "concurrency", "bandwidth", "contention",
@@ -164,7 +160,12 @@ def _csv(rows: list[dict]) -> str:
 
 
 def command(args) -> int:
-    from pdsim.views.study_report import axis_groups, report_text, study_png  # matplotlib
+    from pdsim.views.study_report import (  # matplotlib
+        axis_groups,
+        png_name,
+        report_text,
+        study_png,
+    )
 
     for name in ("requests", "output_tokens", "chunk", "prompt", "concurrency", "jobs"):
         if getattr(args, name) < 1:

@@ -21,26 +21,11 @@ from tqdm import tqdm
 from pdref.events import Mode
 from pdref.models import context_error, load_model
 from pdsim import sweep_load
-from pdsim.core.config import RequestSpec, SimConfig
-from pdsim.core.metrics import single_metrics
-from pdsim.core.sim import simulate
+from pdsim.core.config import SimConfig
 from pdsim.options import UsageError, add_model_options, base_config
-from pdsim.sweep_load import Load, evaluate_load
+from pdsim.sweep_load import Load
+from pdsim.sweep_point import COLUMNS, Point, evaluate
 from pdsim.views.report import edge_note, labels_title, write_atomic, write_json
-
-COLUMNS = ("mode", "prompt", "chunk", "max_pending", "bandwidth_scale", "prefill_s",
-           "handoff_s", "tail_s", "peak_staging_bytes", "spans", "lower_bound_s", "gap_s")
-
-
-@attrs.frozen
-class Point:
-    """One configuration of the grid."""
-
-    mode: str
-    prompt: int
-    chunk: int
-    max_pending: int
-    bandwidth_scale: float
 
 
 @attrs.frozen
@@ -128,19 +113,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def grid(args) -> list[Point]:
     return [Point(*values) for values in itertools.product(
         args.modes, args.prompts, args.chunks, args.max_pending, args.bandwidths)]
-
-
-def evaluate(base: SimConfig, point: Point, prefix: int = 0, load: Load | None = None) -> dict:
-    """Simulate one grid point (no stage events: metrics only); with a `load`, its workload
-    (sweep_load.py)."""
-    if load is not None:
-        return evaluate_load(base, point, prefix, load)
-    cfg = attrs.evolve(base, mode=point.mode, chunk=point.chunk, max_pending=point.max_pending,
-                       costs=base.costs.scaled(bandwidth=point.bandwidth_scale), stages=False)
-    cfg = attrs.evolve(cfg, pool_pages=max(1, cfg.geometry.pages_for(point.prompt - prefix)))
-    m = single_metrics(simulate(cfg, [RequestSpec("r0", 0.0, point.prompt, prefix)]))
-    m["bandwidth_scale"] = point.bandwidth_scale
-    return {k: m[k] for k in COLUMNS}
 
 
 def run_sweep(base: SimConfig, points: list[Point], prefix: int = 0, jobs: int = 2,

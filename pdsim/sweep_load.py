@@ -17,7 +17,7 @@ import attrs
 
 from pdsim.core.config import SimConfig
 from pdsim.core.metrics import workload_metrics
-from pdsim.core.sim import simulate
+from pdsim.core.play import simulate
 from pdsim.core.stream import RunStream
 from pdsim.core.workload import GeneratedWorkload, WorkloadSpec
 

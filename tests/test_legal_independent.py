@@ -21,8 +21,8 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.engines import load_engine
 from pdsim.core.faults import FaultSpec
+from pdsim.core.play import simulate
 from pdsim.core.profiles import link_of, load_hw
-from pdsim.core.sim import simulate
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "specs" / "examples"
 SPEC = load_model("qwen3-0.6b")

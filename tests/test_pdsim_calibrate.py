@@ -10,8 +10,8 @@ from pdsim.cli import main
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, engine_of, sim_geometry
 from pdsim.core.engines import load_engine
+from pdsim.core.play import simulate
 from pdsim.core.profiles import link_of, load_hw
-from pdsim.core.sim import simulate
 from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.views.report import write_trace
 

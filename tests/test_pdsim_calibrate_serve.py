@@ -227,8 +227,8 @@ def _simulated_serving_trace(path, host_cores, producers: int = 1, free: float =
 
     from pdsim.core.config import RequestSpec, SimConfig
     from pdsim.core.costs import Costs
+    from pdsim.core.play import simulate
     from pdsim.core.serving import serving_config
-    from pdsim.core.sim import simulate
     from pdsim.fit.validate_serving import under_load
     from pdsim.views.report import write_trace
 

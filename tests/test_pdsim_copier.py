@@ -8,8 +8,8 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.copier import Copier
 from pdsim.core.costs import Costs, costs_for, sim_geometry
 from pdsim.core.engines import load_engine
+from pdsim.core.play import simulate
 from pdsim.core.profiles import link_of, load_hw
-from pdsim.core.sim import simulate
 
 SPEC = load_model("qwen3-0.6b")
 A100 = load_hw("a100-pcie")

@@ -1,5 +1,5 @@
 """pdsim's layout: core imports nothing above it, views never import the commands, and the
-module-level imports have no circle."""
+imports have no circle (function-level ones included)."""
 
 import ast
 from pathlib import Path
@@ -9,10 +9,13 @@ import networkx as nx
 import pdsim
 
 ROOT = Path(pdsim.__file__).parent
-COMMANDS = {"pdsim.cli", "pdsim.sweep", "pdsim.ray_sweep", "pdsim.demo", "pdsim.__main__"}
+COMMANDS = {"pdsim.cli", "pdsim.sweep", "pdsim.ray_sweep", "pdsim.demo", "pdsim.study",
+            "pdsim.__main__"}
 
 
 def _names(node) -> set[str]:
+    if isinstance(node, ast.ImportFrom) and node.module == "pdsim":  # from pdsim import sweep
+        return {f"pdsim.{a.name}" for a in node.names}
     if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pdsim."):
         return {node.module}
     if isinstance(node, ast.Import):
@@ -52,4 +55,11 @@ def test_views_and_fit_never_import_the_commands():
 def test_module_level_imports_have_no_circle():
     """The import graph at module level is acyclic (lazy imports inside functions aside)."""
     graph = nx.DiGraph([(m, i) for m, deps in _graph(True).items() for i in deps])
+    assert list(nx.simple_cycles(graph)) == []
+
+
+def test_no_module_imports_its_caller():
+    """No circle even through imports inside functions: a module never imports one that
+    imports it (sim <-> fault_sim, sweep <-> ray_sweep, study <-> study_report were)."""
+    graph = nx.DiGraph([(m, i) for m, deps in _graph(False).items() for i in deps])
     assert list(nx.simple_cycles(graph)) == []

@@ -29,7 +29,7 @@ def test_sweep_png_title_is_words_not_a_json_dict(tmp_path, monkeypatch):
 
 def test_timeline_has_a_colour_key_for_each_stage_drawn(monkeypatch):
     """The Gantt chart's legend names exactly the stages that have bars."""
-    from pdsim.core.sim import simulate
+    from pdsim.core.play import simulate
     from pdsim.options import Parser, add_run_options, run_setup
 
     parser = Parser()

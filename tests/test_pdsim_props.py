@@ -15,8 +15,8 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import Costs, costs_for, sim_geometry
 from pdsim.core.engines import load_engine
 from pdsim.core.metrics import single_metrics
+from pdsim.core.play import simulate
 from pdsim.core.profiles import load_hw, load_link
-from pdsim.core.sim import simulate
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -11,8 +11,8 @@ from pdref.models import load_model
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import Costs, costs_for
 from pdsim.core.engines import load_engine
+from pdsim.core.play import simulate
 from pdsim.core.profiles import hw_from_dict, link_of, load_hw
-from pdsim.core.sim import simulate
 from pdsim.fit.calibrate import calibrate, profile_toml
 from pdsim.fit.samples import SERVE_SOURCE
 from pdsim.views.report import write_trace

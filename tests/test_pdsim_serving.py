@@ -18,10 +18,10 @@ from pdsim.core.costs import Costs, costs_for, sim_geometry
 from pdsim.core.engines import load_engine
 from pdsim.core.faults import FaultSpec, Kill
 from pdsim.core.metrics import workload_metrics
+from pdsim.core.play import simulate
 from pdsim.core.profiles import hw_from_dict, load_hw, load_link
 from pdsim.core.serving import serving_config, simulate_serving
 from pdsim.core.serving_metrics import inter_token_gaps
-from pdsim.core.sim import simulate
 from pdsim.views.report import write_trace
 
 MODE_NAMES = ("whole", "chunk", "layer")

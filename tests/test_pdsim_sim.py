@@ -11,7 +11,7 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.copier import Copier
 from pdsim.core.costs import Costs
 from pdsim.core.metrics import single_metrics, workload_metrics
-from pdsim.core.sim import simulate
+from pdsim.core.play import simulate
 from pdsim.core.steps import plan_steps
 from pdsim.views.report import write_trace
 

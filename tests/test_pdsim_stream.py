@@ -13,8 +13,9 @@ from pdref.span_ids import UsedSpanIds
 from pdsim.cli import main
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.metrics import workload_metrics
+from pdsim.core.play import simulate
 from pdsim.core.quantiles import ACCURACY, Quantiles
-from pdsim.core.sim import Sim, make_header, simulate
+from pdsim.core.sim import Sim, make_header
 from pdsim.core.stream import RunStream
 from pdsim.options import Parser, add_model_options, base_config
 from pdsim.views import progress as progress_view

@@ -134,8 +134,8 @@ def test_head_and_attention_shape_recovered_from_sim_traces(tmp_path, dense):
     from pdsim.core.config import SimConfig
     from pdsim.core.costs import costs_for, sim_geometry
     from pdsim.core.engines import load_engine
+    from pdsim.core.play import simulate
     from pdsim.core.profiles import link_of, load_hw
-    from pdsim.core.sim import simulate
     from pdsim.fit.calibrate import calibrate
 
     spec, hw = load_model("qwen3-0.6b"), load_hw("a100-pcie")

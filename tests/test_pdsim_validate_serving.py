@@ -11,8 +11,8 @@ from pdref.models import SPECS_DIR, load_model
 from pdsim.cli import main
 from pdsim.core.costs import Costs
 from pdsim.core.metrics import workload_metrics
+from pdsim.core.play import simulate
 from pdsim.core.profiles import load_hw
-from pdsim.core.sim import simulate
 from pdsim.fit import validate_serving as vs
 from pdsim.fit.host_load import HostLoad
 from pdsim.fit.serve_runs import ServePoint, ServeRun, draw_prompts, serve_argv

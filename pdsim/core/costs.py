@@ -34,7 +34,8 @@ import attrs
 from pdref.geometry import Geometry
 from pdref.models import ModelSpec
 from pdsim.core.engines import DEFAULT_ENGINE, EngineProfile, load_engine
-from pdsim.core.profiles import COPIERS, HwProfile, LinkProfile, non_negative
+from pdsim.core.profile_fields import COPIERS, non_negative
+from pdsim.core.profiles import HwProfile, LinkProfile
 from pdsim.core.roofline import Roofline, roofline_for
 
 

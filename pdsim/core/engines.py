@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 
 from pdref.models import SPECS_DIR, ProfileError, read_toml, resolve_profile
-from pdsim.core.profiles import (
+from pdsim.core.profile_fields import (
     ComputeOverride,
     check_compute,
     copier_rule,

@@ -17,7 +17,7 @@ import attrs
 
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.metrics import workload_metrics
-from pdsim.core.sim import simulate
+from pdsim.core.play import simulate
 from pdsim.core.workload import WorkloadSpec, build_requests
 
 __all__ = ["WorkloadSpec", "build_requests", "serving_config", "simulate_serving"]

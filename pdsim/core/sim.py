@@ -274,14 +274,3 @@ class Sim:
                          leaked_pages=self.cfg.pool_pages - len(self.monitor.free_page_ids()),
                          decode=self.decoder.record, running=running)
 
-
-def simulate(cfg: SimConfig, requests, faults=None, stream=None) -> SimResult:
-    """Play `requests`; with an active `faults.FaultSpec`, through `fault_sim.FaultSim`;
-    with a `stream` (no faults), keeping only what is in flight."""
-    if faults is None or not faults.active:
-        return Sim(cfg, requests, stream).run()
-    if stream is not None:
-        raise ValueError("faults: a run with faults keeps its requests; it cannot be streamed")
-    from pdsim.core.fault_sim import FaultSim  # it builds on Sim
-
-    return FaultSim(cfg, requests, faults).run()

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from pdsim.core.config import RequestSpec
-from pdsim.core.workload import WorkloadError, _prefix
+from pdsim.core.workload_rules import WorkloadError, checked_prefix
 
 ARRIVAL, PROMPT, OUTPUT = ("arrival", "TIMESTAMP"), ("prompt", "ContextTokens"), (
     "output", "GeneratedTokens")
@@ -58,7 +58,7 @@ class TraceFileWorkload:
                 raise WorkloadError(f"{self._at(line)}: arrival {arrival} is before the row "
                                     f"before it ({last}): rows must be in arrival order")
             last = arrival
-            prefix = _prefix(spec, None, count, prompt, self.page_tokens)
+            prefix = checked_prefix(spec.prefix or 0, prompt, self.page_tokens)
             yield RequestSpec(f"r{count}", arrival, prompt, prefix, output)
             count += 1
         if count == 0 or (spec.requests is not None and count < spec.requests):

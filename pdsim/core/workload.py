@@ -22,10 +22,8 @@ import numpy as np
 
 from pdref.prompts import read_prompts, shared_prefix
 from pdsim.core.config import RequestSpec
-
-
-class WorkloadError(ValueError):
-    """A workload input that breaks a rule; the message names the field."""
+from pdsim.core.trace_file import TraceFileWorkload
+from pdsim.core.workload_rules import WorkloadError, checked_prefix
 
 
 @attrs.frozen
@@ -54,8 +52,6 @@ def workload(spec: WorkloadSpec, page_tokens: int):
     """The requests of a workload in arrival order (ties: workload order), as an iterable
     that can be read more than once: drawn or read as it is read where it can be."""
     if spec.trace_file is not None:
-        from pdsim.core.trace_file import TraceFileWorkload
-
         return TraceFileWorkload(spec, page_tokens)
     if _generated(spec):
         return GeneratedWorkload(spec, page_tokens)
@@ -194,11 +190,7 @@ def _prefix(spec: WorkloadSpec, rows, i: int, prompt: int, page_tokens: int) -> 
         raise WorkloadError(f"--prefix {spec.prefix} and the --prompts-csv prefix column "
                             "both give request prefixes; give one")
     prefix = row_prefix if row_prefix is not None else spec.prefix or 0
-    if prefix < 0 or prefix > prompt or prefix % page_tokens:
-        raise WorkloadError(
-            f"--prefix must be a multiple of page_tokens={page_tokens} in [0, prompt={prompt}],"
-            f" got {prefix}")
-    return prefix
+    return checked_prefix(prefix, prompt, page_tokens)
 
 
 def _read_csv(path: str) -> list[dict]:

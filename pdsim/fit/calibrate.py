@@ -30,7 +30,8 @@ import attrs
 
 from pdref.trace import read_trace
 from pdsim.core.engines import load_engine
-from pdsim.core.profiles import COPIERS, link_of, load_hw
+from pdsim.core.profile_fields import COPIERS
+from pdsim.core.profiles import link_of, load_hw
 from pdsim.fit.fitting import (
     Fit,
     alone,

@@ -13,8 +13,9 @@ import attrs
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import Costs, costs_for, engine_of, sim_geometry
 from pdsim.core.metrics import single_metrics
+from pdsim.core.play import simulate
 from pdsim.core.profiles import link_of, load_hw
-from pdsim.core.sim import SimResult, simulate
+from pdsim.core.sim import SimResult
 from pdsim.fit.engine_runs import EnginePoint, ExportPoint
 
 

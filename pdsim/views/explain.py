@@ -11,7 +11,7 @@ import json
 import attrs
 
 from pdsim.core.metrics import single_metrics
-from pdsim.core.sim import simulate
+from pdsim.core.play import simulate
 from pdsim.options import UsageError, add_run_options, run_setup
 from pdsim.views.graph import build_graph, critical_path
 from pdsim.views.report import write_atomic

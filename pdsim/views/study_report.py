@@ -3,10 +3,13 @@ layer over whole, per axis) and report.md, whose findings are read off the rows.
 
 from __future__ import annotations
 
-from pdsim.study import png_name
 from pdsim.views.plots import MODE_COLORS, _png, plt
 
 PAYS, NONE = 2.0, 1.0  # a gain >= 2% pays; |gain| < 1% is none
+
+
+def png_name(model: str, hw: str, engine: str) -> str:
+    return f"study-{model}-{hw}-{engine}.png"
 
 
 def _axis_rows(rows: list[dict], model: str, axis: str, mode: str,

@@ -11,7 +11,7 @@ import json
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from pdsim.core.sim import simulate
+from pdsim.core.play import simulate
 from pdsim.options import UsageError, add_run_options, run_setup
 from pdsim.views.plots import _png, plt
 from pdsim.views.report import write_atomic
