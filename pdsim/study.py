@@ -25,7 +25,7 @@ from pathlib import Path
 
 import attrs
 
-from pdref.models import context_error, list_models, load_model
+from pdref.models import ModelSpec, context_error, list_models, load_model
 from pdref.plan import plan_chunks
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
@@ -43,6 +43,7 @@ AXES = {
     "source": (1, 2),
 }
 BASE = "base"  # the base point's own rows (the report's headline)
+ALL_FULL = "+full"  # a model name's suffix: that model with every layer full attention
 BRIEF = (-3.0, 17.0)  # the seed's measured spread of chunk overlap's serving change, %
 # Copy work on the producer that slows the compute it overlaps: the gather and the d2h DMA
 # (both read the producer's HBM), not the profile's gather alone.
@@ -99,9 +100,24 @@ def points(args) -> list[Point]:
             for axis, values in grid for mode in MODES]
 
 
+def all_full(spec: ModelSpec) -> ModelSpec:
+    """`spec` with every layer full attention (its v3 layer kinds dropped): what a hybrid's
+    handoff and compute would be without its linear and sliding layers."""
+    dropped = ("layer_types", "sliding_window", "linear_state_bytes")
+    return attrs.evolve(spec, name=spec.name + ALL_FULL, recurrent=False,
+                        extra=tuple((k, v) for k, v in spec.extra if k not in dropped))
+
+
+def study_model(name: str) -> ModelSpec:
+    """A preset or profile file; NAME+full: its all-full twin (`all_full`)."""
+    if name.endswith(ALL_FULL):
+        return all_full(load_model(name.removesuffix(ALL_FULL)))
+    return load_model(name)
+
+
 def run_point(point: Point, requests: int, output_tokens: int, chunk: int) -> dict:
     """Simulate one point; its row."""
-    spec, hw = load_model(point.model), load_hw(point.hw)
+    spec, hw = study_model(point.model), load_hw(point.hw)
     costs = attrs.evolve(costs_for(spec, hw, link_of(hw), load_engine(point.engine))
                          .scaled(bandwidth=point.bandwidth),
                          contended=CONTENDED)
@@ -173,7 +189,7 @@ def command(args) -> int:
                              f"{getattr(args, name)}")
     longest = max(args.prompt, *AXES["prompt"])
     for model in args.models.split(","):  # an unknown one is refused before anything is written
-        problem = context_error(load_model(model), longest, args.output_tokens,
+        problem = context_error(study_model(model), longest, args.output_tokens,
                                 "--prompt / the prompt axis")
         if problem:
             raise ValueError(problem)

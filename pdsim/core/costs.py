@@ -1,8 +1,11 @@
 """The cost model: a small set of named linear terms, derived from a model and hardware profile.
 
 compute(chunk [a, b))  = chunk_s + token_s * (b - a) + pair_s * sum_{i=a}^{b-1} (i + 1)
+                         + window_pair_s * sum_{i=a}^{b-1} min(i + 1, window)
   with dense_attention: pair_s * n * b instead (an engine that runs a chunk's attention as
   a dense masked n x b rectangle pays for the masked-out pairs too; calibrated profiles only)
+  (contract v3) pair_s covers the full-attention layers, window_pair_s the sliding ones, and
+  token_s a linear layer's state update too (~4 FLOPs per state element per token)
 copy(span of n bytes)  = span_s + gather_byte_s * n + link_latency_s + link_byte_s * n
   (one span alone; how spans share the copier, serial or pipelined: pdsim/core/copier.py)
 head (the first token's LM head, after the last chunk) = head_s (calibrated profiles only)
@@ -11,7 +14,9 @@ first token's messages (serving: the prefill order out, the token back) = serve_
 fill (export only: writing the payload of n bytes) = fill_byte_s * n (calibrated profiles only)
 decode step (batch B, KV tokens K read) = decode_s + decode_row_s * B + decode_kv_token_s * K
   derived when a profile lacks them: the weights read once per step at HBM bandwidth, a
-  row's matmul FLOPs at the compute rate, a KV token's bytes (every layer) at HBM bandwidth
+  row's matmul FLOPs at the compute rate, a KV token's bytes (every full-attention layer)
+  at HBM bandwidth; (v3) a row also reads its sliding layers' windows (a whole window each:
+  exact once the context reaches it) and reads and writes its linear layers' states
 between decode steps the decoder's loop works decode_gap_s, plus land_byte_s per byte of a
   span it lands and admit_byte_s per KV byte of a context it admits (profile [compute]
   values; absent: 0, not modeled)
@@ -29,14 +34,17 @@ and its bytes at the engine's efficiencies; the copy terms are the same.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import attrs
 
 from pdref.geometry import Geometry
+from pdref.kinds import FULL, LINEAR, SLIDING
 from pdref.models import ModelSpec
 from pdsim.core.engines import DEFAULT_ENGINE, EngineProfile, load_engine
 from pdsim.core.profile_fields import COPIERS, non_negative
 from pdsim.core.profiles import HwProfile, LinkProfile
-from pdsim.core.roofline import Roofline, roofline_for
+from pdsim.core.roofline import Roofline, roofline_for, window_pairs
 
 
 @attrs.frozen
@@ -67,6 +75,9 @@ class Costs:
     head_s: float = attrs.field(default=0.0, validator=non_negative)  # first token's LM head
     serve_latency_s: float = attrs.field(default=0.0, validator=non_negative)
     dense_attention: bool = False  # pairs of a chunk [a, b): n * b, not the causal triangle
+    # (v3) the sliding layers' window (0: none) and their attention, per windowed pair
+    window: int = 0
+    window_pair_s: float = attrs.field(default=0.0, validator=non_negative)
     state_bytes: int = 0
     fill_byte_s: float = attrs.field(default=0.0, validator=non_negative)
     # Cores shared by every producer's compute and the decoder's steps (None: dedicated
@@ -90,7 +101,10 @@ class Costs:
             return self.roofline.prefill_s(a, b)
         n = max(b - a, 0)
         pairs = attention_pairs(a, b, self.dense_attention)
-        return self.chunk_s + self.token_s * n + self.pair_s * pairs
+        seconds = self.chunk_s + self.token_s * n + self.pair_s * pairs
+        if self.window and n:
+            seconds += self.window_pair_s * window_pairs(a, b, self.window)
+        return seconds
 
     def decode_base_s(self, batch: int) -> float:
         """A decode step of `batch` rows less its KV read (decode_kv_token_s per token)."""
@@ -127,6 +141,7 @@ class Costs:
             self,
             token_s=self.token_s / compute,
             pair_s=self.pair_s / compute,
+            window_pair_s=self.window_pair_s / compute,
             decode_row_s=self.decode_row_s / compute,
             gather_byte_s=self.gather_byte_s / bandwidth,
             link_stages=tuple((n, s / bandwidth) for n, s in self.link_stages),
@@ -159,9 +174,48 @@ def linear_flops_per_token(spec: ModelSpec) -> float:
     return 2.0 * spec.layers * (attn + 3 * spec.hidden * spec.intermediate)
 
 
-def pair_flops(spec: ModelSpec) -> float:
-    """Attention FLOPs per (query token, context token) pair: QK^T and PV, every KV layer."""
-    return 4.0 * sim_geometry(spec).layers * spec.heads * spec.head_dim
+@attrs.frozen
+class MixerLayers:
+    """How many layers mix tokens each way: full attention (a model without `layer_types`:
+    every KV layer), (v3) sliding-window attention and linear attention, with the window
+    and one linear layer's state bytes."""
+
+    full: int
+    sliding: int = 0
+    linear: int = 0
+    window: int = 0
+    state_bytes: int = 0
+
+
+def mixer_layers(spec: ModelSpec) -> MixerLayers:
+    kinds = spec.layer_kinds()
+    if kinds is None:
+        return MixerLayers(sim_geometry(spec).layers)
+    count = Counter(k.kind for k in kinds)
+    return MixerLayers(count[FULL], count[SLIDING], count[LINEAR],
+                       spec.get("sliding_window") or 0, spec.get("linear_state_bytes") or 0)
+
+
+def pair_flops(spec: ModelSpec, layers: int | None = None) -> float:
+    """Attention FLOPs per (query token, context token) pair: QK^T and PV, over `layers`
+    (None: every full-attention layer)."""
+    layers = mixer_layers(spec).full if layers is None else layers
+    return 4.0 * layers * spec.heads * spec.head_dim
+
+
+def state_flops_per_token(spec: ModelSpec) -> float:
+    """(v3) A prompt token's linear-attention state updates and readouts: ~4 FLOPs per state
+    element of every linear layer (as roofline.recurrent_prefill_s)."""
+    mix = mixer_layers(spec)
+    return 4.0 * mix.linear * mix.state_bytes / spec.dtype_bytes
+
+
+def mixer_row_bytes(spec: ModelSpec) -> int:
+    """(v3) HBM bytes a decode row moves besides its full layers' KV: each sliding layer's
+    window of KV read, each linear layer's state read and written."""
+    mix = mixer_layers(spec)
+    window_kv = mix.window * sim_geometry(spec).bytes_per_token_layer
+    return mix.sliding * window_kv + mix.linear * 2 * mix.state_bytes
 
 
 def engine_of(hw: HwProfile, name: str | None = None) -> EngineProfile:
@@ -195,11 +249,13 @@ def _linear_costs(spec: ModelSpec, hw: HwProfile, engine: EngineProfile, copy: d
     over = engine.compute
     weights = linear_flops_per_token(spec) / 2 * spec.dtype_bytes
     decode = decode_terms(spec, hw, engine)
+    token_flops = linear_flops_per_token(spec) + state_flops_per_token(spec)
     return Costs(
-        token_s=over.token_s if over.token_s is not None else linear_flops_per_token(spec) / rate,
+        token_s=over.token_s if over.token_s is not None else token_flops / rate,
         pair_s=over.pair_s if over.pair_s is not None else pair_flops(spec) / rate,
         chunk_s=over.chunk_s if over.chunk_s is not None else engine.chunk_s,
         **copy,
+        **_window_terms(spec, rate, fitted=over.pair_s is not None),
         decode_token_s=weights / hw.hbm_bandwidth,
         **decode,
         decode_gap_s=over.decode_gap_s or 0.0,
@@ -214,14 +270,26 @@ def _linear_costs(spec: ModelSpec, hw: HwProfile, engine: EngineProfile, copy: d
     )
 
 
+def _window_terms(spec: ModelSpec, rate: float, fitted: bool) -> dict:
+    """(v3) The sliding layers' window and price per windowed pair; none beside a fitted
+    pair_s (a calibration's pair_s already holds whatever attention it measured)."""
+    mix = mixer_layers(spec)
+    if fitted or not mix.sliding:
+        return {}
+    return {"window": mix.window, "window_pair_s": pair_flops(spec, mix.sliding) / rate}
+
+
 def decode_terms(spec: ModelSpec, hw: HwProfile, engine: EngineProfile) -> dict[str, float]:
     """The decode step's terms: the engine's own (fitted), else derived (not measured): a
-    step reads the weights once (HBM), each row costs its matmul FLOPs, each KV token read
-    its bytes; added, not overlapped (the linear model)."""
+    step reads the weights once (HBM), each row costs its matmul FLOPs (and, v3, its
+    sliding windows' and linear states' bytes), each KV token read its bytes on the
+    full-attention layers; added, not overlapped (the linear model)."""
+    kv_layer = sim_geometry(spec).bytes_per_token_layer
     derived = {
         "decode_s": linear_flops_per_token(spec) / 2 * spec.dtype_bytes / hw.hbm_bandwidth,
-        "decode_row_s": linear_flops_per_token(spec) / (hw.peak_flops * engine.efficiency),
-        "decode_kv_token_s": sim_geometry(spec).bytes_per_token / hw.hbm_bandwidth,
+        "decode_row_s": linear_flops_per_token(spec) / (hw.peak_flops * engine.efficiency)
+        + mixer_row_bytes(spec) / hw.hbm_bandwidth,
+        "decode_kv_token_s": kv_layer * mixer_layers(spec).full / hw.hbm_bandwidth,
     }
     return {name: derived[name] if getattr(engine.compute, name) is None
             else getattr(engine.compute, name) for name in derived}

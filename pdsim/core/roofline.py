@@ -160,15 +160,20 @@ def _state_bytes_layer(r: Roofline) -> float:
     return (r.spec.get("recurrent_state_bytes", 0) or 0) / max(linear_layers, 1)
 
 
+def window_pairs(a: int, b: int, w: int) -> int:
+    """(query, key) pairs of queries [a, b) in a window of `w`: query q attends its last
+    min(q + 1, w) keys, itself included."""
+    full = min(b, w)  # queries below w attend every key before them
+    pairs = (max(0, full * (full + 1) - a * (a + 1)) // 2 if a < full else 0)
+    return pairs + w * (b - max(a, full))
+
+
 def sliding_prefill_s(r: Roofline, a: int, b: int) -> float:
     """Sliding-window attention of queries [a, b): query q attends its last W keys
     (min(q + 1, W) pairs), against reading those keys once; FlashAttention-class kernels
     skip the tiles outside the band, as they skip the masked ones."""
     w = r.spec.get("sliding_window")
-    full = min(b, w)  # queries below w attend every key before them
-    pairs = (max(0, full * (full + 1) - a * (a + 1)) // 2 if a < full else 0)
-    pairs += w * (b - max(a, full))
-    flops = 4.0 * r.spec.heads * r.spec.head_dim * pairs
+    flops = 4.0 * r.spec.heads * r.spec.head_dim * window_pairs(a, b, w)
     eff = curve_at(r.figures.attention_prefill, min(b, w))
     kv = min(b, w - 1 + (b - a)) * _kv_bytes_layer(r)  # keys [a - w + 1, b)
     return max(flops / (r.peak * eff), kv / (r.bandwidth * r.figures.memory))
