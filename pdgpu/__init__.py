@@ -16,7 +16,9 @@ Modules (one concept each):
   recorder      the live checks (pdref's FastMonitor in line), the run clock, stage events,
                 live-check cost, metrics
   audit         the full pdref Monitor behind the mirror, on its own thread: lag, first error
-  ledger        every resource operation of a run, each one call with the event it emits
+  live_check    the checked-ledger core: pdref's fast mirror in line, the audit behind it,
+                held by the recorder and by serve/ledger.py
+  engine_ledger every resource operation of a run, each one call with the event it emits
   faults        fault injection: a failing span, the protocol-breaking debug switches
   payload       export only: the known payload written and checked byte-exact
   host          glibc told to keep freed memory (a serving process keeps its heap)

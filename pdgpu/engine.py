@@ -14,7 +14,8 @@ schedule of `pdref.plan.plan_steps`:
 then the head and `produced` (whole mode issues its span here), wait for every span, `reuse`
 the source pages, `admit`, `release`. On a failed span: `fail` and `fence` (from the watcher,
 once the span's writer stopped), wait for the others, `reuse`, `abort`, retry.
-Every resource operation goes through the Ledger, which emits its event first.
+Every resource operation goes through the EngineLedger (engine_ledger.py), which emits its
+event first.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 from pdgpu import audit, host
 from pdgpu.copier import Copier, CopierConfig, CopyJob
 from pdgpu.decoder_pool import DecoderPool
+from pdgpu.engine_ledger import EngineLedger, LifeKV
 from pdgpu.faults import DEBUG_BREAKS, Faults
-from pdgpu.ledger import Ledger, Life
 from pdgpu.model import Transformer
 from pdgpu.payload import fill_payload, payload_matches
 from pdgpu.prefill import Prefill, warm_prefix
@@ -77,7 +78,7 @@ class _Pending:
 class _Loop:
     """The per-life state of the step loop."""
 
-    life: Life
+    life: LifeKV
     prefill: Prefill  # the request's compute, step by step (its `last` hidden state)
     pending: deque = attrs.Factory(deque)  # _Pending, in step order
     ready: deque = attrs.Factory(deque)  # (Region, mark) computed and not yet issued
@@ -112,7 +113,7 @@ class Engine:
             with compute_threads(self.config.device, self.config.threads):
                 self.threads_used = torch.get_num_threads()
                 self.warmup_s = self._warm_up(requests) if self.config.warmup else None
-                self.ledger = Ledger(rec, self.source, self.pool, self.copier, self.geometry,
+                self.ledger = EngineLedger(rec, self.source, self.pool, self.copier, self.geometry,
                                      self.faults)
                 outcomes, wall = self._serve_all(rec, requests)
         finally:
@@ -329,7 +330,7 @@ class Engine:
 
     # -- end of a life -----------------------------------------------------------------------
 
-    def _admit(self, rec: Recorder, life: Life, token, attempt: int) -> Outcome:
+    def _admit(self, rec: Recorder, life: LifeKV, token, attempt: int) -> Outcome:
         req = life.req
         self.ledger.free_source(life)
         if not rec.ask("can_admit", req):
@@ -341,7 +342,7 @@ class Engine:
         self.ledger.release(life)
         return Outcome(req, token, attempt, kv)
 
-    def _abort(self, life: Life) -> None:
+    def _abort(self, life: LifeKV) -> None:
         """A copy failed (and was fenced): let the others finish, free the source pages,
         abort; the decoder pages come back as pdref's pool frees them."""
         self._wait_all()

@@ -13,8 +13,8 @@ import torch
 
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine import Engine, EngineError, _Loop, _Pending
+from pdgpu.engine_ledger import EngineLedger
 from pdgpu.generate import prefill_chunks
-from pdgpu.ledger import Ledger
 from pdgpu.model import build_model
 from pdgpu.payload import fill_payload, payload_matches, payload_values
 from pdgpu.prefill import Prefill
@@ -255,8 +255,8 @@ def _engine_with_ledger(mode="chunk", prompt=64, **kw):
     rec = Recorder(engine._header(plan.pool_pages))
     try:
         engine._allocate(plan, rec)
-        engine.ledger = Ledger(rec, engine.source, engine.pool, engine.copier, engine.geometry,
-                               engine.faults)
+        engine.ledger = EngineLedger(rec, engine.source, engine.pool, engine.copier,
+                                     engine.geometry, engine.faults)
         yield engine, rec, request
     finally:
         if getattr(engine, "copier", None) is not None:
@@ -265,7 +265,7 @@ def _engine_with_ledger(mode="chunk", prompt=64, **kw):
 
 
 def test_freeing_source_pages_under_a_copy_in_flight_is_refused_before_freeing():
-    """Ledger.free_source emits `reuse` first: with a span in flight it is COPY-3, live, and
+    """EngineLedger.free_source emits `reuse` first: with a span in flight it is COPY-3, live, and
     the source pages are still held afterwards."""
     with _engine_with_ledger(link_gbps=0.0002) as (engine, rec, request):
         src = engine.source.open(request.prompt)
@@ -474,7 +474,7 @@ def test_step_loop_never_waits_for_a_readiness_mark_while_steps_remain(monkeypat
 
 
 def test_abort_is_refused_while_a_failed_span_is_unfenced():
-    """Ledger.abort refuses to abort a life whose failed span's writer was not fenced (the
+    """EngineLedger.abort refuses to abort a life whose failed span's writer was not fenced (the
     pages must not go back while a writer may still write them); nothing is scrubbed."""
     with _engine_with_ledger(link_gbps=0.0002) as (engine, rec, request):
         src = engine.source.open(request.prompt)

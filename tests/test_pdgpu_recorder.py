@@ -34,11 +34,12 @@ def _request(prompt: int = 97) -> Request:
     return Request("r", tuple(torch.randint(0, TINY.vocab, (prompt,), generator=gen).tolist()), 0)
 
 
-def _engine_run(monkeypatch, audit_monitor, recorders: list, mode: str = "chunk"):
-    """Run one request with `audit_monitor` behind the mirror (backlog bound BOUND); the
+def _engine_run(monkeypatch, audit_monitor, recorders: list, mode: str = "chunk",
+                bound: int = BOUND):
+    """Run one request with `audit_monitor` behind the mirror (backlog bound `bound`); the
     run's Recorder goes into `recorders` before its first event."""
     def recorder(header):
-        recorders.append(Recorder(header, audit_monitor=audit_monitor, audit_bound=BOUND))
+        recorders.append(Recorder(header, audit_monitor=audit_monitor, audit_bound=bound))
         return recorders[-1]
 
     monkeypatch.setattr(engine_module, "Recorder", recorder)
@@ -201,15 +202,17 @@ def test_an_audit_finding_is_the_cause_of_a_run_another_error_stops(monkeypatch)
     """The audit refuses the first issue and the engine raises an error of its own right
     after it (before its next call into pdref could raise the audit's): the run's error is
     still the audit's violation, the engine's is only its context (rec.stop's path)."""
-    import pdgpu.ledger as ledger_module
-    issue = ledger_module.Ledger.issue
+    import pdgpu.engine_ledger as ledger_module
+    issue = ledger_module.EngineLedger.issue
 
     def issue_then_fail(self, *args):
         issue(self, *args)
         raise engine_module.EngineError("a secondary error")
-    monkeypatch.setattr(ledger_module.Ledger, "issue", issue_then_fail)
+    monkeypatch.setattr(ledger_module.EngineLedger, "issue", issue_then_fail)
     with pytest.raises(Violation, match="the audit alone refuses this issue") as info:
-        _engine_run(monkeypatch, _refusing("issue"), [])
+        # a backlog bound the run never reaches: at BOUND, a loaded box's audit could fall
+        # that far behind and the issue's own emit would wait for it and raise its finding
+        _engine_run(monkeypatch, _refusing("issue"), [], bound=4096)
     assert "secondary" in str(info.value.__cause__)
 
 

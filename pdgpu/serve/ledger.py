@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import itertools
 import time
-import weakref
 from collections import deque
 
 import torch
 
-from pdgpu.audit import BOUND, Audit, Disagreement
+from pdgpu.audit import BOUND, Disagreement
+from pdgpu.live_check import LiveCheck
 from pdgpu.serve.digest import first_mismatch
 from pdgpu.serve.link import local, rows_into
 from pdgpu.serve.rendezvous import TransportError
@@ -35,15 +35,14 @@ from pdgpu.serve.tracelog import TraceLog
 from pdgpu.source_cache import paged_kv, token_slots
 from pdref import events as ev
 from pdref.apply import apply
-from pdref.fast_monitor import FastMonitor
 from pdref.monitor import Monitor
 from pdref.violations import Violation
 
 
 class Ledger:
-    """Live-check cost: every call into the fast mirror and its queueing for the audit is
-    timed on the wall clock (`check_s`, `checks`); writing the trace is not a check and is
-    not in it. The audit's own seconds and lag: `audit.metrics()`."""
+    """The live check (`live`, pdgpu/live_check.py) with no lock (the decoder's loop is one
+    thread) and the trace as its sink: an accepted event is written to the TraceLog after
+    the check returns, outside the check's time (writing the trace is not a check)."""
 
     def __init__(self, header: ev.Header, device, dtype: torch.dtype,
                  log: TraceLog | None = None, audit_monitor=Monitor,
@@ -52,13 +51,9 @@ class Ledger:
         self.geometry = header.geometry
         self.log = log if log is not None else TraceLog(header, None)
         self.recent: deque = deque(maxlen=8)  # the last protocol events (for tests, errors)
-        self.audit = Audit(header, audit_monitor, audit_bound)
-        weakref.finalize(self, self.audit.stop)  # a run that raised before its teardown
         self._accepted: list = []  # accepted by the mirror, not yet in the trace
-        self.monitor = FastMonitor(header, sink=_sink(self._accepted, self.audit))
-        self.check_s = 0.0  # wall seconds in calls into the live check
-        self.checks = 0
-        self.stopped = False  # the run stopped early: the audit is gone
+        self.live = LiveCheck(header, self._accepted.append, audit_monitor=audit_monitor,
+                              audit_bound=audit_bound)
         self.kv = paged_kv(self.geometry, header.pool_pages, device, dtype)  # [L, 2, S, KVH, D]
         self.slots: dict[str, torch.Tensor] = {}  # req -> [prompt - prefix] pool slot per token
         self.prefixes: dict[str, int] = {}  # req -> its reserve's prefix (slot 0's token)
@@ -66,6 +61,16 @@ class Ledger:
         self.verify_s = 0.0  # spent checking landed bytes against their checksums
         self._spans = itertools.count()
         self.t0 = time.perf_counter()
+
+    @property
+    def audit(self):
+        """The audit thread behind the mirror (the live check's)."""
+        return self.live.audit
+
+    @property
+    def monitor(self):
+        """pdref's fast mirror (the live check's)."""
+        return self.live.monitor
 
     def restart_clock(self) -> None:
         if self.monitor.events:
@@ -80,20 +85,10 @@ class Ledger:
         return max(0.0, absolute - self.t0)
 
     def _check(self, name: str, *args, audited: bool = False):
-        """`name(*args)` on the fast mirror, timed as live-check cost; `audited`: its answer
-        goes to the audit too. Raises what the audit found first: once it refused anything,
-        nothing more is done (until the teardown of a stopped run: `stop`)."""
-        start = time.perf_counter()
+        """The live check's `ask`; what the mirror accepted meanwhile, into the trace."""
         try:
-            if not self.stopped:
-                self.audit.raise_error()
-            answer = getattr(self.monitor, name)(*args)
-            if audited and not self.stopped:
-                self.audit.put(name, args, answer, start)
-            return answer
+            return self.live.ask(name, *args, audited=audited)
         finally:
-            self.check_s += time.perf_counter() - start
-            self.checks += 1
             if self._accepted:
                 self._write_accepted()
 
@@ -111,8 +106,7 @@ class Ledger:
     def raise_audit_error(self) -> None:
         """What the audit found so far, raised: the decoder's loop asks at every turn, so a
         run that makes no call into the ledger for a while (idle, decoding) stops too."""
-        if not self.stopped:
-            self.audit.raise_error()
+        self.live.raise_found()
 
     def write_trace(self) -> None:
         """The trace written up to its window (the loop's every turn: an idle server's last
@@ -244,39 +238,16 @@ class Ledger:
     # -- the end ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """End of a complete run: LIFE-1 on the mirror at once, then wait (bounded) for the
-        audit, which also compares the mirror's whole state with its own; raises what the
-        audit found."""
-        self._check("close")
-        self.audit.put("close", (), None, time.perf_counter())
-        self.audit.put("state", (), self.monitor.state, time.perf_counter())
-        self.audit.finish()
+        """End of a complete run: the live check's end (raises what the audit found)."""
+        self.live.close()
 
     def stop(self) -> Exception | None:
         """The run stopped early: the audit checks what was queued before the stop (bounded
         wait) and ends; what it found (None: nothing). The teardown's aborts and fences are
         then checked by the mirror alone, so the trace still closes with every life ended,
         as it did with the Monitor in line."""
-        if not self.stopped:
-            self.stopped = True
-            self.monitor.sink = self.monitor.stage_sink = self._accepted.append
-        return self.audit.drain()
+        return self.live.stop()
 
     def check_metrics(self, wall_s: float) -> dict:
         """Live-check cost beside the run's wall, and the audit's seconds and lag."""
-        return {"check_s": self.check_s,
-                "check_frac": self.check_s / wall_s if wall_s > 0 else 0.0,
-                "checks": self.checks, **self.audit.metrics()}
-
-
-def _sink(accepted: list, audit: Audit):
-    """The mirror's sink: each accepted event to the trace (after the check) and to the
-    audit. A closure, not a method: no reference cycle through the Ledger, so one dropped
-    without `close` is freed at once and its finalizer ends the audit thread."""
-    put, clock = audit.put, time.perf_counter
-
-    def sink(event) -> None:
-        accepted.append(event)
-        put("emit", (event,), None, clock())
-
-    return sink
+        return self.live.metrics(wall_s)

@@ -24,8 +24,9 @@ from pdref.plan import Region
 
 
 @attrs.frozen
-class Life:
-    """One life of a request: its source pages and decoder slab."""
+class LifeKV:
+    """One life of a request in `pdgpu run`: its source pages and decoder slab (the serve
+    decoder's record of a life is another thing: serve/lives.py's Life)."""
 
     request: Request
     src: RequestKV
@@ -37,7 +38,10 @@ class Life:
         return self.request.req
 
 
-class Ledger:
+class EngineLedger:
+    """`pdgpu run`'s resource operations, each with its event checked by the Recorder (the
+    serve decoder's door to its pool is serve/ledger.py's Ledger)."""
+
     def __init__(self, rec: Recorder, source: SourceCache, pool: DecoderPool, copier: Copier,
                  geometry: Geometry, faults: Faults) -> None:
         self.rec, self.source, self.pool, self.copier = rec, source, pool, copier
@@ -50,19 +54,19 @@ class Ledger:
         only event that marks a life failed), so no query of the Monitor's state is needed."""
         return req in self._failed
 
-    def reserve(self, request: Request, src: RequestKV, tokens: torch.Tensor) -> Life:
+    def reserve(self, request: Request, src: RequestKV, tokens: torch.Tensor) -> LifeKV:
         """A decoder slab for the request's suffix: pdref's reserve picks the pages, this
         pool takes exactly those."""
         pages = self.rec.reserve(request.req, request.prompt, request.prefix)
         self.pool.take(pages)
         with self.copier.decoder_side():
             slab = self.pool.slab(pages, request.prefix, request.prompt)
-        return Life(request, src, slab, tokens)
+        return LifeKV(request, src, slab, tokens)
 
     def computed(self, req: str, layers, tokens) -> None:
         self.rec.emit(ev.Computed, req, layers, tokens)
 
-    def issue(self, life: Life, region: Region, ready) -> int:
+    def issue(self, life: LifeKV, region: Region, ready) -> int:
         """`issue` the span (refused live: COPY-1, COPY-2 ...), then hand it to the copier."""
         span = self.rec.next_span()
         self.rec.emit(ev.Issue, life.req, span, region.layers, region.tokens,
@@ -95,7 +99,7 @@ class Ledger:
     def land(self, req: str, span: int) -> None:
         self.rec.emit(ev.Land, req, span)
 
-    def free_source(self, life: Life) -> None:
+    def free_source(self, life: LifeKV) -> None:
         """`reuse` every token of the request (refused live while a span reads one), then
         the source pages go back: the next request may overwrite them."""
         self.rec.emit(ev.Reuse, life.req, (0, life.request.prompt))
@@ -107,11 +111,11 @@ class Ledger:
     def admit(self, req: str) -> None:
         self.rec.emit(ev.Admit, req)
 
-    def release(self, life: Life) -> None:
+    def release(self, life: LifeKV) -> None:
         self.rec.emit(ev.Release, life.req)
         self.pool.follow(self.rec.free_page_ids())
 
-    def abort(self, life: Life, reason: str) -> None:
+    def abort(self, life: LifeKV, reason: str) -> None:
         """Scrub the slab (a retry must rewrite every byte it relies on), `abort`, and give
         back the pages the specification has free again (all of them when every failed span
         was fenced; a quarantined page stays held until its writer's fence)."""
