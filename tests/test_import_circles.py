@@ -82,7 +82,7 @@ def test_a_circle_through_a_function_level_import_is_found(tmp_path):
     assert circles(pkg) == ["pkg.sub.low -> pkg.top -> pkg.sub.low"]
 
 
-@pytest.mark.parametrize("name", ["pdgpu", "pdref"])
+@pytest.mark.parametrize("name", ["pdgpu", "pdref", "pdsim"])
 def test_package_has_no_import_circle(name):
     """Every import, at module level or inside a function, points down: no circle."""
     assert circles(Path(PACKAGES[name].__file__).parent) == []
