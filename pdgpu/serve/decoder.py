@@ -5,8 +5,8 @@ schedule     arrived requests, in arrival order, get a slab as soon as the pool 
              to the serving producer with the least queued prefill work
 postprocess  every message of every producer becomes its pdref event through the Ledger (the
              authority): computed, issue, a span's bytes into its slab (land or fail), produced;
-             a complete request is admitted when pdref says so; faults (recovery.py): failed
-             lives, cancels, deadlines, dead producers
+             a complete request is admitted when pdref says so; faults (recovery.py, a part
+             that owns its own state): failed lives, cancels, deadlines, dead producers
 run          one batched decode forward for every running request, each over its own K/V
              length, its token drawn by the request's own options (greedy unless it samples;
              sampler.py); a request is released at its output-token count, pages back
@@ -14,7 +14,6 @@ run          one batched decode forward for every running request, each over its
 
 from __future__ import annotations
 
-import queue
 import time
 from collections import deque
 
@@ -36,14 +35,14 @@ from pdref.violations import Violation
 __all__ = ["Decoder", "ServeError"]
 
 
-class Decoder(Recovery):
+class Decoder:
     def __init__(self, ledger: Ledger, model, workload: Workload, prefix_kv: torch.Tensor,
                  members: Members, policy: FaultPolicy, faults: FaultSpec, verify: bool,
                  progress=None, stall_s: float = 300.0, eos: int | None = None,
                  inbox=None) -> None:
         self.ledger, self.model, self.members = ledger, model, members
         self.workload, self.prefix_kv = workload, prefix_kv
-        self.policy, self.verify = policy, verify
+        self.verify = verify
         self.progress, self.stall_s, self.eos = progress, stall_s, eos
         self.tracked = {r.req: Tracked(r) for r in workload.requests}
         for t in self.tracked.values():
@@ -55,9 +54,8 @@ class Decoder(Recovery):
         self.decode_cache = DecodeCache.for_model(model)  # the running requests' K/V
         self.sampler = Sampler(model.spec.vocab, self.decode_cache.device)
         self.lives: dict[str, Life] = {}  # handle -> a life its producer may still send for
-        self.deadlines: dict[int, tuple[float, Life]] = {}  # span -> (deadline, its life)
-        self.kills = sorted(policy.kills, key=lambda k: k.t)
-        self.cancels: queue.SimpleQueue = queue.SimpleQueue()  # cancel() from any thread
+        self.recovery = Recovery(ledger, members, policy, workload.prefix, self.tracked,
+                                 self.waiting, self.lives, self._finish, self._leave_batch)
         self.done = 0
         self.last_progress = time.perf_counter()
         self.inbox = inbox  # the HTTP front end's bridge (frontend.py), or None: batch mode
@@ -72,7 +70,7 @@ class Decoder(Recovery):
             self._postprocess()
             if self.inbox is not None:  # requests in; tokens, ends and cancels out
                 self.inbox.pump(self)
-            self._watch()
+            self.recovery.watch()
             self._schedule()
             if self.running:
                 self._decode_step()
@@ -99,6 +97,14 @@ class Decoder(Recovery):
         self.waiting.append(t)
         self.last_progress = time.perf_counter()
         return t
+
+    def cancel(self, req: str) -> None:
+        """Cancel request `req` (thread-safe: applied by the loop at its next turn)."""
+        self.recovery.cancel(req)
+
+    def cancel_all(self, reason: str) -> None:
+        """After the producers are gone (the ledger stopped): every live life aborted."""
+        self.recovery.cancel_all(reason)
 
     def finish_early(self, t: Tracked) -> None:
         """A decoding request its client has all it wants of (a stop string): released,
@@ -135,7 +141,7 @@ class Decoder(Recovery):
             t.arrival = now if arrivals is None else arrivals[index]
             if t.status is Status.WAITING:  # not cancelled before it arrived
                 self.waiting.append(t)
-                self._step(t, count=0)
+                self.recovery.step(t, count=0)
 
     # -- schedule -----------------------------------------------------------------------------
 
@@ -179,7 +185,7 @@ class Decoder(Recovery):
         if msg.op in HANDSHAKE:
             self.members.on_handshake(msg)
         elif msg.op == "lost":
-            self._producer_lost(msg.src, msg.body["error"])
+            self.recovery.producer_lost(msg.src, msg.body["error"])
         elif msg.op == "error":
             raise ServeError(f"producer p{msg.src}: {msg.body['message']}")
         elif msg.op != "beat":
@@ -195,13 +201,13 @@ class Decoder(Recovery):
         try:
             getattr(self, f"_on_{msg.op}")(life, msg)
         except Violation as e:  # the live check refused what this message did
-            if e is self.ledger.audit.error:  # an earlier event's, found by the audit
+            if self.ledger.live.found(e):  # an earlier event's, found by the audit
                 raise
             raise Violation(e.code, f"{e.message} (on producer p{msg.src}'s {msg.op!r})",
                             e.event, e.line) from None
         self._settle(life)
         if current and not t.status.final:
-            self._step(t)
+            self.recovery.step(t)
 
     def _on_computed(self, life: Life, msg: Message) -> None:
         if not life.ended:
@@ -216,8 +222,7 @@ class Decoder(Recovery):
             return
         span = self.ledger.issue(life.req, b["layers"], b["tokens"], b["bytes"])
         life.spans[b["sid"]] = span
-        if self.policy.span_timeout is not None:
-            self.deadlines[span] = (self.ledger.now() + self.policy.span_timeout, life)
+        self.recovery.issued(span, life)
 
     def _on_span(self, life: Life, msg: Message) -> None:
         """A span's bytes (or its writer's failure): land, fail, or dropped when late."""
@@ -225,7 +230,7 @@ class Decoder(Recovery):
         self.members.send(msg.src, "ack", {"handle": life.handle})  # the writer's slot
         if span is None:
             return
-        self.deadlines.pop(span, None)
+        self.recovery.arrived(span)
         if span in life.unfenced:  # failed or cancelled before its bytes came: dropped
             life.unfenced.discard(span)
             self.ledger.fence(life.req, span)
@@ -241,7 +246,7 @@ class Decoder(Recovery):
             self._stage(life, msg, "gather", *msg.body["gather"], span=span)
             self._stage(life, msg, "link", *self._crossed(msg, kv, landing), span=span)
         if error is not None:
-            self._fail_life(life, error)
+            self.recovery.fail_life(life, error)
 
     def _crossed(self, msg: Message, kv, landing: float) -> tuple[float, float]:
         """The span's `link` stage on the producer's clock: from its gather to its send, or
@@ -250,6 +255,9 @@ class Decoder(Recovery):
             return tuple(msg.body["link"])
         offset = self.members.offset(msg.src)
         return landing - offset, time.perf_counter() - offset
+
+    def _on_stopped(self, life: Life, msg: Message) -> None:
+        self.recovery.on_stopped(life, msg)
 
     def _on_reuse(self, life: Life, msg: Message) -> None:
         """The producer gave the life's source pages back on its own (producer.give_back):
@@ -277,10 +285,10 @@ class Decoder(Recovery):
         forget an ended one whose writer stopped."""
         if life.ended:
             if life.stopped:
-                self._forget(life)
+                self.recovery.forget(life)
         elif life.failed is not None:
             if life.stopped:
-                self._end_failed(life, source_held=True)
+                self.recovery.end_failed(life, source_held=True)
         elif life.produced and self.ledger.can_admit(life.req):
             self._admit(self.tracked[life.req])
 
@@ -338,7 +346,7 @@ class Decoder(Recovery):
             if self._complete(t):
                 self._release(t)
             else:
-                self._step(t)
+                self.recovery.step(t)
 
     def _release(self, t: Tracked) -> None:
         self.ledger.release(t.req)

@@ -144,7 +144,7 @@ class Frontend:
         if not handle.asked and not t.status.final:
             if handle.cancelled:
                 handle.asked = True
-                decoder.cancel(t.req)  # applied by `_watch` this very turn
+                decoder.cancel(t.req)  # applied by `watch` (recovery.py) this very turn
             elif handle.finished and t.status is Status.RUNNING:  # else: once admitted
                 handle.asked = True
                 decoder.finish_early(t)

@@ -1,4 +1,7 @@
-"""What the decoder does when something goes wrong (issue 10); mixed into `Decoder`.
+"""What the decoder does when something goes wrong (issue 10): `Recovery`, a part of the
+`Decoder` (decoder.py) that owns the state only faults need (span deadlines, the producer
+kills to come, cancels from other threads) and is handed, explicitly, the decoder's book of
+requests and lives and the two ways a request leaves it (`finish`, `leave_batch`).
 
 - A span fails (its writer reports it, `--verify` finds altered bytes, or its deadline
   `--span-timeout` passes): `fail`; the life is never admitted; the producer is told to
@@ -19,6 +22,9 @@ The pages of the decoder's pool only ever come back through pdref's events (`abo
 
 from __future__ import annotations
 
+import queue
+from collections import deque
+
 from pdgpu.serve.lives import Life, Status, Tracked
 from pdref.events import Mode
 from pdref.plan import plan_chunks, plan_spans
@@ -38,6 +44,15 @@ def expected_steps(header, request, prefix: int) -> int:
 
 
 class Recovery:
+    def __init__(self, ledger, members, policy, prefix: int, tracked: dict[str, Tracked],
+                 waiting: deque, lives: dict[str, Life], finish, leave_batch) -> None:
+        self.ledger, self.members, self.policy, self.prefix = ledger, members, policy, prefix
+        self.tracked, self.waiting, self.lives = tracked, waiting, lives  # the decoder's
+        self.finish, self.leave_batch = finish, leave_batch  # Decoder._finish, _leave_batch
+        self.deadlines: dict[int, tuple[float, Life]] = {}  # span -> (deadline, its life)
+        self.kills = sorted(policy.kills, key=lambda k: k.t)
+        self.cancels: queue.SimpleQueue = queue.SimpleQueue()  # cancel() from any thread
+
     # -- the serving API ----------------------------------------------------------------------
 
     def cancel(self, req: str) -> None:
@@ -46,9 +61,20 @@ class Recovery:
             raise KeyError(f"no request {req!r} in this run")
         self.cancels.put(req)
 
+    # -- span deadlines (`--span-timeout`) ----------------------------------------------------
+
+    def issued(self, span: int, life: Life) -> None:
+        """A span of `life` was issued: it must land within the span timeout (if any)."""
+        if self.policy.span_timeout is not None:
+            self.deadlines[span] = (self.ledger.now() + self.policy.span_timeout, life)
+
+    def arrived(self, span: int) -> None:
+        """A span's bytes (or its writer's failure) came: no deadline any more."""
+        self.deadlines.pop(span, None)
+
     # -- checks at every turn of the loop -----------------------------------------------------
 
-    def _watch(self) -> None:
+    def watch(self) -> None:
         self.ledger.raise_audit_error()  # a violation the audit found stops the run here
         self.ledger.write_trace()
         while not self.cancels.empty():
@@ -57,23 +83,23 @@ class Recovery:
         while self.kills and self.kills[0].t <= now:
             self.members.kill(self.kills.pop(0).producer)
         for rank, reason in self.members.due_deaths().items():
-            self._producer_lost(rank, reason)
+            self.producer_lost(rank, reason)
         for span, (deadline, life) in list(self.deadlines.items()):
             if deadline <= now and span in self.deadlines:
                 self._timed_out(life, span)
         if self.waiting and not self.members.can_serve():
             while self.waiting:
                 t = self.waiting.popleft()
-                self._finish(t, Status.FAILED, f"no producer left ({t.attempts} attempts)")
+                self.finish(t, Status.FAILED, f"no producer left ({t.attempts} attempts)")
 
     def _timed_out(self, life: Life, span: int) -> None:
         del self.deadlines[span]
         reason = f"span {span} not landed within {self.policy.span_timeout:g} s"
         self.ledger.fail(life.req, span, reason)
         life.unfenced.add(span)  # its writer may still be busy: fenced when it stops
-        self._fail_life(life, reason)
+        self.fail_life(life, reason)
 
-    def _step(self, t: Tracked, count: int = 1) -> None:
+    def step(self, t: Tracked, count: int = 1) -> None:
         """The request made `count` steps; a drawn cancel comes when they reach its point."""
         t.steps += count
         if t.cancel_at is not None and t.steps >= t.cancel_at and not t.status.final:
@@ -89,15 +115,15 @@ class Recovery:
                 self.waiting.remove(t)
         elif t.status is Status.RUNNING:
             self.ledger.abort(t.req, "cancelled")
-            self._leave_batch(t)
+            self.leave_batch(t)
         else:
             self._abort_life(t.life, "cancelled")
         t.life = None
-        self._finish(t, Status.CANCELLED, "cancelled")
+        self.finish(t, Status.CANCELLED, "cancelled")
 
     # -- failures -----------------------------------------------------------------------------
 
-    def _fail_life(self, life: Life, reason: str) -> None:
+    def fail_life(self, life: Life, reason: str) -> None:
         """The life can no longer be admitted: its producer is told to stop it."""
         if life.failed is None:
             life.failed = reason
@@ -118,24 +144,24 @@ class Recovery:
         life.ended = True
         self._send_cancel(life)
         if life.stopped:
-            self._forget(life)
+            self.forget(life)
 
-    def _end_failed(self, life: Life, source_held: bool) -> None:
+    def end_failed(self, life: Life, source_held: bool) -> None:
         """A failed life whose writers all stopped: source back, abort, retry or fail."""
         t = self.tracked[life.req]
         if source_held:
-            self.ledger.reuse(t.req, (self.workload.prefix, t.request.prompt))
+            self.ledger.reuse(t.req, (self.prefix, t.request.prompt))
         self._abort_life(life, life.failed)
         t.life = None
         if t.attempts >= self.policy.max_attempts:
-            self._finish(t, Status.FAILED, f"{life.failed} ({t.attempts} attempts)")
+            self.finish(t, Status.FAILED, f"{life.failed} ({t.attempts} attempts)")
         elif not self.members.can_serve():
-            self._finish(t, Status.FAILED, f"{life.failed}; no producer left")
+            self.finish(t, Status.FAILED, f"{life.failed}; no producer left")
         else:
             t.status = Status.WAITING
             self.waiting.appendleft(t)  # keeps its place: the oldest request
 
-    def _on_stopped(self, life: Life, msg) -> None:
+    def on_stopped(self, life: Life, msg) -> None:
         """The producer passed every span of the life: what never came is fenced now, and
         the slots of those writers go back."""
         life.stopped = True
@@ -156,12 +182,12 @@ class Recovery:
             self.ledger.fence(life.req, span)
         life.unfenced.clear()
 
-    def _forget(self, life: Life) -> None:
+    def forget(self, life: Life) -> None:
         """An ended life its producer stopped: its source pages may go."""
         if self.lives.pop(life.handle, None) is not None:
             self.members.send(life.producer, "reuse", {"handle": life.handle})
 
-    def _producer_lost(self, rank: int, reason: str) -> None:
+    def producer_lost(self, rank: int, reason: str) -> None:
         """Declared dead: its writers stopped for good with its link; its lives end."""
         if not self.members.alive(rank):
             return
@@ -173,7 +199,7 @@ class Recovery:
             if not life.ended:
                 life.failed = life.failed or f"producer p{rank} lost: {reason}"
                 life.cancel_sent = True  # nobody to tell
-                self._end_failed(life, source_held=False)
+                self.end_failed(life, source_held=False)
 
     # -- teardown -----------------------------------------------------------------------------
 
