@@ -18,6 +18,7 @@ import attrs
 from pdref.models import ModelSpec
 
 DENSE = ("qwen3", "llama")
+HYBRID = ("qwen3_5", "gemma3")
 
 
 @attrs.frozen
@@ -71,7 +72,7 @@ def arch_of(spec: ModelSpec) -> Arch:
     """The layer structure of a spec (a dense family's: every layer full, whole-head RoPE)."""
     if spec.arch in DENSE:
         return Arch(spec.arch, ("full",) * spec.layers, spec.head_dim)
-    if spec.arch not in ("qwen3_5", "gemma3"):
+    if spec.arch not in HYBRID:
         raise ValueError(f"model: arch {spec.arch!r} has no engine implementation "
                          "(qwen3, llama, qwen3_5, gemma3)")
     kinds = tuple(_extra(spec, "layer_kinds"))

@@ -72,15 +72,34 @@ class StatePool:
     def take(self) -> int:
         """A free slot, zeroed (the pool doubles when every slot is taken)."""
         if not self.free:
-            old = self.slots
-            conv, rec = self._tensors(2 * old)
-            conv[:, :old], rec[:, :old] = self.conv, self.recurrent
-            self.conv, self.recurrent = conv, rec
-            self.free = list(range(old, 2 * old))
+            self._double()
         slot = self.free.pop(0)
+        self._zero(slot)
+        return slot
+
+    def claim(self, slot: int) -> None:
+        """Slot `slot`, named by someone else, zeroed (the pool doubles until it holds it).
+        A serving producer's slots are named by the decoder's `reserve` (contract v3), which
+        names one only once pdref has it free: no earlier life computes into it any more and
+        no span it counts reads it (STATE-4), so whatever held it here is done with it."""
+        if slot < 0:
+            raise ValueError(f"state pool: slot must be >= 0, got {slot}")
+        while slot >= self.slots:
+            self._double()
+        if slot in self.free:
+            self.free.remove(slot)
+        self._zero(slot)
+
+    def _double(self) -> None:
+        old = self.slots
+        conv, rec = self._tensors(2 * old)
+        conv[:, :old], rec[:, :old] = self.conv, self.recurrent
+        self.conv, self.recurrent = conv, rec
+        self.free = sorted(self.free + list(range(old, 2 * old)))
+
+    def _zero(self, slot: int) -> None:
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
-        return slot
 
     def give_back(self, slot: int) -> None:
         if slot in self.free or not 0 <= slot < self.slots:

@@ -21,7 +21,7 @@ from pdgpu.serve.launch import (
     serve_local,
     start_header,
 )
-from pdgpu.serve.models import ENGINE_ARCHS, SERVED_ARCHS, model_spec
+from pdgpu.serve.models import model_spec
 from pdgpu.serve.report import SUMMARY_ORDER, ResultsLog
 from pdgpu.serve.status import progress
 from pdgpu.serve.tracelog import TraceLog
@@ -157,9 +157,6 @@ def prepare(args) -> tuple[ServeConfig, FaultPolicy, Workload, int, Endpoint | N
     check_out(args.trace, "trace")
     check_out(args.results, "results")
     spec = model_spec(args.model, args.dtype)
-    if spec.arch in ENGINE_ARCHS and spec.arch not in SERVED_ARCHS:  # (others: handshake)
-        raise WorkloadError(f"model: arch {spec.arch!r} is not served yet "
-                            f"({', '.join(SERVED_ARCHS)}): see docs/hybrid-models.md")
     check_eos(args.eos_token, spec.vocab)
     workload = _workload(args, spec)
     return serve_config(args, workload, faults), policy, workload, producers, endpoint

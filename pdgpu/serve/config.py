@@ -67,7 +67,9 @@ class Capabilities:
     name: str
     kv_progress: bool  # publishes per-chunk / per-layer readiness, so it can stream spans
     modes: tuple[str, ...] = attrs.field(converter=tuple)
-    recurrent: bool  # its model carries recurrent state besides attention KV
+    # its model carries recurrent state besides attention KV that no span carries (a
+    # hybrid the engine implements ships its state in state spans: contract v3)
+    recurrent: bool
     device: str = "cpu"  # where its KV lives (cpu: gloo; cuda:N: NCCL)
 
     def to_json(self) -> dict:

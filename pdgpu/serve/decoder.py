@@ -160,12 +160,13 @@ class Decoder:
             t = self.waiting.popleft()
             t.attempts += 1
             t.life = Life(f"{t.req}#{t.attempts}", t.req, rank, t.request.prompt - prefix)
-            self.ledger.reserve(t.req, t.request.prompt, prefix, f"p{rank}")
+            state_slot = self.ledger.reserve(t.req, t.request.prompt, prefix, f"p{rank}")
             self.lives[t.life.handle] = t.life
             t.status, t.reserved_t = Status.PREFILL, self.ledger.now()
             self.members.send(rank, "prefill", {
                 "handle": t.life.handle, "tokens": list(t.request.tokens),
-                "sampling": attrs.asdict(t.request.sampling), "ban": list(self._draw(t, 0).ban)})
+                "sampling": attrs.asdict(t.request.sampling), "ban": list(self._draw(t, 0).ban),
+                "state_slot": state_slot})
 
     # -- postprocess --------------------------------------------------------------------------
 
@@ -220,7 +221,8 @@ class Decoder:
         if life.ended or life.failed is not None:
             life.spans[b["sid"]] = None  # a ghost: pdref never sees it, its bytes are dropped
             return
-        span = self.ledger.issue(life.req, b["layers"], b["tokens"], b["bytes"])
+        span = self.ledger.issue(life.req, b["layers"], b["tokens"], b["bytes"],
+                                 b.get("state", False))
         life.spans[b["sid"]] = span
         self.recovery.issued(span, life)
 
@@ -240,18 +242,23 @@ class Decoder:
             self.ledger.fail(life.req, span, error)
             self.ledger.fence(life.req, span)  # the writer reported it and stopped
         else:
-            kv, digests = msg.tensors
             landing = time.perf_counter()
-            error = self.ledger.land(life.req, span, kv, digests if self.verify else None)
+            error = self.ledger.land(life.req, span, *self._payload(msg))
             self._stage(life, msg, "gather", *msg.body["gather"], span=span)
-            self._stage(life, msg, "link", *self._crossed(msg, kv, landing), span=span)
+            self._stage(life, msg, "link", *self._crossed(msg, landing), span=span)
         if error is not None:
             self.recovery.fail_life(life, error)
 
-    def _crossed(self, msg: Message, kv, landing: float) -> tuple[float, float]:
+    def _payload(self, msg: Message) -> tuple:
+        """A span's tensors for `Ledger.land`: its bytes, each followed by its digests, or
+        by None when the run does not `--verify`."""
+        return tuple(t if i % 2 == 0 or self.verify else None
+                     for i, t in enumerate(msg.tensors))
+
+    def _crossed(self, msg: Message, landing: float) -> tuple[float, float]:
         """The span's `link` stage on the producer's clock: from its gather to its send, or
         (NIXL: the bytes crossed in `land`, READ by this process) the `land` call itself."""
-        if isinstance(kv, torch.Tensor):
+        if all(isinstance(t, torch.Tensor) for t in msg.tensors):
             return tuple(msg.body["link"])
         offset = self.members.offset(msg.src)
         return landing - offset, time.perf_counter() - offset
@@ -298,7 +305,7 @@ class Decoder:
         del self.lives[life.handle]
         self.members.send(life.producer, "reuse", {"handle": life.handle})
         context = self.ledger.admit(t.req, self.prefix_kv)  # [L, 2, prompt, KVH, D]
-        t.seq = self.decode_cache.add(context)
+        t.seq = self.decode_cache.add(context, self.ledger.take_state(t.req))
         t.slot = self.sampler.open(t.request.sampling, t.request.tokens, [life.token])
         t.output = [life.token]
         t.logprobs = [] if life.logprob is None else [life.logprob]

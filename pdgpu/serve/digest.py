@@ -53,10 +53,21 @@ class DigestingKV:
         row_digests(kv, out=self.digests[layer, start:start + kv.shape[0]])  # [n, 2]
         return self.inner.append(layer, start, kv)
 
+    def states(self, layer: int):
+        """A linear layer's state of the request (the inner store's views)."""
+        return self.inner.states(layer)
+
     def region(self, layers, tokens) -> torch.Tensor:
         """Digests of a region -> [nl, 2, nt] (a contiguous copy)."""
         held = self.digests[layers[0]:layers[1], tokens[0]:tokens[1]]  # [nl, nt, 2]
         return held.permute(0, 2, 1).clone(memory_format=torch.contiguous_format)
+
+
+def state_rows(state: torch.Tensor) -> torch.Tensor:
+    """Linear layers' states as digest rows: conv windows [ns, C, K-1] -> [ns, 1, 1, C, K-1]
+    (a row per layer), recurrent states [ns, Hv, Dk, Dv] -> [ns, Hv, 1, Dk, Dv] (a row per
+    value head); their digests are [ns, R, 1], as `first_mismatch` reads them."""
+    return state.reshape(state.shape[0], -1, 1, *state.shape[-2:])
 
 
 def first_mismatch(landed: torch.Tensor, expected: torch.Tensor) -> tuple[int, int] | None:

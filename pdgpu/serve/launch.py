@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pdgpu import audit, interrupt
+from pdgpu.handoff import handoff_geometry
 from pdgpu.prefill import warm_prefix
 from pdgpu.serve import clock
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
@@ -36,7 +37,7 @@ from pdgpu.serve.devices import use_device
 from pdgpu.serve.faults import FaultPolicy
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.members import Members
-from pdgpu.serve.models import SERVED_ARCHS, load_served_model, model_spec
+from pdgpu.serve.models import ENGINE_ARCHS, load_served_model, model_spec
 from pdgpu.serve.producer_rank import (  # noqa: F401 - run_producer: imported from here
     ProducerOptions,
     producer_process,
@@ -168,7 +169,7 @@ def _header(config: ServeConfig, spec, producers: int, lanes: dict[int, str]) ->
              "transport": "+".join(sorted(set(lanes.values())))}
     if config.link_gbps is not None:
         extra["link_gbps"] = config.link_gbps
-    return ev.Header("pdgpu serve", config.mode, spec.geometry(config.page_tokens),
+    return ev.Header("pdgpu serve", config.mode, handoff_geometry(spec, config.page_tokens),
                      config.pool_pages, config.max_pending, extra=tuple(sorted(extra.items())))
 
 
@@ -181,8 +182,8 @@ def handshake(transport, config: ServeConfig, timeout_s: float, check_peers,
     reason = refusal(config.mode, [Capabilities.from_json(m.body["caps"]) for m in caps],
                      device)
     spec = model_spec(config.model, config.dtype)
-    if reason is None and spec.arch not in SERVED_ARCHS:
-        reason = f"model: arch {spec.arch!r} is not served yet ({', '.join(SERVED_ARCHS)})"
+    if reason is None and spec.arch not in ENGINE_ARCHS:
+        reason = f"model: arch {spec.arch!r} is not served ({', '.join(ENGINE_ARCHS)})"
     for rank in transport.peers():
         transport.send(rank, "refuse" if reason else "go", {"reason": reason})
     if reason is not None:
@@ -221,7 +222,8 @@ def prefix_cache(model, config: ServeConfig) -> torch.Tensor:
     """The decoder's prefix cache K/V [L, 2, prefix, KVH, D], computed like the producers'."""
     geometry = model.spec.geometry(config.page_tokens)
     dtype, device = model.model.embed_tokens.weight.dtype, model.inv_freq.device
-    cache = SourceCache(geometry, max(1, geometry.pages_for(config.prefix)), device, dtype)
+    cache = SourceCache(geometry, max(1, geometry.pages_for(config.prefix)), device, dtype,
+                        model.state_shape)  # (a hybrid's linear layers need a state slot)
     kv = cache.open(max(1, config.prefix))
     ids = torch.tensor(config.prefix_tokens, dtype=torch.int64, device=device)  # [prefix]
     warm_prefix(model, ids, config.prefix, config.chunk, kv)
@@ -258,7 +260,8 @@ def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: Fau
         run.log = TraceLog(header, trace)
     else:  # opened at the start with the lane asked for: now the lanes agreed
         run.log.set_header(header)
-    run.ledger = Ledger(header, device, model.model.embed_tokens.weight.dtype, run.log)
+    run.ledger = Ledger(header, device, model.model.embed_tokens.weight.dtype, run.log,
+                        state=model.state_shape)
     for _ in transport.peers():
         _wait(transport, "ready", timeout_s, check_peers)
     offsets = {rank: measure_offset(transport, rank, timeout_s, check_peers)

@@ -10,10 +10,8 @@ from pdgpu.checkpoint import inspect_checkpoint, load_checkpoint
 from pdgpu.model import build_model
 from pdref.models import ModelSpec, ProfileError, list_models, load_model
 
-ENGINE_ARCHS = ("qwen3", "llama", "qwen3_5", "gemma3")  # `pdgpu generate` runs these
-# served (a handoff): the hybrids' linear-layer state and sliding windows cross under
-# contract v3's state spans, which the serving shell does not send yet
-SERVED_ARCHS = ("qwen3", "llama")
+# the engine runs and serves these (the hybrids under contract v3: pdgpu/handoff.py)
+ENGINE_ARCHS = ("qwen3", "llama", "qwen3_5", "gemma3")
 
 
 def model_spec(model: str, dtype: str | None = None) -> ModelSpec:

@@ -22,6 +22,11 @@ Injected faults (faults.py) are asked once per span, in `_send_span`. A hand-mad
 (`--debug`, bugs.py) is one object given at construction and called at fixed hooks; the
 default, `NO_BUG`, changes nothing, so no debug switch lives in the compute or copy path.
 A heartbeat thread sends `beat` every `beat_s` seconds.
+A hybrid (contract v3, pdgpu/handoff.py): spans name model layers, the source pages hold the
+K/V layers only; a sliding layer's rows cross for its window only; each life computes its
+linear layers' state into the state slot the decoder's `reserve` named (zeroed, or the
+prefix's snapshot), and once they have the whole prompt a state span per run of linear
+layers carries it, digested then (`--verify`), gathered by the sender like K/V.
 """
 
 from __future__ import annotations
@@ -36,17 +41,19 @@ import attrs
 import torch
 
 from pdgpu.generate import first_token
+from pdgpu.handoff import handoff_geometry, kv_geometry, kv_groups, state_range
 from pdgpu.prefill import Prefill, warm_prefix
 from pdgpu.sampler import Sampler, Step
 from pdgpu.sampling import GREEDY, Sampling
 from pdgpu.serve.bugs import NO_BUG, NoBug
 from pdgpu.serve.config import ServeConfig
-from pdgpu.serve.digest import BITS, DigestingKV
+from pdgpu.serve.digest import BITS, DigestingKV, row_digests, state_rows
 from pdgpu.serve.faults import Fate
 from pdgpu.serve.transport import Transport
 from pdgpu.source_cache import SourceCache, token_slots
+from pdgpu.state_pool import StatePool
 from pdref.events import Mode
-from pdref.plan import Region, plan_chunks, plan_spans
+from pdref.plan import Region, plan_chunks, plan_spans, plan_steps
 
 DECODER = 0
 
@@ -61,10 +68,12 @@ class Job:
     pages: tuple[int, ...]  # this life's own source pages (the prefix pages are shared)
     kv: DigestingKV
     steps: list  # chunk ranges (chunk-major) or layer ids (layer mode) still to compute
+    ready: list  # per step still to compute: the spans ready once it is (chunk, layer mode)
     prefill: Prefill  # the compute, step by step, into `kv` (its `last` hidden state)
     draw: Step = Step(GREEDY, 0)  # how the first token is drawn (the request's options)
     cancelled: bool = False
     stop: threading.Event = attrs.Factory(threading.Event)  # set by the life's cancel
+    state_sums: dict = attrs.Factory(dict)  # state span's layers -> its digests (conv, rec)
 
     @property
     def prompt(self) -> int:
@@ -76,12 +85,14 @@ class Producer:
                  bugs: NoBug = NO_BUG) -> None:
         self.transport, self.config, self.model, self.name = transport, config, model, name
         self.bugs = bugs  # a hand-made bug's hooks (bugs.py); NO_BUG: none
-        self.geometry = model.spec.geometry(config.page_tokens)
+        self.geometry = handoff_geometry(model.spec, config.page_tokens)  # what spans name
         self.device = model.inv_freq.device
         dtype = model.model.embed_tokens.weight.dtype
-        self.cache = SourceCache(self.geometry, config.source_pages, self.device, dtype)
+        self.cache = SourceCache(kv_geometry(self.geometry), config.source_pages, self.device,
+                                 dtype, model.state_shape)
         self.cache.pool, self.prefix_pages = self.cache.pool.allocate(
             self.geometry.pages_for(config.prefix))
+        self.prefix_state = None  # a hybrid's state after the prefix (StatePool.read's pair)
         self.prefix_last = self._warm_prefix()
         self.sampler = Sampler(model.spec.vocab, self.device)  # the first tokens' draws
         self.waiting: deque[Job | dict] = deque()
@@ -112,8 +123,13 @@ class Producer:
             return None
         slots = token_slots(self.prefix_pages, self.geometry.page_tokens, prefix, self.device)
         kv = self.cache.view(slots, self.prefix_pages)
+        shape = self.model.state_shape
+        if shape is not None:  # the prefix's state, computed in a pool of its own
+            kv = attrs.evolve(kv, state_pool=StatePool(shape, 1, self.device), state_slot=0)
         ids = torch.tensor(self.config.prefix_tokens, dtype=torch.int64, device=self.device)
-        return warm_prefix(self.model, ids, prefix, self.config.chunk, kv)
+        last = warm_prefix(self.model, ids, prefix, self.config.chunk, kv)
+        self.prefix_state = kv.read_state()
+        return last
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -181,16 +197,28 @@ class Producer:
             self.geometry.pages_for(prompt) - len(self.prefix_pages))
         pages = self.prefix_pages + own
         slots = token_slots(pages, self.geometry.page_tokens, prompt, self.device)
-        kv = DigestingKV(self.cache.view(slots, pages), self.geometry.layers, prompt,
-                         self.device)
+        kv = DigestingKV(self.cache.view(slots, pages, self._state_slot(body)),
+                         self.cache.geometry.layers, prompt, self.device)
         chunks = plan_chunks(prompt, prefix, self.config.chunk)
         steps = list(range(self.geometry.layers)) if self.config.mode is Mode.LAYER and chunks \
             else chunks
+        ready = [s.spans for s in plan_steps(self.config.mode, self.geometry, prompt, prefix,
+                                             self.config.chunk)] if chunks else []
         draw = Step(Sampling(**body.get("sampling", {})), 0, tuple(body.get("ban", ())))
         prefill = Prefill(self.model, tokens, prefix, self.config.chunk, kv, self.prefix_last)
-        job = Job(body["handle"], tokens, prefix, own, kv, steps, prefill, draw=draw)
+        job = Job(body["handle"], tokens, prefix, own, kv, steps, ready, prefill, draw=draw)
         self.jobs[job.handle] = job
         return job
+
+    def _state_slot(self, body: dict) -> int | None:
+        """The life's state slot (a hybrid's: the one its reserve named), made ready: the
+        prefix's state, or zeros."""
+        slot = body.get("state_slot")
+        if slot is not None:
+            self.cache.states.claim(slot)
+            if self.prefix_state is not None:
+                self.cache.states.write(slot, *self.prefix_state)
+        return slot
 
     def _compute(self, job: Job) -> None:
         start = self.now()
@@ -204,8 +232,10 @@ class Producer:
             layers, tokens = (0, self.geometry.layers), step
         self._send("computed", handle=job.handle, layers=layers, tokens=tokens,
                    start=start, end=self.now())
-        if self.config.mode is not Mode.WHOLE:
-            self._queue_span(job, Region(layers, tokens))
+        spans = job.ready.pop(0)
+        if self.config.mode is not Mode.WHOLE:  # (whole mode: its spans after `produced`)
+            for region in spans:
+                self._queue_span(job, region)
 
     def _produce(self, job: Job) -> None:
         start = self.now()
@@ -228,7 +258,18 @@ class Producer:
         self.bugs.after_produced(self, job)
 
     def _queue_span(self, job: Job, region: Region) -> None:
+        if region.state:  # its digests now: the state is final once its layers computed
+            conv, recurrent = self._state_of(job, region)
+            job.state_sums[region.layers] = (row_digests(state_rows(conv)),
+                                             row_digests(state_rows(recurrent)))
         self.bugs.queue(self.outbox, (job, region))
+
+    def _state_of(self, job: Job, region: Region) -> tuple[torch.Tensor, torch.Tensor]:
+        """A state span's states in the life's slot (views): conv [ns, C, K-1], recurrent
+        [ns, Hv, Dk, Dv]."""
+        s0, s1 = state_range(self.geometry, region.layers)
+        pool, slot = self.cache.states, job.kv.inner.state_slot
+        return pool.conv[s0:s1, slot], pool.recurrent[s0:s1, slot]
 
     def _flush_deferred(self) -> None:
         self.bugs.flush(self.outbox)
@@ -294,33 +335,60 @@ class Producer:
         if job.cancelled:
             self.slots.release()
             return
-        sid, nbytes = next(self.sids), region.bytes(self.geometry)
+        sid, nbytes = next(self.sids), region.span_bytes(self.geometry, job.prompt, job.prefix)
         fate = self.config.faults.span_fate(job.handle, region.layers, region.tokens)
         start = self.now()
+        state = {"state": True} if region.state else {}
         self._send("issue", handle=job.handle, sid=sid, layers=region.layers,
-                   tokens=region.tokens, bytes=nbytes)
+                   tokens=region.tokens, bytes=nbytes, **state)
         if fate is Fate.STALL:  # the writer hangs until the decoder cancels the life
             job.stop.wait()
             return  # nothing sent: its slot comes back when the life's `stopped` is acked
         if fate is Fate.FAIL:
             self._send("span", handle=job.handle, sid=sid, error="copy failed (injected)")
             return
-        index = job.kv.inner.slots[region.tokens[0]:region.tokens[1]]  # [nt]
-        source = self.cache.kv[region.layers[0]:region.layers[1]]  # [nl, 2, S, KVH, D]
-        digests = job.kv.region(region.layers, region.tokens)  # [nl, 2, nt]
-        kv, sums = self.transport.staging(DECODER, [  # shared memory: gathered straight in
-            ((*source.shape[:2], len(index), *source.shape[3:]), source.dtype),
-            (digests.shape, digests.dtype)], self.device)
-        torch.index_select(source, 2, index, out=kv)
-        sums.copy_(digests)
-        self.bugs.after_gather(kv)  # [nl, 2, nt, KVH, D]
-        if fate is Fate.CORRUPT and kv.numel():
-            kv.view(BITS[kv.dtype]).view(-1)[0] ^= 1  # one bit of one element, in transit
+        tensors = (self._gather_state if region.state else self._gather_kv)(job, region)
+        if tensors:
+            self.bugs.after_gather(tensors[0])  # [nl, 2, nt, KVH, D] (a state: its conv)
+        if fate is Fate.CORRUPT and tensors and tensors[0].numel():
+            data = tensors[0]  # one bit of one element, in transit
+            data.view(BITS[data.dtype]).view(-1)[0] ^= 1
         gathered = self.now()
         self._pace(start, nbytes)
-        self._send("span", tensors=(kv, sums),
+        self._send("span", tensors=tensors,
                    handle=job.handle, sid=sid, gather=[start, gathered],
                    link=[gathered, self.now()])
+
+    def _gather_kv(self, job: Job, region: Region) -> tuple:
+        """A KV span's rows out of the source pages, group by group (handoff.kv_groups: a
+        sliding layer's window only): kv [n, 2, nt, KVH, D] then its digests [n, 2, nt]."""
+        groups = kv_groups(self.geometry, region.layers, region.tokens, job.prompt, job.prefix)
+        specs, parts = [], []
+        for (l0, l1), (a, b) in groups:
+            index = job.kv.inner.slots[a:b]  # [nt]
+            source = self.cache.kv[l0:l1]  # [n, 2, S, KVH, D]
+            digests = job.kv.region((l0, l1), (a, b))  # [n, 2, nt]
+            specs += [((*source.shape[:2], len(index), *source.shape[3:]), source.dtype),
+                      (digests.shape, digests.dtype)]
+            parts.append((source, index, digests))
+        staged = self.transport.staging(DECODER, specs, self.device) if specs else []
+        for (source, index, digests), kv, sums in zip(parts, staged[0::2], staged[1::2],
+                                                      strict=True):
+            torch.index_select(source, 2, index, out=kv)  # shared memory: gathered in
+            sums.copy_(digests)
+        return tuple(staged)
+
+    def _gather_state(self, job: Job, region: Region) -> tuple:
+        """A state span's states out of the life's slot: conv [ns, C, K-1], its digests,
+        recurrent [ns, Hv, Dk, Dv], its digests (taken when it was queued)."""
+        held = self._state_of(job, region)
+        sums = job.state_sums[region.layers]
+        specs = [spec for t, d in zip(held, sums, strict=True)
+                 for spec in ((t.shape, t.dtype), (d.shape, d.dtype))]
+        staged = self.transport.staging(DECODER, specs, self.device)
+        for into, t in zip(staged, (held[0], sums[0], held[1], sums[1]), strict=True):
+            into.copy_(t)
+        return tuple(staged)
 
     def _pace(self, start: float, nbytes: int) -> None:
         """Hold the span until `nbytes` could have crossed a `link_gbps` link."""

@@ -16,6 +16,7 @@ import sys
 import attrs
 import torch
 
+from pdgpu.handoff import unshipped_state
 from pdgpu.serve.bugs import bug_for
 from pdgpu.serve.config import ServeConfig, producer_capabilities
 from pdgpu.serve.devices import use_device
@@ -55,7 +56,8 @@ def run_producer(endpoint: Endpoint, rank: int, generation: int, opts: ProducerO
         setup = expect(transport, ("setup",), opts.connect_timeout_s)
         config = ServeConfig.from_json(setup.body["config"])
         spec = model_spec(config.model, config.dtype)
-        caps = producer_capabilities(f"p{rank}", spec.recurrent, opts.kv_progress, opts.device)
+        caps = producer_capabilities(f"p{rank}", unshipped_state(spec), opts.kv_progress,
+                                     opts.device)
         transport.send(0, "hello", {"caps": caps.to_json()})
         if expect(transport, ("go", "refuse"), opts.connect_timeout_s).op == "refuse":
             return 2

@@ -1,0 +1,106 @@
+"""What crosses from a producer to the decoder for one model, and where it sits on each side.
+
+A dense model's handoff geometry is its K/V geometry (contract v2). A hybrid's (contract v3)
+names every model layer with its kind: `full`, `sliding` (its window) or `linear` (one
+request's state of that layer in bytes, as the engine stores it: a conv window in the model's
+dtype and a float32 recurrent matrix, `StateShape`). Spans name model layers; the engine's
+caches (the producer's source pages, the decoder's slabs) hold the K/V layers only, numbered
+among themselves, and the state pools the linear layers, numbered among themselves
+(pdgpu/arch.py). This module maps one onto the other, from the geometry alone, so producer
+and decoder agree on a span's payload without asking each other:
+
+  a KV span over model layers x tokens  ->  *groups*: runs of consecutive K/V layers that
+      carry the same tokens (a full layer every token of the span, a sliding layer only those
+      in its window, `pdref.kinds.window_range`), each one tensor [n, 2, nt, KVH, D]
+  a state span over linear layers      ->  state indices [s0, s1) of the state pools
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from pdgpu.arch import DENSE, HYBRID, arch_of
+from pdgpu.state_pool import StateShape
+from pdref.geometry import Geometry
+from pdref.intervals import Range
+from pdref.kinds import FULL, LINEAR, SLIDING, LayerKind, window_range
+from pdref.models import ModelSpec
+
+
+class Group(NamedTuple):
+    """K/V layers [lo, hi) of the engine's caches (K/V index), all carrying `tokens`."""
+
+    layers: Range
+    tokens: Range
+
+
+def handoff_geometry(spec: ModelSpec, page_tokens: int) -> Geometry:
+    """The geometry a run's trace names: a dense model's K/V geometry (v2), or (v3) every
+    layer of a hybrid with its kind."""
+    arch = arch_of(spec)
+    if arch.family in DENSE:
+        return spec.geometry(page_tokens)
+    from pdgpu.model import torch_dtype  # the model's module imports torch's layers
+
+    state = StateShape.for_arch(arch, torch_dtype(spec))
+    made = {FULL: lambda: LayerKind(FULL), SLIDING: lambda: LayerKind(SLIDING, arch.window),
+            LINEAR: lambda: LayerKind(LINEAR, None, state.nbytes // state.layers)}
+    kinds = tuple(made[k]() for k in arch.kinds)
+    return Geometry(layers=spec.layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+                    dtype_bytes=spec.dtype_bytes, page_tokens=page_tokens,
+                    recurrent=state is not None, kinds=kinds)
+
+
+def unshipped_state(spec: ModelSpec) -> bool:
+    """True when the model keeps a recurrent state that no span of this engine carries (a
+    recurrent model the engine has no hybrid implementation of): layer mode would hand off
+    its attention K/V alone (CFG-1)."""
+    return spec.recurrent and spec.arch not in HYBRID
+
+
+def kv_geometry(geometry: Geometry) -> Geometry:
+    """The geometry of the engine's paged caches: its K/V layers only, no kinds."""
+    if geometry.kinds is None:
+        return geometry
+    kv_layers = sum(k.kind != LINEAR for k in geometry.kinds)
+    return Geometry(kv_layers, geometry.kv_heads, geometry.head_dim, geometry.dtype_bytes,
+                    geometry.page_tokens)
+
+
+def _index(geometry: Geometry, layer: int, linear: bool) -> int:
+    """How many layers before model layer `layer` are (not) linear."""
+    return sum((k.kind == LINEAR) == linear for k in geometry.kinds[:layer])
+
+
+def state_range(geometry: Geometry, layers: Range) -> Range:
+    """The state-pool layers of a state span over (linear) model layers `layers`."""
+    return (_index(geometry, layers[0], True), _index(geometry, layers[1], True))
+
+
+def kv_groups(geometry: Geometry, layers: Range, tokens: Range, prompt: int,
+              prefix: int) -> tuple[Group, ...]:
+    """The groups of a KV span over model layers x tokens, in layer order (empty ones left
+    out); one group over the same layers without kinds."""
+    if geometry.kinds is None:
+        return (Group(layers, tokens),) if tokens[0] < tokens[1] else ()
+    groups: list[Group] = []
+    kv = _index(geometry, layers[0], False)
+    for layer in range(*layers):
+        kind = geometry.kinds[layer]
+        if kind.kind == LINEAR:
+            continue
+        cut = tokens if kind.kind == FULL else _clip(
+            tokens, window_range(kind.window, prompt, prefix, geometry.page_tokens))
+        if cut[0] < cut[1]:
+            last = groups[-1] if groups else None
+            if last is not None and last.layers[1] == kv and last.tokens == cut:
+                groups[-1] = Group((last.layers[0], kv + 1), cut)
+            else:
+                groups.append(Group((kv, kv + 1), cut))
+        kv += 1
+    return tuple(groups)
+
+
+def _clip(tokens: Range, window: Range) -> Range:
+    """Where two token ranges meet (empty when lo >= hi)."""
+    return (max(tokens[0], window[0]), min(tokens[1], window[1]))
