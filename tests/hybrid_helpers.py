@@ -12,10 +12,10 @@ from pdref.kinds import LayerKind
 PAGE = 4
 
 
-def window_lo(window: int, prompt: int, prefix: int) -> int:
+def window_lo(window: int, prompt: int, prefix: int, page: int = PAGE) -> int:
     """The first token a sliding layer carries, written out from the contract's sentence."""
     first = max(0, prompt - window + 1)
-    return max(prefix, (first // PAGE) * PAGE)
+    return max(prefix, (first // page) * page)
 
 
 def kv_bytes(geo: Geometry, layers, tokens, prompt: int, prefix: int, clip=True) -> int:
@@ -25,7 +25,7 @@ def kv_bytes(geo: Geometry, layers, tokens, prompt: int, prefix: int, clip=True)
         kind = geo.kinds[layer]
         a, b = tokens
         if kind.kind == "sliding" and clip:
-            a = max(a, window_lo(kind.window, prompt, prefix))
+            a = max(a, window_lo(kind.window, prompt, prefix, geo.page_tokens))
         if kind.kind != "linear":
             total += max(0, b - a)
     return total * geo.bytes_per_token_layer
