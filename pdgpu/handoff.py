@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pdgpu.arch import DENSE, HYBRID, arch_of
+from pdgpu.arch import HYBRID, arch_of
 from pdgpu.state_pool import StateShape
 from pdref.geometry import Geometry
 from pdref.intervals import Range
@@ -35,11 +35,11 @@ class Group(NamedTuple):
 
 
 def handoff_geometry(spec: ModelSpec, page_tokens: int) -> Geometry:
-    """The geometry a run's trace names: a dense model's K/V geometry (v2), or (v3) every
-    layer of a hybrid with its kind."""
-    arch = arch_of(spec)
-    if arch.family in DENSE:
+    """The geometry a run's trace names: (v3) every layer of a hybrid the engine implements
+    with its kind; any other model's own geometry (a dense model's K/V, v2)."""
+    if spec.arch not in HYBRID:
         return spec.geometry(page_tokens)
+    arch = arch_of(spec)
     from pdgpu.model import torch_dtype  # the model's module imports torch's layers
 
     state = StateShape.for_arch(arch, torch_dtype(spec))
