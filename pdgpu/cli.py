@@ -20,6 +20,7 @@ from pdgpu.checkpoint import CheckpointError, load_checkpoint
 from pdgpu.cli_types import int_at_least, positive_float
 from pdgpu.compare import compare_modes, compare_table
 from pdgpu.engine import Engine, EngineError, RunResult
+from pdgpu.handoff import unshipped_state
 from pdgpu.model import build_model
 from pdgpu.serve.models import model_spec
 from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="export only: a known payload instead of prefill, checked at the decoder")
     run.add_argument("--payload", type=int_at_least(1),
                      help="with --no-compute: payload bytes (sets the prompt length)")
+    run.add_argument("--output-tokens", type=int_at_least(1), default=1,
+                     help="tokens per request, decoded after admission from what crossed "
+                          "(greedy; listed as `tokens`)")
     cmp = _summary(sub, "compare", "run every mode on one prompt: parity and ratios")
     _workload_args(cmp)
     cmp.add_argument("--trace-dir", help="write one trace per mode into this folder")
@@ -168,7 +172,8 @@ def _config(args, mode: str, device: str, decoder: str) -> EngineConfig:
         pool_pages=args.pool_pages, device=device, decoder_device=decoder,
         link_gbps=args.link_gbps, fail_span=args.fail_span, retries=args.retries,
         debug=getattr(args, "debug", None), keep_kv=args.command == "compare",
-        threads=args.threads, warmup=args.warmup, no_compute=getattr(args, "no_compute", False))
+        threads=args.threads, warmup=args.warmup, no_compute=getattr(args, "no_compute", False),
+        output_tokens=getattr(args, "output_tokens", 1))
 
 
 def _requests(args, tokens) -> list[Request]:
@@ -225,15 +230,17 @@ def _prepare(args):
 def _check_context(args, spec: ModelSpec, prompt: int) -> None:
     """A run makes one token (the first) after the prompt; an export-only payload has no
     positions, so no context limit applies to it."""
-    problem = None if getattr(args, "no_compute", False) else context_error(spec, prompt, 1)
+    out = getattr(args, "output_tokens", 1)
+    problem = None if getattr(args, "no_compute", False) else context_error(spec, prompt, out)
     if problem:
         raise BadInput(problem)
 
 
 def _modes(args, spec: ModelSpec) -> list[str]:
+    """The modes to run: layer mode too unless the model's state cannot cross (CFG-1)."""
     if args.command == "run":
         return [args.mode]
-    return ["whole", "chunk"] if spec.recurrent else ["whole", "chunk", "layer"]
+    return ["whole", "chunk"] if unshipped_state(spec) else ["whole", "chunk", "layer"]
 
 
 def cmd_run(args) -> int:
@@ -243,6 +250,8 @@ def cmd_run(args) -> int:
     result = engine.run(_requests(args, tokens))
     if args.trace:
         write_trace(result, args.trace)
+    if args.output_tokens > 1:
+        result.metrics["tokens"] = [list(o.tokens) for o in result.outcomes]
     _print_metrics(result.metrics, args.json)
     return 0
 

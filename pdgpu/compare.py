@@ -16,7 +16,7 @@ TABLE_KEYS = ("spans", "prefill_s", "handoff_s", "tail_s", "copy_s", "peak_stagi
 
 @attrs.frozen
 class Parity:
-    kv_equal: bool  # every request's decoder KV bit-identical to whole's
+    kv_equal: bool  # every request's decoder KV (and a hybrid's state) bit-identical to whole's
     token_equal: bool  # every request's first token the same as whole's
 
     @property
@@ -26,9 +26,17 @@ class Parity:
 
 def parity(result: RunResult, baseline: RunResult) -> Parity:
     pairs = list(zip(result.outcomes, baseline.outcomes, strict=True))
-    kv = all(a.kv is not None and torch.equal(a.kv, b.kv) for a, b in pairs)
+    kv = all(a.kv is not None and torch.equal(a.kv, b.kv) and _same_state(a.state, b.state)
+             for a, b in pairs)
     token = all(a.first_token == b.first_token for a, b in pairs)
     return Parity(kv, token)
+
+
+def _same_state(a: tuple | None, b: tuple | None) -> bool:
+    """Two landed states (StatePool.read's pairs, or None for a model without one) alike."""
+    if a is None or b is None:
+        return a is b
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _ratio(a, b):

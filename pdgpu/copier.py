@@ -30,7 +30,9 @@ import attrs
 import torch
 
 from pdgpu.decoder_pool import DecoderPool, Slab
+from pdgpu.handoff import KVPiece, StatePiece, staged
 from pdgpu.source_cache import gather
+from pdgpu.state_pool import StatePool, state_views
 from pdgpu.streams import STAGES, Backend, Mark, Ring
 from pdref.intervals import Range, length
 
@@ -51,6 +53,9 @@ class CopyJob:
     slab: Slab
     ready: Mark  # the span's region is computed once this is done (Copier.mark_ready)
     fail: bool = False  # fault injection: write half the span, then fail
+    # what it moves (handoff.py): a dense model's region is its one piece
+    pieces: tuple = attrs.field(default=attrs.Factory(
+        lambda self: (KVPiece(self.layers, self.tokens),), takes_self=True))
 
 
 @attrs.frozen
@@ -89,8 +94,11 @@ class Copier:
 
     def __init__(self, config: CopierConfig, source_kv: torch.Tensor, pool: DecoderPool,
                  clock: Callable[[], float], on_done: Callable[[CopyResult], None] | None = None,
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, source_states: StatePool | None = None):
         self.config, self.source_kv, self.pool, self.clock = config, source_kv, pool, clock
+        self.source_states = source_states  # the producer's state slots (a state span's source)
+        kv = source_kv
+        self.cell_bytes = 2 * kv.shape[3] * kv.shape[4] * kv.element_size()  # a layer's token
         self.backend = backend or Backend(source_kv.device, pool.device, clock, config.link_gbps)
         self.rings = [self.backend.make_ring(config.span_elems, source_kv.dtype)
                       for _ in range(config.slots)]
@@ -148,7 +156,7 @@ class Copier:
             self._in_flight += 1
         views = self._views(job, self.rings[slot])
         stages = tuple(Future() for _ in STAGES)
-        works = (lambda: gather(self.source_kv, job.src_slots, job.layers, job.tokens, views[0]),
+        works = (lambda: self._gather(job, views[0]),
                  lambda: views[1].copy_(views[0], non_blocking=True),
                  lambda: self._land(job, views[1], views[2]))
         nbytes = views[0].numel() * views[0].element_size()
@@ -212,10 +220,30 @@ class Copier:
     # -- the lanes' side --------------------------------------------------------------------
 
     def _views(self, job: CopyJob, ring: Ring) -> list[torch.Tensor]:
-        nl, nt = length(job.layers), length(job.tokens)
-        shape = (nl, 2, nt, *self.source_kv.shape[3:])  # [nl, 2, nt, KVH, D]
-        elems = nl * 2 * nt * self.source_kv.shape[3] * self.source_kv.shape[4]
-        return [buf[:elems].view(shape) for buf in (ring.gather, ring.host, ring.landing)]
+        """The span's part [n] of the slot's gather, host and landing buffers."""
+        elems = -(-staged(job.pieces, self.cell_bytes)[1] // self.source_kv.element_size())
+        return [buf[:elems] for buf in (ring.gather, ring.host, ring.landing)]
+
+    def _placed(self, job: CopyJob, flat: torch.Tensor):
+        """(piece, its tensors in `flat`) for each piece: a K/V block [nl, 2, nt, KVH, D];
+        a state's conv [nl, C, K-1] and recurrent [nl, Hv, Dk, Dv] views."""
+        raw = flat.view(torch.uint8)
+        offsets = staged(job.pieces, self.cell_bytes)[0]
+        for piece, at in zip(job.pieces, offsets, strict=True):
+            window = raw[at:at + piece.size(self.cell_bytes)]
+            if isinstance(piece, KVPiece):
+                shape = (length(piece.layers), 2, length(piece.tokens), *self.source_kv.shape[3:])
+                yield piece, (window.view(self.source_kv.dtype).view(shape),)
+            else:
+                yield piece, state_views(self.source_states.shape, length(piece.layers), window)
+
+    def _gather(self, job: CopyJob, flat: torch.Tensor) -> None:
+        """Every piece out of the source (pages, state slot) into the gather buffer."""
+        for piece, views in self._placed(job, flat):
+            if isinstance(piece, KVPiece):
+                gather(self.source_kv, job.src_slots, piece.layers, piece.tokens, views[0])
+            else:
+                self.source_states.copy_out(piece.layers, piece.source_slot, *views)
 
     def _task(self, name: str, after, work, nbytes: int, out: Future):
         lane = self.backend.lanes[name]
@@ -228,15 +256,21 @@ class Copier:
         return task
 
     def _land(self, job: CopyJob, host: torch.Tensor, landing: torch.Tensor) -> None:
-        """host staging [nl, 2, nt, KVH, D] -> decoder slab (on the decoder lane's stream)."""
+        """host staging -> decoder slab and state slot (on the decoder lane's stream)."""
         if landing.data_ptr() != host.data_ptr():
             landing.copy_(host, non_blocking=True)
+        for piece, views in self._placed(job, landing):
+            if isinstance(piece, StatePiece):
+                self.pool.states.copy_in(piece.layers, piece.slot, *views)
+            elif job.fail:  # the first half of the first block, then the failure
+                half = length(piece.tokens) // 2
+                tokens = (piece.tokens[0], piece.tokens[0] + half)
+                self.pool.write_span(job.slab, piece.layers, tokens, views[0][:, :, :half])
+                break
+            else:
+                self.pool.write_span(job.slab, piece.layers, piece.tokens, views[0])
         if job.fail:
-            half = length(job.tokens) // 2
-            tokens = (job.tokens[0], job.tokens[0] + half)
-            self.pool.write_span(job.slab, job.layers, tokens, landing[:, :, :half])
             raise CopyFault(f"injected fault on span {job.span}")
-        self.pool.write_span(job.slab, job.layers, job.tokens, landing)
 
     def _watch_loop(self) -> None:
         while (item := self._watch.get()) is not None:

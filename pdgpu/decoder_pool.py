@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from pdgpu.source_cache import paged_kv, token_slots
+from pdgpu.state_pool import StatePool, StateShape
 from pdref.geometry import Geometry
 from pdref.intervals import Range
 
@@ -29,12 +30,16 @@ class Slab:
 
 
 class DecoderPool:
-    """`kv` [L, 2, pool_pages * page_tokens, KVH, D] on the decoder device."""
+    """`kv` [L, 2, pool_pages * page_tokens, KVH, D] on the decoder device (the K/V layers);
+    of a hybrid with linear layers also `states`, a state slot per reserved life, where its
+    state spans land."""
 
-    def __init__(self, geometry: Geometry, pool_pages: int, device, dtype: torch.dtype) -> None:
+    def __init__(self, geometry: Geometry, pool_pages: int, device, dtype: torch.dtype,
+                 state: StateShape | None = None) -> None:
         self.geometry = geometry
         self.device = torch.device(device)
         self.kv = paged_kv(geometry, pool_pages, self.device, dtype)  # [L, 2, S, KVH, D]
+        self.states = None if state is None else StatePool(state, 1, self.device)
         self.held: frozenset[int] = frozenset()  # pages some slab (or its late writer) holds
 
     def take(self, pages: tuple[int, ...]) -> None:

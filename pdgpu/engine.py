@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from functools import partial
 
 import attrs
 import torch
@@ -31,10 +32,12 @@ from pdgpu.copier import Copier, CopierConfig, CopyJob
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine_ledger import EngineLedger, LifeKV
 from pdgpu.faults import DEBUG_BREAKS, Faults
+from pdgpu.handoff import handoff_geometry, kv_geometry, pieces
 from pdgpu.model import Transformer
 from pdgpu.payload import fill_payload, payload_matches
 from pdgpu.prefill import Prefill, warm_prefix
 from pdgpu.recorder import Recorder, engine_metrics
+from pdgpu.run_decode import RunDecoder
 from pdgpu.source_cache import RequestKV, SourceCache
 from pdgpu.streams import compute_threads
 from pdgpu.workload import EngineConfig, Plan, Request, setup_check
@@ -55,6 +58,8 @@ class Outcome:
     first_token: int | None  # None in export-only runs (nothing was computed)
     attempts: int
     kv: torch.Tensor | None  # decoder slab KV [L, 2, suffix, KVH, D] when keep_kv
+    state: tuple | None = None  # a hybrid's landed state (StatePool.read's pair) when keep_kv
+    tokens: tuple[int, ...] = ()  # output tokens (the first included), decoded from what crossed
 
 
 @attrs.frozen
@@ -87,7 +92,9 @@ class _Loop:
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig) -> None:
         self.model, self.config = model, config
-        self.geometry = model.spec.geometry(config.page_tokens)
+        self.geometry = handoff_geometry(model.spec, config.page_tokens)  # the trace's (v3)
+        self.kv_geometry = kv_geometry(self.geometry)  # the paged caches' (K/V layers only)
+        self.decoder = RunDecoder(model, config.page_tokens, config.chunk)
         self.faults = Faults(config.fail_span, config.debug)
 
     def run(self, requests: list[Request]) -> RunResult:
@@ -113,8 +120,8 @@ class Engine:
             with compute_threads(self.config.device, self.config.threads):
                 self.threads_used = torch.get_num_threads()
                 self.warmup_s = self._warm_up(requests) if self.config.warmup else None
-                self.ledger = EngineLedger(rec, self.source, self.pool, self.copier, self.geometry,
-                                     self.faults)
+                self.ledger = EngineLedger(rec, self.source, self.pool, self.copier,
+                                           self.geometry, self.faults)
                 outcomes, wall = self._serve_all(rec, requests)
         finally:
             self.copier.close()
@@ -124,12 +131,14 @@ class Engine:
 
     def _allocate(self, plan: Plan, rec: Recorder) -> None:
         """Every buffer of the run, once: source cache, decoder pool, the copier's ring."""
-        dtype = self.model.model.embed_tokens.weight.dtype
-        self.source = SourceCache(self.geometry, plan.source_pages, self.config.device, dtype,
-                                  self.model.state_shape)
-        self.pool = DecoderPool(self.geometry, plan.pool_pages, self.config.decoder_device, dtype)
+        dtype, state = self.model.model.embed_tokens.weight.dtype, self.model.state_shape
+        self.source = SourceCache(self.kv_geometry, plan.source_pages, self.config.device, dtype,
+                                  state)
+        self.pool = DecoderPool(self.kv_geometry, plan.pool_pages, self.config.decoder_device,
+                                dtype, state)
         cfg = CopierConfig(plan.ring_slots, plan.span_elems, self.config.link_gbps)
-        self.copier = Copier(cfg, self.source.kv, self.pool, rec.now)
+        self.copier = Copier(cfg, self.source.kv, self.pool, rec.now,
+                             source_states=self.source.states)
 
     def _header(self, pool_pages: int) -> ev.Header:
         c = self.config
@@ -166,23 +175,37 @@ class Engine:
             throwaway.chunk((0, len(tokens)))
             self.model.logits(throwaway.last)
         ready = self.copier.mark_ready()
-        region = max(self._plan_spans(request), key=self._region_elems, default=None)
+        region = max(self._plan_spans(request), key=partial(self._region_elems, request),
+                     default=None)
         if region is not None:
-            pages = tuple(range(self.geometry.pages_for(request.prompt - request.prefix)))
-            slab = self.pool.slab(pages, request.prefix, request.prompt)
-            self.copier.warm_up([CopyJob(-1 - i, "warm-up", region.layers, region.tokens,
-                                         src.slots, slab, ready)
-                                 for i in range(self.copier.config.slots)])
+            self._warm_copies(request, region, src, ready)
         self.source.close(src)  # before t = 0 and any event: nothing reads these pages
         self.source.kv.zero_()  # on the compute stream, before the first request's prefill
         self.copier.mark_ready().wait()
         return time.perf_counter() - start
 
-    def _region_elems(self, region: Region) -> int:
-        return region.bytes(self.geometry) // self.geometry.dtype_bytes
+    def _warm_copies(self, request: Request, region: Region, src: RequestKV, ready) -> None:
+        """Copy `region` through every staging slot into the decoder pool (and a state slot
+        of it), then zero the pool: the copy path touched once before t = 0."""
+        pages = tuple(range(self.geometry.pages_for(request.prompt - request.prefix)))
+        slab = self.pool.slab(pages, request.prefix, request.prompt)
+        states = self.pool.states
+        slot = None if states is None else states.take()
+        parts = pieces(self.geometry, region, request.prompt, request.prefix,
+                       (src.state_slot, slot))
+        self.copier.warm_up([CopyJob(-1 - i, "warm-up", region.layers, region.tokens,
+                                     src.slots, slab, ready, pieces=parts)
+                             for i in range(self.copier.config.slots)])
+        if states is not None:
+            states.give_back(slot)
+
+    def _region_elems(self, request: Request, region: Region) -> int:
+        g = self.geometry
+        return region.span_bytes(g, request.prompt, request.prefix) // g.dtype_bytes
 
     def _largest_region_elems(self, request: Request) -> int:
-        return max(map(self._region_elems, self._plan_spans(request)), default=0)
+        return max(map(partial(self._region_elems, request), self._plan_spans(request)),
+                   default=0)
 
     def _plan_spans(self, request: Request) -> list[Region]:
         return plan_spans(self.config.mode, self.geometry, request.prompt, request.prefix,
@@ -207,7 +230,7 @@ class Engine:
     # -- one life of a request ---------------------------------------------------------------
 
     def _attempt(self, rec: Recorder, request: Request, attempt: int, first: bool):
-        src = self.source.open(request.prompt)
+        src = self.source.open(request.prompt, self._free_state_slot(rec))
         tokens = torch.tensor(request.tokens, dtype=torch.int64, device=self.config.device)
         prefill = self._warm_prefix(src, tokens, request.prefix)
         if first:
@@ -224,6 +247,12 @@ class Engine:
         if self.ledger.failed(request.req):
             return self._abort(loop.life)
         return self._admit(rec, loop.life, token, attempt)
+
+    def _free_state_slot(self, rec: Recorder) -> int | None:
+        """(v3) The producer's state slot of the next life: the one pdref names free (no
+        live life holds it, no unfenced state span reads it); the source cache takes exactly
+        that one, so the slot a `reserve` names is the slot the prefill writes."""
+        return rec.ask("free_state_slot") if self.geometry.recurrent else None
 
     def _warm_prefix(self, src: RequestKV, tokens: torch.Tensor, prefix: int) -> Prefill:
         """The producer's prefix cache: K/V (and state) of [0, prefix) from an earlier
@@ -339,8 +368,26 @@ class Engine:
         if self.config.no_compute and not payload_matches(self.pool, life.slab):
             raise EngineError(f"request {req!r}: the decoder's KV is not the payload sent")
         kv = self.pool.read_slab(life.slab) if self.config.keep_kv else None
+        state = self._landed_state(life)
+        tokens = self._decode(life, state, token)
         self.ledger.release(life)
-        return Outcome(req, token, attempt, kv)
+        return Outcome(req, token, attempt, kv, state if self.config.keep_kv else None, tokens)
+
+    def _landed_state(self, life: LifeKV) -> tuple | None:
+        """A copy of the state the life's state spans landed (None without linear layers)."""
+        return None if life.state_slot is None else self.pool.states.read(life.state_slot)
+
+    def _decode(self, life: LifeKV, state, first: int | None) -> tuple[int, ...]:
+        """The output tokens decoded from what crossed (run_decode.py): the first alone
+        unless more are asked; none in an export-only run."""
+        count = self.config.output_tokens
+        if first is None:
+            return ()
+        if count == 1:
+            return (first,)
+        r = life.request
+        suffix = self.pool.kv.index_select(2, life.slab.slots)  # [L, 2, suffix, KVH, D]
+        return self.decoder.tokens(r.tokens, r.prefix, suffix, state, first, count)
 
     def _abort(self, life: LifeKV) -> None:
         """A copy failed (and was fenced): let the others finish, free the source pages,

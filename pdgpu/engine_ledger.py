@@ -15,6 +15,7 @@ import torch
 from pdgpu.copier import Copier, CopyJob, CopyResult
 from pdgpu.decoder_pool import DecoderPool, Slab
 from pdgpu.faults import Faults
+from pdgpu.handoff import pieces
 from pdgpu.recorder import Recorder
 from pdgpu.source_cache import RequestKV, SourceCache
 from pdgpu.workload import Request
@@ -25,13 +26,15 @@ from pdref.plan import Region
 
 @attrs.frozen
 class LifeKV:
-    """One life of a request in `pdgpu run`: its source pages and decoder slab (the serve
-    decoder's record of a life is another thing: serve/lives.py's Life)."""
+    """One life of a request in `pdgpu run`: its source pages (and state slot) and decoder
+    slab (and the decoder's state slot its state spans land in); the serve decoder's record
+    of a life is another thing: serve/lives.py's Life."""
 
     request: Request
     src: RequestKV
     slab: Slab
     tokens: torch.Tensor  # [prompt] on the producer device
+    state_slot: int | None = None  # the decoder state pool's slot (a hybrid's)
 
     @property
     def req(self) -> str:
@@ -56,23 +59,27 @@ class EngineLedger:
 
     def reserve(self, request: Request, src: RequestKV, tokens: torch.Tensor) -> LifeKV:
         """A decoder slab for the request's suffix: pdref's reserve picks the pages, this
-        pool takes exactly those."""
-        pages = self.rec.reserve(request.req, request.prompt, request.prefix)
+        pool takes exactly those; (v3) the reserve names the producer's state slot `src`
+        computes into, and the decoder takes a state slot for the spans to land in."""
+        pages = self.rec.reserve(request.req, request.prompt, request.prefix, src.state_slot)
         self.pool.take(pages)
         with self.copier.decoder_side():
             slab = self.pool.slab(pages, request.prefix, request.prompt)
-        return LifeKV(request, src, slab, tokens)
+        slot = None if self.pool.states is None else self.pool.states.take()
+        return LifeKV(request, src, slab, tokens, slot)
 
     def computed(self, req: str, layers, tokens) -> None:
         self.rec.emit(ev.Computed, req, layers, tokens)
 
     def issue(self, life: LifeKV, region: Region, ready) -> int:
         """`issue` the span (refused live: COPY-1, COPY-2 ...), then hand it to the copier."""
-        span = self.rec.next_span()
+        span, r = self.rec.next_span(), life.request
         self.rec.emit(ev.Issue, life.req, span, region.layers, region.tokens,
-                      region.bytes(self.geometry))
+                      region.span_bytes(self.geometry, r.prompt, r.prefix), region.state)
+        parts = pieces(self.geometry, region, r.prompt, r.prefix,
+                       (life.src.state_slot, life.state_slot))
         self.copier.submit(CopyJob(span, life.req, region.layers, region.tokens, life.src.slots,
-                                   life.slab, ready, fail=self.faults.fails(span)))
+                                   life.slab, ready, fail=self.faults.fails(span), pieces=parts))
         self.faults.after_issue(self, life)
         return span
 
@@ -114,6 +121,12 @@ class EngineLedger:
     def release(self, life: LifeKV) -> None:
         self.rec.emit(ev.Release, life.req)
         self.pool.follow(self.rec.free_page_ids())
+        self._give_back_state(life)
+
+    def _give_back_state(self, life: LifeKV) -> None:
+        """The decoder's state slot of the life: no span writes it any more."""
+        if life.state_slot is not None:
+            self.pool.states.give_back(life.state_slot)
 
     def abort(self, life: LifeKV, reason: str) -> None:
         """Scrub the slab (a retry must rewrite every byte it relies on), `abort`, and give
@@ -125,6 +138,9 @@ class EngineLedger:
                                "engine aborts only once every writer has stopped")
         with self.copier.decoder_side():
             self.pool.scrub(life.slab)
+            if life.state_slot is not None:
+                self.pool.states.scrub(life.state_slot)
         self.rec.emit(ev.Abort, life.req, reason)
         self._failed.discard(life.req)
         self.pool.follow(self.rec.free_page_ids())
+        self._give_back_state(life)

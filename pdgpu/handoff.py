@@ -13,18 +13,28 @@ and decoder agree on a span's payload without asking each other:
       carry the same tokens (a full layer every token of the span, a sliding layer only those
       in its window, `pdref.kinds.window_range`), each one tensor [n, 2, nt, KVH, D]
   a state span over linear layers      ->  state indices [s0, s1) of the state pools
+
+`pdgpu run`'s copier moves a span as *pieces* (`pieces`): a `KVPiece` per group, or one
+`StatePiece` (the state indices, the producer's slot it reads, the decoder's it lands in),
+each staged at an ALIGN-byte offset of one staging buffer (`staged`); their bytes are the
+span's `bytes` (`Region.span_bytes`) exactly.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import attrs
+
 from pdgpu.arch import HYBRID, arch_of
 from pdgpu.state_pool import StateShape
 from pdref.geometry import Geometry
-from pdref.intervals import Range
+from pdref.intervals import Range, length
 from pdref.kinds import FULL, LINEAR, SLIDING, LayerKind, window_range
 from pdref.models import ModelSpec
+from pdref.plan import Region
+
+ALIGN = 16  # bytes: each piece starts at a multiple in a staging buffer (any dtype view fits)
 
 
 class Group(NamedTuple):
@@ -104,3 +114,50 @@ def kv_groups(geometry: Geometry, layers: Range, tokens: Range, prompt: int,
 def _clip(tokens: Range, window: Range) -> Range:
     """Where two token ranges meet (empty when lo >= hi)."""
     return (max(tokens[0], window[0]), min(tokens[1], window[1]))
+
+
+@attrs.frozen
+class KVPiece:
+    """K/V layers [a, b) of the paged caches (K/V index) x tokens: one group."""
+
+    layers: Range
+    tokens: Range
+
+    def size(self, cell_bytes: int) -> int:
+        """Its bytes, `cell_bytes` those of one (layer, token): K and V of every head."""
+        return cell_bytes * length(self.layers) * length(self.tokens)
+
+
+@attrs.frozen
+class StatePiece:
+    """State-pool layers [a, b): their state in the producer's slot `source_slot`, into the
+    decoder's slot `slot`."""
+
+    layers: Range
+    source_slot: int
+    slot: int
+    nbytes: int
+
+    def size(self, _cell_bytes: int) -> int:
+        return self.nbytes
+
+
+def pieces(geometry: Geometry, region: Region, prompt: int, prefix: int,
+           slots: tuple[int, int] | None = None) -> tuple:
+    """The pieces a span of `region` moves for a request of `prompt` tokens, `prefix`
+    cached; a state span's read the producer's and write the decoder's state `slots`."""
+    if region.state:
+        return (StatePiece(state_range(geometry, region.layers), *slots,
+                           geometry.state_bytes(region.layers)),)
+    return tuple(KVPiece(*g) for g in kv_groups(geometry, region.layers, region.tokens,
+                                                 prompt, prefix))
+
+
+def staged(parts: tuple, cell_bytes: int) -> tuple[tuple[int, ...], int]:
+    """Where each piece lies in a staging buffer (byte offsets, each a multiple of ALIGN)
+    and the bytes the buffer needs (`cell_bytes`: K/V bytes of one layer and token)."""
+    offsets, at = [], 0
+    for piece in parts:
+        offsets.append(at)
+        at += -(-piece.size(cell_bytes) // ALIGN) * ALIGN
+    return tuple(offsets), at

@@ -15,6 +15,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from pdgpu.source_cache import SourceCache
 from pdref.intervals import Range
 from pdref.plan import plan_chunks
 
@@ -26,6 +27,20 @@ def warm_prefix(model, tokens: torch.Tensor, prefix: int, chunk: int, store):
     for a, b in plan_chunks(prefix, 0, chunk):
         last = model.prefill_chunk(tokens[a:b], a, store)[-1:]  # [1, E]
     return last
+
+
+def prefix_kv(model, tokens: list[int] | tuple[int, ...], chunk: int,
+              page_tokens: int) -> torch.Tensor:
+    """A decoder's prefix cache: the K/V [L, 2, prefix, KVH, D] of prefix `tokens`, warmed
+    as the producers warm theirs (in a scratch cache of its own)."""
+    geometry = model.spec.geometry(page_tokens)
+    dtype, device = model.model.embed_tokens.weight.dtype, model.inv_freq.device
+    cache = SourceCache(geometry, max(1, geometry.pages_for(len(tokens))), device, dtype,
+                        model.state_shape)
+    kv = cache.open(max(1, len(tokens)))
+    ids = torch.tensor(tokens, dtype=torch.int64, device=device)  # [prefix]
+    warm_prefix(model, ids, len(tokens), chunk, kv)
+    return kv.kv.index_select(2, kv.slots[:len(tokens)])
 
 
 @attrs.define

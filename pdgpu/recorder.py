@@ -75,10 +75,12 @@ class Recorder:
             self.live.ask("emit", event)
         return event
 
-    def reserve(self, req: str, prompt: int, prefix: int) -> tuple[int, ...]:
-        """The mirror picks the pages; the audit's SLAB-1 checks they are the right ones."""
+    def reserve(self, req: str, prompt: int, prefix: int,
+                state_slot: int | None = None) -> tuple[int, ...]:
+        """The mirror picks the pages; the audit's SLAB-1 checks they are the right ones.
+        (v3) `state_slot`: the producer's, as `free_state_slot` named it."""
         with self.live.lock:
-            return self.live.ask("reserve", self.now(), req, prompt, prefix)
+            return self.live.ask("reserve", self.now(), req, prompt, prefix, "p0", state_slot)
 
     def ask(self, query: str, *args) -> bool:
         """A query the engine decides with (can_issue, can_admit ...); audited."""

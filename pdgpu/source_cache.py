@@ -89,11 +89,22 @@ class SourceCache:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def open(self, prompt: int) -> RequestKV:
-        """Allocate pages for a request of `prompt` tokens (lowest free ids first)."""
+    def open(self, prompt: int, state_slot: int | None = None) -> RequestKV:
+        """Allocate pages for a request of `prompt` tokens (lowest free ids first) and, of a
+        hybrid, a state slot: `state_slot` when the protocol named one (the engine asks
+        pdref's `free_state_slot`: its answer is the slot), else the lowest free."""
         self.pool, pages = self.pool.allocate(self.geometry.pages_for(prompt))
         slots = token_slots(pages, self.geometry.page_tokens, prompt, self.device)
-        return self.view(slots, pages, None if self.states is None else self.states.take())
+        return self.view(slots, pages, self._state_slot(state_slot))
+
+    def _state_slot(self, named: int | None) -> int | None:
+        """The request's state slot: the one named (claimed), else the lowest free."""
+        if self.states is None:
+            return None
+        if named is None:
+            return self.states.take()
+        self.states.claim(named)
+        return named
 
     def view(self, slots: torch.Tensor, pages: tuple[int, ...],
              state_slot: int | None = None) -> RequestKV:

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from pdgpu.arch import Arch
+from pdref.intervals import Range
 
 
 @attrs.frozen
@@ -44,6 +45,15 @@ class StateShape:
         conv = self.conv[0] * self.conv[1] * torch.empty((), dtype=self.dtype).element_size()
         rec = self.recurrent[0] * self.recurrent[1] * self.recurrent[2] * 4
         return self.layers * (conv + rec)
+
+
+def state_views(shape: StateShape, layers: int, raw: torch.Tensor):
+    """`layers` layers' state laid out in bytes raw [nbytes] (uint8, 4-byte aligned): the
+    recurrent matrices [nl, Hv, Dk, Dv] (float32) first, then the conv windows [nl, C, K-1]."""
+    rec_bytes = layers * shape.recurrent[0] * shape.recurrent[1] * shape.recurrent[2] * 4
+    recurrent = raw[:rec_bytes].view(torch.float32).view(layers, *shape.recurrent)
+    conv = raw[rec_bytes:].view(shape.dtype).view(layers, *shape.conv)
+    return conv, recurrent
 
 
 class StatePool:
@@ -120,6 +130,24 @@ class StatePool:
         """Import a request's state (as `read` gives it) into `slot`."""
         self.conv[:, slot] = conv
         self.recurrent[:, slot] = recurrent
+
+    def copy_out(self, layers: Range, slot: int, conv: torch.Tensor,
+                 recurrent: torch.Tensor) -> None:
+        """Layers [a, b)'s state in `slot` into conv [nl, C, K-1], recurrent [nl, Hv, Dk, Dv]
+        (a state span's gather)."""
+        conv.copy_(self.conv[layers[0]:layers[1], slot])
+        recurrent.copy_(self.recurrent[layers[0]:layers[1], slot])
+
+    def copy_in(self, layers: Range, slot: int, conv: torch.Tensor,
+                recurrent: torch.Tensor) -> None:
+        """The inverse of `copy_out`: a state span's landing into `slot`."""
+        self.conv[layers[0]:layers[1], slot].copy_(conv)
+        self.recurrent[layers[0]:layers[1], slot].copy_(recurrent)
+
+    def scrub(self, slot: int) -> None:
+        """NaN into `slot`, so a reader of a state that never landed cannot pass parity."""
+        self.conv[:, slot].fill_(float("nan"))
+        self.recurrent[:, slot].fill_(float("nan"))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The states of `slots` [B] for one layer: conv [B, C, K-1], recurrent [B, Hv, Dk, Dv]."""

@@ -6,6 +6,7 @@ import attrs
 import torch
 
 from pdgpu.faults import DEBUG_BREAKS
+from pdgpu.handoff import handoff_geometry, pieces, staged, unshipped_state
 from pdref.events import Mode
 from pdref.models import ModelSpec
 from pdref.plan import PlanError, plan_spans, validate_workload
@@ -32,6 +33,7 @@ class EngineConfig:
     threads: int | None = None  # torch compute threads; None: one core left for the copier
     warmup: bool = True  # before t = 0: touch every copy-path buffer, prefill one chunk
     no_compute: bool = False  # export only: a known payload instead of prefill (pdgpu.payload)
+    output_tokens: int = 1  # tokens per request, decoded after admission from what crossed
 
 
 @attrs.frozen
@@ -61,6 +63,9 @@ def _check_config(config: EngineConfig) -> None:
         (config.max_pending >= 1, f"max_pending must be >= 1, got {config.max_pending}"),
         (config.page_tokens >= 1, f"page_tokens must be >= 1, got {config.page_tokens}"),
         (config.retries >= 0, f"retries must be >= 0, got {config.retries}"),
+        (config.output_tokens >= 1, f"output_tokens must be >= 1, got {config.output_tokens}"),
+        (config.output_tokens == 1 or not config.no_compute,
+         "output_tokens must be 1 with no_compute: nothing is computed to decode from"),
         (config.threads is None or config.threads >= 1,
          f"threads must be >= 1, got {config.threads}"),
         (config.link_gbps is None or config.link_gbps > 0,
@@ -106,20 +111,23 @@ def _check_request(spec: ModelSpec, config: EngineConfig, request: Request) -> N
 
 
 def _span_sizes(spec: ModelSpec, config: EngineConfig, request: Request) -> tuple[int, int]:
-    """(spans of the request's plan, elements of its largest span)."""
-    geometry = spec.geometry(config.page_tokens)
+    """(spans of the request's plan, elements of the staging buffer its largest span needs:
+    its pieces laid out as the copier stages them, handoff.py)."""
+    geometry = handoff_geometry(spec, config.page_tokens)
     spans = plan_spans(config.mode, geometry, request.prompt, request.prefix, config.chunk)
     per_token_layer = 2 * spec.kv_heads * spec.head_dim
-    largest = max((r.bytes(geometry) // geometry.dtype_bytes for r in spans), default=0)
-    return len(spans), max(largest, per_token_layer)
+    cell = geometry.bytes_per_token_layer
+    largest = max((staged(pieces(geometry, r, request.prompt, request.prefix, (0, 0)), cell)[1]
+                   for r in spans), default=0)
+    return len(spans), max(-(-largest // geometry.dtype_bytes), per_token_layer)
 
 
 def setup_check(spec: ModelSpec, config: EngineConfig, requests: list[Request]) -> Plan:
     """Refuse a bad workload with one clear line; else the sizes of every buffer."""
     _check_config(config)
-    if config.mode is Mode.LAYER and spec.recurrent:
-        raise WorkloadError("mode layer is refused for a recurrent model (CFG-1): "
-                            "layer streaming carries attention KV only")
+    if config.mode is Mode.LAYER and unshipped_state(spec):
+        raise WorkloadError("mode layer is refused for a recurrent model whose state no span "
+                            "carries (CFG-1): layer streaming would carry attention KV only")
     if config.debug is not None and config.debug not in DEBUG_BREAKS:
         raise WorkloadError(f"debug must be one of {', '.join(tuple(DEBUG_BREAKS))}")
     _check_devices(config)

@@ -15,12 +15,16 @@ from pdgpu import checkpoint as ckpt
 from pdgpu.cli import main as cli_main
 from pdgpu.compare import compare_modes
 from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
+from pdgpu.engine import Engine
 from pdgpu.generate import first_token, generate
+from pdgpu.handoff import handoff_geometry
 from pdgpu.model import build_model
 from pdgpu.op_count import decode_step_ops
 from pdgpu.source_cache import SourceCache
 from pdgpu.workload import EngineConfig, Request
-from pdref.events import Mode
+from pdref.check import check_lines
+from pdref.events import Mode, event_to_json, header_to_json
+from pdref.trace import dumps
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
@@ -106,16 +110,17 @@ def test_decoding_in_a_batch_gives_the_tokens_of_decoding_alone(family):
     assert outs == alone
 
 
-def test_compare_whole_and_chunk_hand_off_the_same_kv(family):
-    """`pdgpu compare`'s engine runs (whole, chunk; layer for Gemma 3) give the same decoder
-    K/V and first token, and the first token is transformers' greedy one."""
+def test_compare_every_mode_hands_off_the_same_kv_and_state(family):
+    """`pdgpu compare`'s engine runs (whole, chunk, layer) give the same decoder K/V, state
+    and first token, and the first token is transformers' greedy one."""
     _, model, hf = family
     tokens = _prompt(70, 3)
-    modes = ["whole", "chunk"] + ([] if model.spec.recurrent else ["layer"])
     configs = {m: EngineConfig(mode=Mode(m), chunk=32, keep_kv=True, warmup=False)
-               for m in modes}
+               for m in ("whole", "chunk", "layer")}
     report = compare_modes(model, configs, [Request("r0", tuple(tokens))])
     assert report.parity_ok
+    if model.state_shape is not None:  # the state crossed: not the zeros a slot starts at
+        assert report.results["layer"].outcomes[0].state[1].abs().sum() > 0
     theirs, margins = hf_greedy(hf, tokens, 1)
     if margins[0] >= 1e-3:
         assert report.results["whole"].outcomes[0].first_token == theirs[0]
@@ -136,15 +141,68 @@ def test_layer_steps_leave_the_kv_and_state_of_chunk_steps(family):
             assert torch.equal(ours, theirs) and ours.abs().sum() > 0
 
 
-def test_the_geometry_counts_only_layers_that_keep_kv(family):
-    """A Qwen3.5's handoff carries its full-attention layers only (and is recurrent); a
-    Gemma 3's every layer."""
+def test_the_paged_caches_hold_only_layers_that_keep_kv(family):
+    """A Qwen3.5's paged caches hold its full-attention layers only; a Gemma 3's every layer;
+    the trace's geometry (v3) names every layer with its kind, a linear layer with its share
+    of the state the engine stores."""
     _, model, _ = family
-    geometry = model.spec.geometry(16)
+    storage, trace = model.spec.geometry(16), handoff_geometry(model.spec, 16)
+    kinds = [k.kind for k in trace.kinds]
     if model.spec.arch == "qwen3_5":
-        assert (geometry.layers, geometry.recurrent) == (1, True)
+        assert (storage.layers, kinds) == (1, ["linear"] * 3 + ["full"])
+        assert trace.state_bytes((0, 4)) == model.state_shape.nbytes
     else:
-        assert (geometry.layers, geometry.recurrent) == (6, False)
+        assert (storage.layers, kinds) == (6, ["sliding"] * 5 + ["full"])
+        assert {k.window for k in trace.kinds[:5]} == {16}
+    assert trace.recurrent == storage.recurrent == (model.spec.arch == "qwen3_5")
+
+
+class _PoisonedEngine(Engine):
+    """An engine whose decoder pool starts as NaN (no warm-up zeroes it): K/V a decode reads
+    that did not cross poisons the logits."""
+
+    def _allocate(self, plan, rec) -> None:
+        super()._allocate(plan, rec)
+        self.pool.kv.fill_(float("nan"))
+
+
+def _reference_state(model, tokens: list[int]):
+    """The state a plain prefill leaves (StatePool.read's pair)."""
+    _, src, _ = prefilled(model, tokens, 0, 32, False)
+    return src.read_state()
+
+
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+def test_run_hands_off_v3_spans_and_decodes_from_what_crossed(family, mode):
+    """`pdgpu run` on a hybrid: a v3 trace pdref passes (kinds, state slot at reserve, state
+    spans of the real state size, sliding spans cut to the window), and tokens decoded from
+    what crossed alone (the rest of the decoder pool is NaN) equal `pdgpu generate`'s; a
+    prompt whose window starts on a page edge (79) and one with a prefix included."""
+    _, model, _ = family
+    requests = [Request("a", tuple(_prompt(79, 79))), Request("b", tuple(_prompt(150, 9)), 32)]
+    config = EngineConfig(mode=Mode(mode), chunk=32, warmup=False, output_tokens=6,
+                          keep_kv=True)
+    result = _PoisonedEngine(model, config).run(requests)
+    lines = [dumps(header_to_json(result.header)).encode()]
+    verdict = check_lines(lines + [dumps(event_to_json(e)).encode() for e in result.events])
+    assert verdict.ok, verdict.message
+    assert result.header.version == 3
+    for request, outcome in zip(requests, result.outcomes, strict=True):
+        expected = generate(model, list(request.tokens), 6, chunk=32, prefix=request.prefix)
+        assert list(outcome.tokens) == expected
+    issues = [e for e in result.events if e.kind == "issue"]
+    reserves = [e for e in result.events if e.kind == "reserve"]
+    if model.state_shape is not None:
+        assert all(e.state_slot is not None for e in reserves)
+        per_request = model.state_shape.nbytes
+        assert [sum(e.bytes for e in issues if e.state and e.req == r.req)
+                for r in requests] == [per_request] * 2
+        landed = result.outcomes[0].state
+        for ours, theirs in zip(landed, _reference_state(model, _prompt(79, 79)), strict=True):
+            assert torch.allclose(ours, theirs, atol=1e-5)
+    else:  # 5 sliding layers send at most their window's pages: far below every token
+        unclipped = 6 * 79 * result.header.geometry.bytes_per_token_layer
+        assert sum(e.bytes for e in issues if e.req == "a") < unclipped / 2
 
 
 def test_sliding_layers_decode_from_a_ring_that_does_not_grow(tmp_path):
@@ -203,9 +261,8 @@ def test_parity_sweep_over_prompt_lengths(family, length):
     ours = generate(model, tokens, 16, chunk=32)
     theirs, margins = hf_greedy(hf, tokens, 16)
     agree_while_clear(ours, theirs, margins)  # asserts every token up to the first unclear
-    modes = ["whole", "chunk"] + ([] if model.spec.recurrent else ["layer"])
     configs = {m: EngineConfig(mode=Mode(m), chunk=32, keep_kv=True, warmup=False)
-               for m in modes}
+               for m in ("whole", "chunk", "layer")}
     report = compare_modes(model, configs, [Request("r0", tuple(tokens))])
     assert report.parity_ok
     assert report.results["whole"].outcomes[0].first_token == ours[0]
@@ -238,16 +295,44 @@ def test_kernel_speed_bench_runs_a_hybrid_beside_transformers(capsys, name):
     assert all(out[k] > 0 for k in ("prefill_one_chunk", "prefill_chunked", "decode_step"))
 
 
-def test_the_command_line_runs_a_hybrid(family, capsys):
+def test_a_failed_state_span_is_fenced_and_the_request_retried(family):
+    """A Qwen3.5 state span whose copy fails (span 3: after the three chunks' spans) is
+    fenced, its life aborted and the request retried in a new life (a state slot named
+    again at reserve); the trace passes pdref and the tokens are generate's."""
+    _, model, _ = family
+    if model.state_shape is None:
+        pytest.skip("Gemma 3 has no state")
+    tokens = _prompt(79, 79)
+    config = EngineConfig(mode=Mode.CHUNK, chunk=32, fail_span=3, output_tokens=4)
+    result = Engine(model, config).run([Request("a", tuple(tokens))])
+    failed = [e for e in result.events if e.kind == "fail"]
+    assert [(e.span, e.kind) for e in failed] == [(3, "fail")]
+    assert [e.span for e in result.events if e.kind == "issue" and e.state] == [3, 7]
+    assert [e.state_slot for e in result.events if e.kind == "reserve"] == [0, 0]
+    assert result.outcomes[0].attempts == 2
+    assert list(result.outcomes[0].tokens) == generate(model, tokens, 4, chunk=32)
+    lines = [dumps(header_to_json(result.header)).encode()]
+    assert check_lines(lines + [dumps(event_to_json(e)).encode() for e in result.events]).ok
+
+
+def test_the_command_line_runs_a_hybrid(family, capsys, tmp_path):
     """`pdgpu run --json` on a hybrid checkpoint exits 0 with transformers' first token (where
-    clear); (`pdgpu serve` on both: tests/test_pdgpu_serve_hybrid.py)."""
-    folder, _, hf = family
+    clear); in layer mode it writes a v3 trace and decodes generate's tokens (`pdgpu serve`
+    on both: tests/test_pdgpu_serve_hybrid.py)."""
+    folder, model, hf = family
     assert cli_main(["run", "--model", str(folder), "--tokens", "5,6,7,8,9,10,11",
                      "--chunk", "4", "--mode", "chunk", "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     theirs, margins = hf_greedy(hf, [5, 6, 7, 8, 9, 10, 11], 1)
     if margins[0] >= 1e-3:
         assert metrics["first_token"] == theirs[0]
+    trace = tmp_path / "layer.jsonl"
+    assert cli_main(["run", "--model", str(folder), "--tokens", "5,6,7,8,9,10,11",
+                     "--chunk", "4", "--mode", "layer", "--output-tokens", "3", "--json",
+                     "--trace", str(trace)]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [
+        generate(model, [5, 6, 7, 8, 9, 10, 11], 3, chunk=4)]
+    assert json.loads(trace.read_text().splitlines()[0])["version"] == 3
 
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdgpu.state_pool import StatePool, StateShape
+from pdgpu.state_pool import StatePool, StateShape, state_views
 
 SHAPE = StateShape(layers=3, conv=(6, 3), recurrent=(2, 4, 5), dtype=torch.float32)
 
@@ -57,3 +57,19 @@ def test_a_request_state_size_counts_every_linear_layer():
     linear layer."""
     shape = StateShape(layers=2, conv=(10, 3), recurrent=(2, 4, 4), dtype=torch.bfloat16)
     assert shape.nbytes == 2 * (10 * 3 * 2 + 2 * 4 * 4 * 4)
+
+
+def test_a_state_moves_out_and_in_through_bytes_laid_out_by_state_views():
+    """copy_out into state_views over a byte buffer and copy_in from it move layers [1, 3)
+    of one slot into another pool's slot exactly, other layers untouched."""
+    shape = StateShape(layers=3, conv=(6, 3), recurrent=(2, 4, 5), dtype=torch.bfloat16)
+    source, target = StatePool(shape, 2, "cpu"), StatePool(shape, 2, "cpu")
+    source.conv.copy_(torch.randn(source.conv.shape))
+    source.recurrent.copy_(torch.randn(source.recurrent.shape))
+    raw = torch.zeros(2 * (6 * 3 * 2 + 2 * 4 * 5 * 4), dtype=torch.uint8)
+    views = state_views(shape, 2, raw)
+    source.copy_out((1, 3), 1, *views)
+    target.copy_in((1, 3), 0, *views)
+    assert torch.equal(target.conv[1:, 0], source.conv[1:, 1])
+    assert torch.equal(target.recurrent[1:, 0], source.recurrent[1:, 1])
+    assert not target.conv[0].any() and not target.recurrent[:, 1].any()

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from pdgpu import audit, interrupt
 from pdgpu.handoff import handoff_geometry
-from pdgpu.prefill import warm_prefix
+from pdgpu.prefill import prefix_kv
 from pdgpu.serve import clock
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
 from pdgpu.serve.decoder import Decoder, ServeError
@@ -47,7 +47,6 @@ from pdgpu.serve.tracelog import TraceLog
 from pdgpu.serve.transport import Endpoint, open_store
 from pdgpu.serve.transport_nccl import open_transport
 from pdgpu.serve.workload import Workload
-from pdgpu.source_cache import SourceCache
 from pdgpu.streams import compute_threads
 from pdgpu.workload import WorkloadError
 from pdref import events as ev
@@ -220,14 +219,7 @@ def _wait(transport, op: str, timeout_s: float, check_peers):
 
 def prefix_cache(model, config: ServeConfig) -> torch.Tensor:
     """The decoder's prefix cache K/V [L, 2, prefix, KVH, D], computed like the producers'."""
-    geometry = model.spec.geometry(config.page_tokens)
-    dtype, device = model.model.embed_tokens.weight.dtype, model.inv_freq.device
-    cache = SourceCache(geometry, max(1, geometry.pages_for(config.prefix)), device, dtype,
-                        model.state_shape)  # (a hybrid's linear layers need a state slot)
-    kv = cache.open(max(1, config.prefix))
-    ids = torch.tensor(config.prefix_tokens, dtype=torch.int64, device=device)  # [prefix]
-    warm_prefix(model, ids, config.prefix, config.chunk, kv)
-    return kv.kv.index_select(2, kv.slots[:config.prefix])
+    return prefix_kv(model, config.prefix_tokens, config.chunk, config.page_tokens)
 
 
 def connect_producers(transport, producers: int, alive=lambda: None) -> None:
