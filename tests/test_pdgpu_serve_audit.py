@@ -155,12 +155,12 @@ def test_after_the_audit_refuses_the_ledger_writes_nothing_more(tmp_path):
                  for t in ((0, 4), (4, 8))]
         wait_for(lambda: ledger.audit.error is not None)  # the audit saw the second issue
         kv = torch.randn(2, 2, 4, 2, 4)
-        before = ledger.kv.clone()
+        before = ledger.kv_landing.kv.clone()
         with pytest.raises(Violation, match="refused by the audit alone"):
             ledger.land("r", spans[0], kv, row_digests(kv))
         with pytest.raises(Violation, match="COPY-2"):
             ledger.raise_audit_error()
-        assert torch.equal(ledger.kv, before)
+        assert torch.equal(ledger.kv_landing.kv, before)
     finally:
         ledger.stop()  # its audit thread (the exceptions above keep the ledger alive)
 

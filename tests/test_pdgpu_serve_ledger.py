@@ -52,7 +52,7 @@ def test_a_span_landing_twice_or_over_landed_tokens_writes_nothing(ledger):
     ledger.reserve("r", 4, 0, "p1")
     span, kv = _span(ledger, "r", (0, 4))
     ledger.land("r", span, kv, None)
-    before = ledger.kv.clone()
+    before = ledger.kv_landing.kv.clone()
     with pytest.raises(Violation) as again:
         ledger.land("r", span, torch.ones_like(kv), None)
     assert again.value.code == "REQ-1"
@@ -60,7 +60,7 @@ def test_a_span_landing_twice_or_over_landed_tokens_writes_nothing(ledger):
     with pytest.raises(Violation) as overlap:
         ledger.land("r", other, torch.ones_like(kv), None)
     assert overlap.value.code == "COV-2"
-    assert torch.equal(ledger.kv, before)
+    assert torch.equal(ledger.kv_landing.kv, before)
 
 
 def test_a_checksum_mismatch_is_fail_then_fence_and_never_admitted(ledger):

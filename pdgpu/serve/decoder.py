@@ -305,7 +305,7 @@ class Decoder:
         del self.lives[life.handle]
         self.members.send(life.producer, "reuse", {"handle": life.handle})
         context = self.ledger.admit(t.req, self.prefix_kv)  # [L, 2, prompt, KVH, D]
-        t.seq = self.decode_cache.add(context, self.ledger.take_state(t.req))
+        t.seq = self.decode_cache.add(context, self.ledger.kv_landing.take_state(t.req))
         t.slot = self.sampler.open(t.request.sampling, t.request.tokens, [life.token])
         t.output = [life.token]
         t.logprobs = [] if life.logprob is None else [life.logprob]

@@ -1,19 +1,16 @@
-"""The decoder's one door to the handoff pool: every resource operation is one call with its
-pdref event, and is refused (raises Violation, nothing done) when the live check refuses it.
+"""The decoder's protocol authority: every resource operation of the handoff pool is one call
+with its pdref event, and is refused (raises Violation, nothing done) when the live check
+refuses it. It decides and records; the bytes are moved and checked by its KV landing
+(`kv_landing`, landing.py), which it tells what to do only once pdref has agreed.
 
 reserve -> pages of a slab (and, for a model with linear layers, the producer's state slot
-pdref names free, and a landing slot of the decoder's state pool) | issue -> a span id |
-land -> the span's bytes written into the slab (a state span's into the landing slot),
-checked against the producer's compute-time digests (`--verify`): `land` or `fail` |
-reuse -> the producer may free its source pages | admit -> the request's context K/V (and
-`take_state`: its landed state) | release / abort -> pages and slots back. pdref is the
-authority for every process of the run.
-Contract v3 (a hybrid, pdgpu/handoff.py): spans name model layers; the slabs hold the K/V
-layers only, and a KV span's payload is one tensor per group of its K/V layers (a sliding
-layer's rows are only its window's), each followed by its digests; a state span's payload is
-the conv windows [ns, C, K-1] and the recurrent states [ns, Hv, Dk, Dv] of its linear layers,
-each followed by its digests.
-Every accepted event goes to the run's TraceLog (written while the run goes).
+pdref names free; the landing opens the slab's token slots and a state landing slot) |
+issue -> a span id | land -> pdref says where the span lands, the landing writes and checks
+its bytes (`--verify`), then `land` or `fail` | reuse -> the producer may free its source
+pages | admit -> the request's context K/V (the landing gathers it; its landed state:
+`kv_landing.take_state`) | release / abort -> pages and slots back. pdref is the authority
+for every process of the run. Every accepted event goes to the run's TraceLog (written while
+the run goes).
 
 Live checks off the critical path (as pdgpu/recorder.py does for the engine): pdref's
 `FastMonitor` (the mutable mirror) gives every verdict and answers every query the decoder
@@ -22,8 +19,8 @@ thread (pdgpu/audit.py), which replays them into the specification's `Monitor`. 
 refuses, or answers differently, is raised at the decoder's next call into the ledger or
 at the next turn of its loop (`raise_audit_error`), at most `audit.BOUND` events later
 (backpressure), and at the end of the run, which waits for the audit (`close`). The
-decoder never reads pdref's state (on the mirror that copies all of it): `landing` tells
-whether a span may land, and where, before its bytes are written.
+decoder never reads pdref's state (on the mirror that copies all of it): the query
+`landing` tells whether a span may land, and where, before its bytes are written.
 """
 
 from __future__ import annotations
@@ -35,14 +32,10 @@ from collections import deque
 import torch
 
 from pdgpu.audit import BOUND, Disagreement
-from pdgpu.handoff import kv_geometry, kv_groups, state_range
 from pdgpu.live_check import LiveCheck
-from pdgpu.serve.digest import first_mismatch, state_rows
-from pdgpu.serve.link import local, rows_into
-from pdgpu.serve.rendezvous import TransportError
+from pdgpu.serve.landing import KVLanding
 from pdgpu.serve.tracelog import TraceLog
-from pdgpu.source_cache import paged_kv, token_slots
-from pdgpu.state_pool import StatePool, StateShape
+from pdgpu.state_pool import StateShape
 from pdref import events as ev
 from pdref.apply import apply
 from pdref.monitor import Monitor
@@ -62,20 +55,10 @@ class Ledger:
         self.log = log if log is not None else TraceLog(header, None)
         self.recent: deque = deque(maxlen=8)  # the last protocol events (for tests, errors)
         self._accepted: list = []  # accepted by the mirror, not yet in the trace
+        self.kv_landing = KVLanding(self.geometry, header.pool_pages, device, dtype, state)
         self.live = LiveCheck(header, self._accepted.append, audit_monitor=audit_monitor,
                               audit_bound=audit_bound)
-        # [Lkv, 2, S, KVH, D]: the K/V layers only (a hybrid's linear layers keep none)
-        self.kv = paged_kv(kv_geometry(self.geometry), header.pool_pages, device, dtype)
-        self.slots: dict[str, torch.Tensor] = {}  # req -> [prompt - prefix] pool slot per token
-        self.prefixes: dict[str, int] = {}  # req -> its reserve's prefix (slot 0's token)
-        self.prompts: dict[str, int] = {}
-        if self.geometry.recurrent and state is None:
-            raise ValueError("ledger: a geometry with linear layers needs the state's shape")
-        # the landed states of live requests, one slot each (a hybrid with linear layers)
-        self.states = None if not self.geometry.recurrent else StatePool(state, 1, device)
-        self.state_slots: dict[str, int] = {}  # req -> its landing slot in `states`
         self.peak_pages = 0
-        self.verify_s = 0.0  # spent checking landed bytes against their checksums
         self._spans = itertools.count()
         self.t0 = time.perf_counter()
 
@@ -157,14 +140,10 @@ class Ledger:
         """Reserve a slab; the producer's state slot the life computes into (a model with
         linear layers: the lowest that pdref has free for `producer`), or None."""
         slot = None
-        if self.states is not None:
+        if self.kv_landing.keeps_state:
             slot = self._check("free_state_slot", producer, audited=True)
         pages = self._check("reserve", self.now(), req, prompt, prefix, producer, slot)
-        self.slots[req] = token_slots(pages, self.geometry.page_tokens, prompt - prefix,
-                                      self.kv.device)
-        self.prefixes[req], self.prompts[req] = prefix, prompt
-        if self.states is not None:
-            self.state_slots[req] = self.states.take()
+        self.kv_landing.open(req, pages, prompt, prefix)
         self.peak_pages = max(self.peak_pages, self.used_pages)
         return slot
 
@@ -177,73 +156,22 @@ class Ledger:
         return span
 
     def land(self, req: str, span: int, *payload):
-        """Write the span's payload into the slab: per group (handoff.kv_groups; one for a
-        dense model) its kv [n, 2, nt, KVH, D] then its digests [n, 2, nt] (None: not
-        checked), or a state span's conv and recurrent states, each then its digests, into
-        the request's landing slot. A tensor, or the NIXL lane's RemoteSlice, READ straight
-        into the pages: then this call is the writer, and its READ has ended when it
-        returns. `land`, or `fail` when its bytes differ from the compute-time digests or
-        could not be read; the error text or None. pdref is asked first whether the `land`
-        would be accepted (`landing`), so a span it would refuse (not in flight, REQ-1; over
-        tokens that already landed, COV-2) writes nothing."""
+        """The span's payload landed (KVLanding.write: per group of K/V layers its kv
+        [n, 2, nt, KVH, D] then its digests [n, 2, nt], None: not checked; or a state span's
+        conv and recurrent states, each then its digests); over NIXL this call is the writer,
+        and its READ has ended when it returns. `land`, or `fail` when its bytes differ from
+        the compute-time digests or could not be read; the error text or None. pdref is
+        asked first whether the `land` would be accepted (`landing`), so a span it would
+        refuse (not in flight, REQ-1; over tokens that already landed, COV-2) writes
+        nothing."""
         found = self._check("landing", req, span, audited=True)
         if found is None:
             self._refuse_land(req, span)
-        write = self._write_state if found.slot is not None else self._write_kv
-        try:
-            error = write(req, found, payload)
-        except TransportError as e:
-            error = f"{'state' if found.slot is not None else 'KV'} not read: {e}"
+        error = self.kv_landing.write(req, found, payload)
         if error is not None:
             return self._fail(req, span, error)
         self._emit(ev.Land, req, span)
         return None
-
-    def _write_kv(self, req: str, found, payload) -> str | None:
-        """A KV span's groups into the slab (nothing written when a shape is wrong)."""
-        prefix = self.prefixes[req]
-        groups = kv_groups(self.geometry, found.layers, found.tokens, self.prompts[req], prefix)
-        shapes = [tuple(kv.shape[:3]) for kv in payload[0::2]]
-        if shapes != [(l1 - l0, 2, b - a) for (l0, l1), (a, b) in groups]:
-            (l0, l1), (a, b) = found.layers, found.tokens
-            return (f"payload shapes {[list(s) for s in shapes]} do not match layers "
-                    f"[{l0}, {l1}) x tokens [{a}, {b})")
-        for ((l0, l1), (a, b)), kv, digests in zip(groups, payload[0::2], payload[1::2],
-                                                   strict=True):
-            index = self.slots[req][a - prefix:b - prefix]  # [nt]
-            rows_into(self.kv[l0:l1], kv, index)  # over NIXL: READ into the pages here
-            error = self._verify(self.kv[l0:l1].index_select(2, index), digests)
-            if error is not None:
-                return f"{error[0]} at layer {l0 + error[1][0]} token {a + error[1][1]}"
-        return None
-
-    def _write_state(self, req: str, found, payload) -> str | None:
-        """A state span's conv windows and recurrent states into the request's landing
-        slot (nothing written when a shape is wrong)."""
-        s0, s1 = state_range(self.geometry, found.layers)
-        shape, slot = self.states.shape, self.state_slots[req]
-        want = [(s1 - s0, *shape.conv), (s1 - s0, *shape.recurrent)]
-        got = [tuple(t.shape) for t in payload[0::2]]
-        if got != want:
-            return f"state payload shapes {got} do not match {want} (linear layers {s0}..{s1})"
-        kept = (self.states.conv[s0:s1, slot], self.states.recurrent[s0:s1, slot])
-        for name, into, data, digests in zip(("conv", "recurrent"), kept, payload[0::2],
-                                             payload[1::2], strict=True):
-            into.copy_(local(data, into.device))
-            error = self._verify(state_rows(into), digests)
-            if error is not None:
-                return f"{error[0]} in the {name} state of linear layer {s0 + error[1][0]}"
-        return None
-
-    def _verify(self, landed: torch.Tensor, digests):
-        """Landed rows against their digests (None: not asked): None, or ("checksum
-        mismatch", the first differing row's index)."""
-        if digests is None:
-            return None
-        start = time.perf_counter()
-        bad = first_mismatch(landed, local(digests, landed.device))
-        self.verify_s += time.perf_counter() - start  # --verify's cost, in the loop
-        return None if bad is None else ("checksum mismatch", bad)
 
     def _refuse_land(self, req: str, span: int) -> None:
         """The mirror would refuse this land: raise the specification's own Violation (from
@@ -279,36 +207,15 @@ class Ledger:
         if not self.can_admit(req):
             raise Violation("ADM-1", f"pdref refuses admission of {req!r}: nothing admitted")
         self._emit(ev.Admit, req)
-        suffix = self.kv.index_select(2, self.slots[req])  # [L, 2, suffix, KVH, D]
-        return torch.cat([prefix_kv.to(suffix.device), suffix], dim=2)
-
-    def take_state(self, req: str):
-        """An admitted request's landed state (StatePool.read's pair: conv [NL, C, K-1],
-        recurrent [NL, Hv, Dk, Dv]) for its decode, its landing slot given back; None for a
-        model without linear layers."""
-        slot = self.state_slots.pop(req, None)
-        if slot is None:
-            return None
-        state = self.states.read(slot)
-        self.states.give_back(slot)
-        return state
+        return self.kv_landing.context(req, prefix_kv)
 
     def release(self, req: str) -> None:
         self._emit(ev.Release, req)
-        self._forget(req)
+        self.kv_landing.forget(req)
 
     def abort(self, req: str, reason: str) -> None:
         self._emit(ev.Abort, req, reason)
-        self._forget(req)
-
-    def _forget(self, req: str) -> None:
-        """A life ended: its slab's slots and its landing slot (if still held) go."""
-        self.slots.pop(req, None)
-        self.prefixes.pop(req, None)
-        self.prompts.pop(req, None)
-        slot = self.state_slots.pop(req, None)
-        if slot is not None:
-            self.states.give_back(slot)
+        self.kv_landing.forget(req)
 
     def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None,
               batch: int | None = None, kv_tokens: int | None = None):

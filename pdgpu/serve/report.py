@@ -103,7 +103,7 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "stages_clamped": ledger.log.stages_clamped,
         "transport": dict(ledger.header.extra).get("transport"),  # shm, gloo, nccl, ...
         "kv_bytes_by_lane": _received(decoder),  # which lane carried the bytes, measured
-        "verify_s": ledger.verify_s,  # the decoder's seconds checking landed bytes
+        "verify_s": ledger.kv_landing.verify_s,  # the decoder's seconds checking landed bytes
         **ledger.check_metrics(wall_s),  # live checks' share of wall, the audit's lag
     }
 
