@@ -18,6 +18,11 @@ from test_pdgpu_transformers_parity import agree_while_clear, hf_greedy
 
 from pdgpu.checkpoint import inspect_checkpoint
 from pdgpu.handoff import handoff_geometry, kv_groups
+from pdgpu.serve.digest import row_digests, state_rows
+from pdgpu.serve.ledger import Ledger
+from pdgpu.serve.tracelog import TraceLog
+from pdgpu.state_pool import StateShape
+from pdref import events as ev
 from pdref.geometry import Geometry
 from pdref.kinds import LayerKind
 from pdref.trace import parse_lines
@@ -160,3 +165,149 @@ def test_served_tokens_sweep_over_prompt_lengths(tmp_path, models, family, mode)
     prompts, results, trace = _serve(tmp_path, folder, lengths, 0, 8, "--mode", mode)
     _assert_tokens(folder, prompts, results, 0)
     _assert_v3_bytes(trace)
+
+
+# -- the decoder's ledger on a hybrid, without processes ----------------------------------------
+
+SHAPE = StateShape(1, (4, 3), (2, 2, 2), torch.float32)  # one linear layer: 48 + 32 bytes
+KINDS = (LayerKind("linear", None, SHAPE.nbytes), LayerKind("sliding", 5), LayerKind("full"))
+GEO3 = Geometry(3, 2, 4, 4, 4, True, KINDS)
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    """A v3 ledger over a 4-page pool (its audit stopped at teardown)."""
+    header = ev.Header("test", "chunk", GEO3, 4, 4)
+    made = Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"),
+                  state=SHAPE)
+    yield made
+    made.stop()
+
+
+def _kv_span(ledger, tokens, prompt: int):
+    """Issue and land the KV span of every layer over `tokens`; its groups' kv."""
+    ledger.computed("r", (0, 3), tokens)
+    span = ledger.issue("r", (0, 3), tokens, GEO3.span_bytes((0, 3), tokens, prompt, 0))
+    payload = []
+    for (l0, l1), (a, b) in kv_groups(GEO3, (0, 3), tokens, prompt, 0):
+        kv = torch.randn(l1 - l0, 2, b - a, 2, 4)  # [n, 2, nt, KVH, D]
+        payload += [kv, row_digests(kv)]
+    assert ledger.land("r", span, *payload) is None
+    return payload[0::2]
+
+
+def _state_payload():
+    conv, rec = torch.randn(1, 4, 3), torch.randn(1, 2, 2, 2)
+    return conv, rec, [conv, row_digests(state_rows(conv)), rec, row_digests(state_rows(rec))]
+
+
+def test_a_state_span_lands_and_admission_hands_the_state_to_decoding(ledger):
+    """The reserve names the producer's free state slot; the sliding layer's window and the
+    full layer's tokens land where admit reads them; admission waits for the state
+    (STATE-3), then `take_state` is exactly the bytes that crossed."""
+    assert ledger.reserve("r", 12, 0, "p1") == 0
+    first = _kv_span(ledger, (0, 8), 12)  # the window [8, 12) of the sliding layer: not here
+    last = _kv_span(ledger, (8, 12), 12)
+    ledger.produced("r", 3)
+    assert not ledger.can_admit("r")  # the linear layer's state has not landed
+    span = ledger.issue("r", (0, 1), (12, 12), SHAPE.nbytes, True)
+    conv, rec, payload = _state_payload()
+    assert ledger.land("r", span, *payload) is None
+    assert ledger.can_admit("r")
+    ledger.reuse("r", (0, 12))
+    context = ledger.admit("r", torch.zeros(2, 2, 0, 2, 4))  # [Lkv, 2, 12, KVH, D]
+    assert len(first) == 1 and torch.equal(context[1, :, :8], first[0][0])  # full: every token
+    assert torch.equal(context[:, :, 8:], last[0])  # both layers over the window
+    got = ledger.take_state("r")
+    assert torch.equal(got[0], conv) and torch.equal(got[1], rec)
+    ledger.release("r")
+    ledger.close()
+
+
+def test_verify_catches_a_state_altered_in_transit(ledger):
+    """One bit of the recurrent state changed after its digests were taken: fail + fence,
+    never admitted; the abort gives the landing slot and every page back."""
+    ledger.reserve("r", 12, 0, "p1")
+    _kv_span(ledger, (0, 12), 12)
+    ledger.produced("r", 3)
+    span = ledger.issue("r", (0, 1), (12, 12), SHAPE.nbytes, True)
+    _, rec, payload = _state_payload()
+    rec.view(torch.int32).view(-1)[5] ^= 1
+    assert ledger.land("r", span, *payload) == \
+        "checksum mismatch in the recurrent state of linear layer 0"
+    assert [e.kind for e in list(ledger.recent)[-2:]] == ["fail", "fence"]
+    assert not ledger.can_admit("r")
+    ledger.reuse("r", (0, 12))
+    ledger.abort("r", "copy failed")
+    assert ledger.used_pages == 0 and ledger.states.free == [0]
+    ledger.close()
+
+
+# -- faults on state spans and window-cut spans --------------------------------------------------
+
+def _faulty(tmp_path, capsys, folder: str, count: int, *args: str, lengths=(40, 64, 33, 50),
+            prefix: int = 0):
+    """Serve `count` drawn prompts under faults; after the checks every faulty run passes
+    (legal trace, nothing leaked, ok requests with generate's tokens, failed ones after
+    every attempt, every failed span fenced): (results, trace, summary)."""
+    prompts = drawn_prompts(tmp_path / "p.jsonl", count, list(lengths), 256, prefix, 3)
+    code, results, trace = serve(
+        tmp_path, "--model", folder, "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
+        str(CHUNK), "--json", "--verify", "--producers", "2", "--concurrency", "4",
+        "--prefix", str(prefix), "--max-attempts", "4", *args)
+    summary = json.loads(capsys.readouterr().out)
+    trace_ok(trace)
+    assert summary["leaked_pages"] == 0 and len(results) == count
+    for line, r in zip(prompts, results, strict=True):
+        assert r["status"] in ("ok", "failed"), r
+        if r["status"] == "ok":
+            assert r["output"] == _reference(folder, tuple(line["tokens"]), prefix), r["req"]
+        else:
+            assert r["attempts"] == 4 and r["reason"], r
+    assert code == (1 if summary["failed"] else 0)
+    fenced = {e["span"] for e in events_of(trace, "fence")}
+    assert {e["span"] for e in events_of(trace, "fail")} <= fenced
+    return results, trace, summary
+
+
+@functools.cache
+def _reference(folder: str, tokens: tuple[int, ...], prefix: int) -> list[int]:
+    return reference(folder, tokens, 3, CHUNK, prefix)
+
+
+def _failed_issues(trace) -> list[dict]:
+    failed = {e["span"] for e in events_of(trace, "fail")}
+    return [e for e in events_of(trace, "issue") if e["span"] in failed]
+
+
+def test_state_spans_that_fail_stall_or_are_corrupted_are_fenced_and_retried(tmp_path, capsys,
+                                                                             models):
+    """Qwen3.5 in layer mode (a state span per linear layer) under every fault, a producer
+    killed twice and restarted: failed, stalled, corrupted and orphaned (its producer
+    killed mid-state) state spans are fenced like K/V spans, their lives retried. A shared
+    prefix leaves a suffix of 1..4 tokens: state spans are most of the bytes on the link
+    (paced), so each kill finds one in flight."""
+    results, trace, summary = _faulty(
+        tmp_path, capsys, models("qwen3_5"), 24, "--mode", "layer", "--fail-rate", "0.1",
+        "--stall-rate", "0.05", "--span-timeout", "0.5", "--corrupt-rate", "0.1",
+        "--kill-producer", "0@0.3", "--kill-producer", "0@1.5", "--restart-producers",
+        "--link-gbps", "0.0005", lengths=(17, 18, 19, 20), prefix=16)
+    states = [e for e in _failed_issues(trace) if e.get("state")]
+    errors = [next(f["error"] for f in events_of(trace, "fail") if f["span"] == e["span"])
+              for e in states]
+    for words in ("checksum mismatch in the", "copy failed (injected)", "not landed within",
+                  "producer p1 lost"):
+        assert any(words in error for error in errors), words
+    assert summary["producer_deaths"] == 2 and summary["ok"] >= 18
+
+
+def test_window_cut_spans_under_faults_and_a_killed_producer(tmp_path, capsys, models):
+    """Gemma 3 in chunk mode under every fault and a killed producer: failed window-cut
+    spans are fenced and retried; every request ends ok with generate's tokens."""
+    results, trace, summary = _faulty(
+        tmp_path, capsys, models("gemma3"), 16, "--fail-rate", "0.1", "--corrupt-rate", "0.1",
+        "--kill-producer", "0@0.3", "--link-gbps", "0.0005")
+    geo = next(parse_lines(trace))[1].geometry
+    assert any(e["bytes"] < geo.region_bytes(e["layers"], e["tokens"])  # the window cut
+               for e in _failed_issues(trace))
+    assert summary["producer_deaths"] == 1 and summary["ok"] >= 12
