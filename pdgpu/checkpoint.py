@@ -65,7 +65,8 @@ def check_head_dim(spec: ModelSpec, found: dict, where: str) -> None:
     if Q_PROJ not in found:
         return
     rows = found[Q_PROJ][1][0]
-    if rows != spec.heads * spec.head_dim:
+    gates = 2 if spec.arch == "qwen3_5" else 1  # Qwen3.5's full layers: queries and gates
+    if rows != gates * spec.heads * spec.head_dim:
         raise CheckpointError(f"{where}: field 'head_dim' {spec.head_dim} contradicts "
                               f"{Q_PROJ} with {rows} rows ({spec.heads} heads)")
 
