@@ -1,7 +1,8 @@
 """`pdgpu serve --http` on the hybrid families (issue 33 item 4): a Qwen3.5 and a Gemma 3
 checkpoint, each with a tokenizer and its family's chat template (ChatML; Gemma's turns after
 a BOS), served through the official openai client: the chat and text
-completions' tokens equal `pdgpu generate`'s on the rendered prompt."""
+completions' tokens equal `pdgpu generate`'s on the rendered prompt. (A server starts in ~15 s
+on a loaded 2-core box: Gemma 3's run is in the slow set.)"""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def write_family_tokenizer(folder: Path, family: str, vocab: int = 256) -> None:
         json.dumps({**config, "chat_template": TEMPLATES[family]}))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_both_hybrids_serve_chat_and_text_with_their_templates(tmp_path, family):
     """Chat renders the family's template (Gemma's BOS and turns, Qwen's ChatML), text is
     tokenized as is: the served tokens are generate's on those ids, up to the tokenizer's

@@ -311,3 +311,32 @@ def test_window_cut_spans_under_faults_and_a_killed_producer(tmp_path, capsys, m
     assert any(e["bytes"] < geo.region_bytes(e["layers"], e["tokens"])  # the window cut
                for e in _failed_issues(trace))
     assert summary["producer_deaths"] == 1 and summary["ok"] >= 12
+
+
+def test_a_qwen35_whose_first_layer_is_full_loads(tmp_path):
+    """A Qwen3.5 checkpoint with layer 0 full attention (its q_proj holds queries and gates)
+    is read with the head_dim its config names (the dense twin of bench/hybrid_serve_bytes)."""
+    config = transformers.Qwen3_5TextConfig(**QWEN35)
+    config.layer_types = ["full_attention", *config.layer_types[1:]]
+    transformers.Qwen3_5ForCausalLM(config).save_pretrained(tmp_path)
+    spec = inspect_checkpoint(str(tmp_path))
+    assert spec.head_dim == 32 and handoff_geometry(spec, 16).kinds[0].kind == "full"
+
+
+@pytest.mark.slow
+def test_the_served_bytes_bench_counts_each_kind(capsys):
+    """bench/hybrid_serve_bytes.py: from served traces, a Qwen3.5 hands off its full layers'
+    K/V and its linear layers' state, a Gemma 3 its sliding layers' window only, each less
+    than its dense twin."""
+    import runpy
+    from pathlib import Path
+    bench = runpy.run_path(str(Path(__file__).parent.parent / "bench" / "hybrid_serve_bytes.py"))
+    assert bench["main"](["--prompt", "320", "--chunk", "64", "--json"]) == 0
+    rows = {r["model"]: r for r in json.loads(capsys.readouterr().out)}
+    per_token_layer = 2 * 2 * 32 * 4
+    assert rows["qwen3_5 dense twin"]["kv_bytes"] == 8 * 320 * per_token_layer
+    assert rows["qwen3_5"]["kv_bytes"] == 2 * 320 * per_token_layer
+    assert rows["qwen3_5"]["state_bytes"] == 6 * 5632
+    # window 256 of a 320-token prompt: tokens [64, 320) (page 16)
+    assert rows["gemma3"]["kv_bytes"] == (2 * 320 + 10 * 256) * per_token_layer
+    assert rows["gemma3 dense twin"]["ratio"] == 1.0 and rows["gemma3"]["ratio"] < 0.9
