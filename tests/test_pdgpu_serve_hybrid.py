@@ -218,7 +218,7 @@ def test_a_state_span_lands_and_admission_hands_the_state_to_decoding(ledger):
     context = ledger.admit("r", torch.zeros(2, 2, 0, 2, 4))  # [Lkv, 2, 12, KVH, D]
     assert len(first) == 1 and torch.equal(context[1, :, :8], first[0][0])  # full: every token
     assert torch.equal(context[:, :, 8:], last[0])  # both layers over the window
-    got = ledger.take_state("r")
+    got = ledger.kv_landing.take_state("r")
     assert torch.equal(got[0], conv) and torch.equal(got[1], rec)
     ledger.release("r")
     ledger.close()
@@ -239,7 +239,7 @@ def test_verify_catches_a_state_altered_in_transit(ledger):
     assert not ledger.can_admit("r")
     ledger.reuse("r", (0, 12))
     ledger.abort("r", "copy failed")
-    assert ledger.used_pages == 0 and ledger.states.free == [0]
+    assert ledger.used_pages == 0 and ledger.kv_landing.states.free == [0]
     ledger.close()
 
 
