@@ -6,8 +6,8 @@ two rules always reports the same code.
 
 from __future__ import annotations
 
+from pdref import cache, hybrid
 from pdref import events as ev
-from pdref import hybrid
 from pdref.intervals import fmt
 from pdref.pool import PoolError, QuarantineError
 from pdref.progress import LayerProgress, ProgressError, empty_coverage
@@ -67,7 +67,11 @@ def apply_reserve(state: SystemState, event: ev.Reserve) -> SystemState:
     except QuarantineError as e:
         raise Violation("COPY-5", str(e), event) from None
     except PoolError as e:
-        raise Violation("SLAB-1", str(e), event) from None
+        raise Violation("SLAB-1", cache.cached_slab_page(state, event) or str(e),
+                        event) from None
+    caches, refs = state.caches, None
+    if event.hit is not None:  # (v4) the decoder's cached pages of [0, prefix)
+        caches, refs = cache.reserve_hit(state, event)
     if state.geometry.recurrent and state.geometry.layout is not None:
         hybrid.check_slot_free(state, event)
     layers = state.geometry.layers
@@ -75,9 +79,10 @@ def apply_reserve(state: SystemState, event: ev.Reserve) -> SystemState:
     life = RequestLife(
         req=event.req, producer=event.producer, prompt=event.prompt, prefix=event.prefix,
         pages=event.pages, progress=LayerProgress(layers, event.prefix, event.prompt),
-        computed=empty, held=empty, serial=state.lives, state_slot=event.state_slot,
+        computed=empty, held=empty, serial=state.lives, state_slot=event.state_slot, refs=refs,
     )
-    return state.with_life(life, pool=pool, lives=state.lives + 1)
+    state = state.with_life(life, pool=pool, lives=state.lives + 1)
+    return state if refs is None else state.replace(caches=caches)
 
 
 def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
@@ -92,6 +97,9 @@ def apply_computed(state: SystemState, event: ev.Computed) -> SystemState:
                         f"[0, {state.geometry.layers}) x [0, {life.prompt})", event)
     if state.geometry.recurrent and state.geometry.layout is not None:
         hybrid.check_state_write(state.geometry.layout, life, event)
+    if event.hit is not None:  # (v4) from its producer's cached pages
+        state = cache.computed_hit(state, life, event)
+        life = state.requests[event.req]
     computed = life.computed.union(layers, tokens)
     # Until the first reuse, held and computed are the same value: extend it once.
     held = computed if life.held is life.computed else life.held.union(layers, tokens)
@@ -113,6 +121,8 @@ def apply_issue(state: SystemState, event: ev.Issue) -> SystemState:
             and (b <= a or (life.prefix <= a and b <= life.prompt))):
         raise Violation("COV-1", f"span {_region(event)} is outside "
                         f"[0, {geometry.layers}) x {fmt(life.suffix)}", event)
+    if life.refs is not None:  # (v4) it never writes a cached page
+        cache.check_span_write(life, event)
     if geometry.layout is None:
         want = (geometry.bytes_per_token_layer * (l1 - l0 if l1 > l0 else 0)
                 * (b - a if b > a else 0))
@@ -200,7 +210,11 @@ def apply_reuse(state: SystemState, event: ev.Reuse) -> SystemState:
             what = "in flight" if span in life.in_flight else "unfenced"
             raise Violation("COPY-3", f"reuse of tokens {fmt(event.tokens)} while span "
                             f"{span.span!r} {what} reads {fmt(span.tokens)}", event)
-    return state.with_life(life.replace(held=life.held.remove_tokens(event.tokens)))
+    life = life.replace(held=life.held.remove_tokens(event.tokens))
+    state = state.with_life(life)
+    if life.refs is not None and life.refs.sources:  # (v4) lets go of freed source pages
+        state = cache.apply_reuse_refs(state, life, event.tokens)
+    return state
 
 
 def apply_produced(state: SystemState, event: ev.Produced) -> SystemState:
@@ -238,6 +252,9 @@ def apply_admit(state: SystemState, event: ev.Admit) -> SystemState:
 
 
 def _end_life(state: SystemState, life: RequestLife) -> SystemState:
+    if life.refs is not None:  # (v4) its cached pages are let go, not given back
+        state, life, pins = cache.end_refs(state, life)
+        return cache.with_pins(_end_life_fenced(state, life), pins)
     if state.fences:
         return _end_life_fenced(state, life)
     pending = state.pending
@@ -283,6 +300,8 @@ def apply_fence(state: SystemState, event: ev.Fence) -> SystemState:
                         "(never failed or cancelled, never issued, or fenced already)", event)
     state = state.replace(unfenced=state.unfenced.delete(event.span),
                           pending=_adjust_pending(state, ended.producer, -1))
+    if ended.pins:  # (v4) it read cached pages of its producer for an ended life
+        state = cache.unpin(state, ended)
     life = state.requests.get(event.req)
     if life is not None and life.serial == ended.life:
         rest = tuple(s for s in life.unfenced if s.span != event.span)
@@ -308,6 +327,7 @@ TRANSITIONS = {  # event class -> its transition
     ev.Land: apply_land, ev.Fail: apply_fail, ev.Reuse: apply_reuse,
     ev.Produced: apply_produced, ev.Admit: apply_admit, ev.Release: apply_release,
     ev.Abort: apply_abort, ev.Fence: apply_fence, ev.Stage: apply_stage,
+    ev.Cache: cache.apply_cache, ev.Evict: cache.apply_evict,
 }
 
 

@@ -12,7 +12,8 @@ from pdref.intervals import Range
 
 VERSION = 2  # what writers write for a geometry without layer kinds (v3 means the same there)
 HYBRID_VERSION = 3  # what they write for one with layer kinds (v3: hybrid models)
-VERSIONS = (1, 2, 3)
+CACHE_VERSION = 4  # what they write when a prefix cache's pages are named (v4: prefix cache)
+VERSIONS = (1, 2, 3, 4)
 
 
 class Mode(enum.StrEnum):
@@ -56,6 +57,9 @@ class Reserve:
     # (v3) the producer's state slot this life's linear layers compute into and its state
     # spans read; needed when the geometry has linear layers
     state_slot: SpanId | None = None
+    # (v4) the decoder's cached pages that hold [0, prefix), in token order (a cache hit)
+    hit: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(
+        tuple))
 
 
 @attrs.frozen
@@ -65,6 +69,10 @@ class Computed:
     req: str
     layers: Range
     tokens: Range
+    # (v4) the producer's cached pages the region comes from, in token order (a cache hit:
+    # nothing was computed, the source is those shared pages)
+    hit: tuple[SpanId, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple))
 
 
 @attrs.frozen
@@ -146,6 +154,32 @@ class Fence:
 
 
 @attrs.frozen
+class Cache:
+    """(v4) Pages enter a prefix cache: without `producer`, the decoder's (pages of the life's
+    slab holding `tokens`); with it, that producer's source cache (new page ids holding the
+    life's computed `tokens`)."""
+
+    kind: ClassVar[str] = "cache"
+    t: float
+    req: str
+    tokens: Range
+    pages: tuple[SpanId, ...] = attrs.field(converter=tuple)
+    producer: str | None = None
+
+
+@attrs.frozen
+class Evict:
+    """(v4) Cached pages leave the decoder's cache (no `producer`: back to the pool) or that
+    producer's; `req` names who the room is for and need not be live."""
+
+    kind: ClassVar[str] = "evict"
+    t: float
+    req: str
+    pages: tuple[SpanId, ...] = attrs.field(converter=tuple)
+    producer: str | None = None
+
+
+@attrs.frozen
 class Stage:
     """Informational timing of one piece of work from t to end; checked for form only."""
 
@@ -167,12 +201,12 @@ class Stage:
 
 Event = (
     Reserve | Computed | Issue | Land | Fail | Reuse | Produced | Admit | Release | Abort | Fence
-    | Stage
+    | Cache | Evict | Stage
 )
 EVENT_TYPES: dict[str, type] = {
     cls.kind: cls
     for cls in (Reserve, Computed, Issue, Land, Fail, Reuse, Produced, Admit, Release, Abort, Fence,
-                Stage)
+                Cache, Evict, Stage)
 }
 
 

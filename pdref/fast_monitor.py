@@ -19,6 +19,7 @@ from pdref import events as ev
 from pdref.apply import apply, check_end, initial_state
 from pdref.mirror import MirrorState
 from pdref.mirror_apply import MirrorTransitions
+from pdref.mirror_cache import CacheTransitions
 from pdref.mirror_hybrid import HybridTransitions
 from pdref.monitor import Monitor, first_free_slot
 from pdref.rows import ComputedRow, IssueRow, LandRow, as_event
@@ -27,7 +28,7 @@ from pdref.violations import Violation
 _new = tuple.__new__
 
 
-class FastMonitor(MirrorTransitions, HybridTransitions, Monitor):
+class FastMonitor(CacheTransitions, MirrorTransitions, HybridTransitions, Monitor):
     """Live specification check of a run (see the module docstring)."""
 
     def __init__(self, header: ev.Header, sink=None, stage_sink=None, lean: bool = False) -> None:
@@ -52,6 +53,7 @@ class FastMonitor(MirrorTransitions, HybridTransitions, Monitor):
                 ev.Reserve: self._reserve_h, ev.Computed: self._computed_h,
                 ev.Issue: self._issue_h, ev.Land: self._land_h, ev.Admit: self._admit_h,
                 ComputedRow: self._computed_h, IssueRow: self._issue, LandRow: self._land_h})
+        self._handlers.update(self.cache_handlers(header.version))  # (v4) mirror_cache.py
         self._requests, self._pending, self._used = m.requests, m.pending, m.spans_used
         self._token_layer_bytes = header.geometry.bytes_per_token_layer
 

@@ -137,6 +137,15 @@ class Layout:
                 return gap
         return None
 
+    def window_starts(self, prompt: int, prefix: int, page_tokens: int) -> list[int]:
+        """(v4) Where each sliding layer's window starts (`window_range`), one per run."""
+        return [window_range(r.kind.window, prompt, prefix, page_tokens)[0]
+                for r in self.runs if r.kind.kind == SLIDING]
+
+    def runs_of(self, kind: str) -> list[tuple[int, int]]:
+        """(v4) The runs of layers of one kind, as layer ranges."""
+        return [(r.lo, r.hi) for r in self.runs if r.kind.kind == kind]
+
     def missing_state(self, states: IntervalSet) -> int | None:
         """The first linear layer whose state has not landed, or None."""
         for lo, hi in self.linear:

@@ -64,6 +64,8 @@ class Tracker:
         if kind == "fence":
             self._retire(e.span)
             return
+        if kind == "evict":  # (v4) names whom the room is for, not a life: no metric
+            return
         if kind == "reserve":
             start = min(self.first_seen.pop(e.req, e.t), e.t)
             self.live[e.req] = LifeMetrics(e.req, start, e.t, e.prompt, e.prefix)

@@ -44,12 +44,12 @@ class MirrorLife:
 
     __slots__ = ("req", "producer", "prompt", "prefix", "pages", "progress", "computed",
                  "held", "phase", "in_flight", "failed", "serial", "unfenced", "state_slot",
-                 "states", "layers", "c_lo", "c_hi", "p_lo", "p_hi", "finished")
+                 "states", "refs", "layers", "c_lo", "c_hi", "p_lo", "p_hi", "finished")
 
     def __init__(self, life: RequestLife) -> None:
         (self.req, self.producer, self.prompt, self.prefix, self.pages, self.progress,
          self.computed, held, self.phase, in_flight, self.failed, self.serial,
-         unfenced, self.state_slot, self.states) = life
+         unfenced, self.state_slot, self.states, self.refs) = life
         self.held = None if held is self.computed else held
         self.in_flight, self.unfenced = list(in_flight), list(unfenced)
         self.layers = self.progress.num_layers
@@ -63,7 +63,7 @@ class MirrorLife:
         life = cls.__new__(cls)
         life.req, life.producer, life.prompt, life.prefix, life.pages = (req, producer, prompt,
                                                                          prefix, pages)
-        life.state_slot, life.states = state_slot, _NO_STATES
+        life.state_slot, life.states, life.refs = state_slot, _NO_STATES, None
         life.progress = life.computed = life.held = None
         life.phase, life.in_flight, life.failed, life.serial = Phase.RESERVED, [], False, serial
         life.unfenced, life.layers = [], layers
@@ -104,7 +104,7 @@ class MirrorLife:
                            self.progress_value(), computed,
                            computed if self.held is None else self.held, self.phase,
                            tuple(self.in_flight), self.failed, self.serial,
-                           tuple(self.unfenced), self.state_slot, self.states)
+                           tuple(self.unfenced), self.state_slot, self.states, self.refs)
 
     def complete(self) -> bool:
         """Every layer landed every suffix token (`LayerProgress.is_complete`)."""
@@ -129,11 +129,12 @@ class MirrorState:
     def load(self, state: SystemState) -> None:
         """Take every value of `state`."""
         (self.geometry, self.mode, self.max_pending, self.pool, requests, pending, used,
-         self.version, self.lives, unfenced, quarantine) = state
+         self.version, self.lives, unfenced, quarantine, caches) = state
         self.requests = {req: MirrorLife(life) for req, life in requests.items()}
         self.pending = dict(pending)
         self.spans_used = UsedSpanIds(used.items()) if self.lean else dict(used)
         self.unfenced, self.quarantine = dict(unfenced), dict(quarantine)
+        self.caches = {owner: dict(pages) for owner, pages in caches.items()}  # (v4)
 
     def snapshot(self) -> SystemState:
         """The specification's value of this state (a copy: O(size))."""
@@ -141,7 +142,8 @@ class MirrorState:
             self.geometry, self.mode, self.max_pending, self.pool,
             immutables.Map({req: life.frozen() for req, life in self.requests.items()}),
             immutables.Map(self.pending), immutables.Map(self.spans_used.items()), self.version,
-            self.lives, immutables.Map(self.unfenced), immutables.Map(self.quarantine))
+            self.lives, immutables.Map(self.unfenced), immutables.Map(self.quarantine),
+            immutables.Map({owner: immutables.Map(pages) for owner, pages in self.caches.items()}))
 
     @property
     def fences(self) -> bool:

@@ -22,8 +22,9 @@ new_row = tuple.__new__
 
 def _row_of(event: type) -> type:
     """The row class of an event class: its fields (names, order) and its `kind`. An issue
-    row stands for a KV span: it has no (v3) `state` field (a state span is an event)."""
-    names = [f.name for f in attrs.fields(event) if f.name != "state"]
+    row stands for a KV span: it has no (v3) `state` field (a state span is an event); a
+    computed row no (v4) `hit` (a cache hit is an event)."""
+    names = [f.name for f in attrs.fields(event) if f.name not in ("state", "hit")]
     row = namedtuple(f"{event.__name__}Row", names, module=__name__)
     row.kind = event.kind
     return row
@@ -31,6 +32,7 @@ def _row_of(event: type) -> type:
 
 ComputedRow, IssueRow, LandRow = map(_row_of, (ev.Computed, ev.Issue, ev.Land))
 IssueRow.state = False  # a row is a KV span (read only for an empty one: FastMonitor._issue)
+ComputedRow.hit = None  # a row is computed, not a cache hit
 
 EVENT_OF_ROW: dict[type, type] = {ComputedRow: ev.Computed, IssueRow: ev.Issue,
                                   LandRow: ev.Land}

@@ -21,6 +21,8 @@ from pdref.intervals import IntervalSet, Range, fmt, overlaps
 from pdref.pool import Pool
 from pdref.progress import Coverage, LayerProgress
 
+DECODER = ""  # (v4) the decoder's prefix cache's owner key (a producer's name is never empty)
+
 _new = tuple.__new__  # a NamedTuple made without its generated __new__ (one call less)
 
 
@@ -67,6 +69,7 @@ class RequestLife(NamedTuple):
     unfenced: tuple[Span, ...] = ()  # (v2) failed spans whose writer may still write
     state_slot: SpanId | None = None  # (v3) the producer's state slot of its linear layers
     states: IntervalSet = IntervalSet()  # (v3) linear layers whose state landed
+    refs: LifeRefs | None = None  # (v4) the cached pages it holds; None: none ever
 
     @property
     def suffix(self) -> Range:
@@ -84,16 +87,37 @@ class RequestLife(NamedTuple):
     def with_flight(self, in_flight: tuple[Span, ...], progress: LayerProgress | None = None):
         """The life with these spans in flight and, after a land, its new progress."""
         (req, producer, prompt, prefix, pages, old, computed, held, phase, _, failed, serial,
-         unfenced, state_slot, states) = self
+         unfenced, state_slot, states, refs) = self
         return _new(RequestLife, (req, producer, prompt, prefix, pages,
                                   old if progress is None else progress, computed, held, phase,
-                                  in_flight, failed, serial, unfenced, state_slot, states))
+                                  in_flight, failed, serial, unfenced, state_slot, states, refs))
 
     def find_span(self, span: SpanId) -> Span | None:
         for s in self.in_flight:
             if s.span == span:
                 return s
         return None
+
+
+class CachedPage(NamedTuple):
+    """(v4) A page of a prefix cache: the first token position it holds (its KV is that of
+    tokens [first, first + page_tokens) of a prompt), how many hold it (live lives that hit,
+    published or copy from it, and unfenced spans of ended lives that read it), and whether
+    it holds the sliding layers' KV too (a decoder page below its life's window does not)."""
+
+    first: int
+    refs: int
+    sliding: bool = True
+
+
+class LifeRefs(NamedTuple):
+    """(v4) The cached pages one life holds, each counted once in its page's `refs`."""
+
+    hits: tuple[int, ...] = ()  # the decoder's pages of its reserve's hit: [0, prefix)
+    published: tuple[int, ...] = ()  # its slab's pages it put into the decoder's cache
+    cached: IntervalSet = IntervalSet()  # their tokens: no span of it may write them
+    sources: tuple[tuple[SpanId, int], ...] = ()  # its producer's cached pages it copies
+    # from, as (page id, first token)
 
 
 @attrs.frozen
@@ -104,6 +128,8 @@ class Unfenced:
     req: str
     producer: str
     life: int  # the serial of the life that issued it
+    # (v4) the producer's cached pages it reads, held for it once its life ended
+    pins: tuple[SpanId, ...] = ()
 
 
 @attrs.frozen
@@ -144,6 +170,8 @@ class SystemState(NamedTuple):
     lives: int = 0  # lives started so far: the next life's serial
     unfenced: immutables.Map = immutables.Map()  # span id -> Unfenced
     quarantine: immutables.Map = immutables.Map()  # life serial -> Quarantine
+    # (v4) prefix caches: owner (DECODER or a producer) -> Map(page id -> CachedPage)
+    caches: immutables.Map = immutables.Map()
 
     @classmethod
     def initial(cls, header: Header) -> SystemState:
@@ -192,7 +220,7 @@ class SystemState(NamedTuple):
                   lives=None, unfenced=None):
         """The state with `life` stored (the hot path of every event: no generic replace)."""
         (geometry, mode, max_pending, old_pool, requests, old_pending, old_used, version,
-         old_lives, old_unfenced, quarantine) = self
+         old_lives, old_unfenced, quarantine, caches) = self
         return _new(SystemState, (
             geometry, mode, max_pending,
             old_pool if pool is None else pool,
@@ -202,7 +230,7 @@ class SystemState(NamedTuple):
             version,
             old_lives if lives is None else lives,
             old_unfenced if unfenced is None else unfenced,
-            quarantine,
+            quarantine, caches,
         ))
 
     def unfenced_of(self, req: str) -> tuple[SpanId, ...]:

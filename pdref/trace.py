@@ -1,4 +1,4 @@
-"""Reading and writing JSONL traces (contract versions 1, 2 and 3), strictly: every malformed
+"""Reading and writing JSONL traces (contract versions 1 to 4), strictly: every malformed
 line is TRACE-1."""
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ def _span(v, name):
     return _int(v, name)
 
 
+def _page_ids(v, name):
+    """(v4) An array of page ids: integers, or (a producer's) non-empty strings."""
+    if type(v) is not list:
+        raise _Bad(f"field {name!r} must be an array of page ids, got {v!r}")
+    return tuple(_span(p, name) for p in v)
+
+
 def _bool(v, name):
     if type(v) is not bool:
         raise _Bad(f"field {name!r} must be true or false, got {v!r}")
@@ -118,6 +125,14 @@ FIELDS: dict[str, tuple] = {
 FIELDS_V3 = {**FIELDS,
              "reserve": FIELDS["reserve"] + (("state_slot", _opt(_span), False),),
              "issue": FIELDS["issue"] + (("state", _bool, False),)}
+# Version 4 adds the prefix cache: hits at reserve (the decoder's) and at computed (a
+# producer's), and the cache and evict events.
+FIELDS_V4 = {**FIELDS_V3,
+             "reserve": FIELDS_V3["reserve"] + (("hit", _opt(_pages), False),),
+             "computed": FIELDS["computed"] + (("hit", _opt(_page_ids), False),),
+             "cache": (("tokens", _range, True), ("pages", _page_ids, True),
+                       ("producer", _opt(_name), False)),
+             "evict": (("pages", _page_ids, True), ("producer", _opt(_name), False))}
 _GEOMETRY = (("layers", _pos_int), ("kv_heads", _pos_int), ("head_dim", _pos_int),
              ("dtype_bytes", _pos_int), ("page_tokens", _pos_int))
 _HEADER_KEYS = {"kind", "version", "source", "mode", "geometry", "pool_pages", "max_pending"}
@@ -142,15 +157,18 @@ _SPECS_V2 = _specs(FIELDS)
 # Version 1 has no fence: there it is an unknown kind. Versions 1 and 2 do not read v3's
 # fields (an extra field is an extension there, ignored as before).
 _SPECS = {1: {k: v for k, v in _SPECS_V2.items() if k != "fence"}, 2: _SPECS_V2,
-          3: _specs(FIELDS_V3)}
+          3: _specs(FIELDS_V3), 4: _specs(FIELDS_V4)}
 
 
 def _event_from(obj: dict, specs: dict):
     kind = obj.get("kind")
     cls, spec = specs.get(kind, (None, None)) if type(kind) is str else (None, None)
     if spec is None:
-        if type(kind) is str and kind in _SPECS_V2:
-            raise _Bad(f"kind {kind!r} needs a version 2 trace (this one is version 1)")
+        known = [v for v, by_kind in _SPECS.items() if type(kind) is str and kind in by_kind]
+        if known:
+            have = next(v for v, by_kind in _SPECS.items() if by_kind is specs)
+            raise _Bad(f"kind {kind!r} needs a version {known[0]} trace (this one is "
+                       f"version {have})")
         raise _Bad(f"unknown kind {kind!r}")
     # Fields in order, so the first bad or missing one is reported; an optional field's
     # default passes its own check unchanged.
@@ -166,7 +184,7 @@ def _header_from(obj: dict) -> ev.Header:
         raise _Bad("line 1 must be the header")
     version = obj.get("version")
     if type(version) is not int or version not in ev.VERSIONS:
-        raise _Bad(f"version must be 1, 2 or 3, got {version!r}")
+        raise _Bad(f"version must be 1, 2, 3 or 4, got {version!r}")
     mode = obj.get("mode")
     if mode not in ("whole", "chunk", "layer"):
         raise _Bad(f"mode must be whole, chunk or layer, got {mode!r}")

@@ -26,6 +26,9 @@ CODES = {
     "STATE-4": "a state slot is never written or given to another life while its state may "
                "still be read (v3)",
     "SLIDE-1": "a span never moves a sliding layer's KV from outside its window (v3)",
+    "CACHE-1": "a cache hit names pages its cache holds, at their token positions (v4)",
+    "CACHE-2": "a page enters a cache complete and nothing writes it while cached (v4)",
+    "EVICT-1": "an eviction takes only cached pages no life holds and no span reads (v4)",
 }
 
 

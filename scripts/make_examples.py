@@ -109,7 +109,7 @@ ILLEGAL = {
     # Version 2: fences.
     "TRACE-1-fence-in-version-1": None,  # written specially below (a version 1 header)
     "TRACE-1-fence-without-span": [*CANCELLED, simple("fence", 0.3)],
-    "TRACE-1-version-4": [reserve(0.0)],  # header edited below
+    "TRACE-1-version-5": [reserve(0.0)],  # header edited below
     "COPY-5-reserve-takes-quarantined-page": [*CANCELLED,
                                               reserve(0.3, req="b", prompt=4, pages=(1,))],
     "COPY-2-unfenced-span-holds-its-slot": [
@@ -237,6 +237,68 @@ LEGAL_V3 = {
 }
 
 
+# Version 4: the prefix cache. Request a (8 tokens, pages 0 and 1) lands and puts both pages
+# into the decoder's cache; b (12 tokens) hits them: its slab holds [8, 12) only, one page.
+HEADER_V4 = {**HEADER, "version": 4}
+
+
+def cache(t, tokens=(0, 8), pages=(0, 1), **kw):
+    return R(t, kind="cache", tokens=list(tokens), pages=list(pages), **kw)
+
+
+def evict(t, pages=(0, 1), **kw):
+    return R(t, kind="evict", pages=list(pages), **kw)
+
+
+PUBLISHED = LIFE[:-1] + [cache(0.5), simple("release", 0.9)]
+HIT = [reserve(1.0, req="b", prompt=12, prefix=8, pages=(2,), hit=[0, 1]),
+       computed(1.1, tokens=(8, 12), req="b"), issue(1.1, 5, tokens=(8, 12), req="b"),
+       simple("produced", 1.1, req="b", token=3), simple("land", 1.2, req="b", span=5),
+       simple("admit", 1.2, req="b"), simple("release", 1.5, req="b")]
+# The producer's side: a puts its computed [0, 8) into p0's cache as pages s0, s1; c (16
+# tokens) hits page 0 on the decoder and both on p0: p0 computes [8, 16) only, and only
+# [4, 16), the KV the decoder lacks, crosses (s1's page is a copy source).
+SOURCE = [reserve(0.0), computed(0.1), cache(0.1, producer="p0", pages=("s0", "s1")),
+          issue(0.1, 0), simple("produced", 0.1, token=7), simple("land", 0.2, span=0),
+          simple("admit", 0.2), cache(0.2)]
+SOURCE_HIT = [reserve(0.3, req="c", prompt=16, prefix=4, pages=(2, 3, 4), hit=[0]),
+              computed(0.3, tokens=(0, 8), req="c", hit=["s0", "s1"]),
+              computed(0.4, tokens=(8, 16), req="c"), issue(0.4, 1, tokens=(4, 16), req="c")]
+SOURCE_END = [simple("produced", 0.4, req="c", token=2), simple("land", 0.5, req="c", span=1),
+              simple("admit", 0.5, req="c"), simple("reuse", 0.5, req="c", tokens=[0, 16]),
+              simple("release", 0.9), simple("release", 0.9, req="c"),
+              evict(1.0, req="d", pages=("s0", "s1"), producer="p0"), evict(1.0, req="d")]
+ILLEGAL_V4 = {
+    # A hit is legal only on pages the cache holds now: not evicted, not still being written.
+    "CACHE-1-hit-on-an-evicted-page": PUBLISHED + [evict(1.0, req="b")] + HIT[:1],
+    "CACHE-1-hit-on-a-page-still-written": LIFE[:5] + [
+        reserve(0.3, req="b", prompt=12, prefix=8, pages=(2,), hit=[0, 1])],
+    "CACHE-1-hit-at-the-wrong-position": PUBLISHED + [
+        reserve(1.0, req="b", prompt=12, prefix=8, pages=(2,), hit=[1, 0])],
+    "CACHE-1-producer-hit-on-an-uncached-page": [
+        reserve(0.0), computed(0.1, tokens=(0, 4), hit=["s0"])],
+    # A page enters the cache complete, and no span writes it once cached.
+    "CACHE-2-cache-before-landed": LIFE[:7] + [cache(0.3)],
+    "CACHE-2-span-over-a-cached-page": LIFE[:8] + [cache(0.4, tokens=(0, 4), pages=(0,)),
+                                                   issue(0.5, 9, tokens=(0, 4))],
+    # An eviction takes a page nobody holds: not one a live life counts as covered, not a
+    # producer's page an unfenced span still reads.
+    "EVICT-1-evict-a-page-a-live-life-holds": PUBLISHED + HIT[:5] + [evict(1.3, req="x")],
+    "EVICT-1-evict-a-source-page-a-span-reads": SOURCE + SOURCE_HIT + [
+        simple("abort", 0.45, req="c", reason="cancelled"), simple("release", 0.45),
+        evict(0.5, req="d", pages=("s1",), producer="p0")],
+}
+LEGAL_V4 = {
+    "legal-hand-v4-prefix-cache": PUBLISHED + HIT + [evict(1.6, req="b")],
+    "legal-hand-v4-source-cache": SOURCE + SOURCE_HIT + SOURCE_END,
+    # The cancelled span's writer is fenced: then the source page may go.
+    "legal-hand-v4-evict-after-fence": SOURCE + SOURCE_HIT + [
+        simple("abort", 0.45, req="c", reason="cancelled"), fence(0.5, 1, req="c"),
+        simple("release", 0.6), evict(0.7, req="d", pages=("s0", "s1"), producer="p0"),
+        evict(0.7, req="d")],
+}
+
+
 def write(name: str, header: dict, lines: list[dict]) -> None:
     text = "".join(dumps(obj) + "\n" for obj in [header, *lines])
     (OUT / f"{name}.jsonl").write_text(text, encoding="utf-8")
@@ -273,13 +335,17 @@ def main() -> None:
         header = HEADER
         if code_name.startswith("CFG-1"):
             header = {**HEADER, "mode": "layer", "geometry": {**GEO, "recurrent": True}}
-        if code_name == "TRACE-1-version-4":
-            header = {**HEADER, "version": 4}
+        if code_name == "TRACE-1-version-5":
+            header = {**HEADER, "version": 5}
         write(f"illegal-{code_name}", header, lines)
     for code_name, lines in ILLEGAL_V3.items():
         write(f"illegal-{code_name}", HEADER_V3, lines)
     for name, (header, lines) in LEGAL_V3.items():
         write(name, header, lines)
+    for code_name, lines in ILLEGAL_V4.items():
+        write(f"illegal-{code_name}", HEADER_V4, lines)
+    for name, lines in LEGAL_V4.items():
+        write(name, HEADER_V4, lines)
 
 
 if __name__ == "__main__":

@@ -504,9 +504,10 @@ def test_every_code_has_an_example():
     here = {"CFG-1", "SLAB-1", "SLAB-2", "REQ-1", "COV-1", "COV-2", "COV-3", "COPY-1", "COPY-2",
             "COPY-3", "COPY-4", "PROD-1", "ADM-1", "LIFE-1"}
     # TRACE-1/2 live in test_pdref_traces.py; COPY-5 (v2 only) in test_pdref_fences.py;
-    # version 3's in test_pdref_hybrid.py.
+    # version 3's in test_pdref_hybrid.py; version 4's in test_pdref_cache.py.
     assert set(CODES) - here == {"TRACE-1", "TRACE-2", "COPY-5", "STATE-1", "STATE-2",
-                                 "STATE-3", "STATE-4", "SLIDE-1"}
+                                 "STATE-3", "STATE-4", "SLIDE-1", "CACHE-1", "CACHE-2",
+                                 "EVICT-1"}
 
 
 test_partition_lands_and_admits_in_any_order = settings(max_examples=150)(

@@ -159,12 +159,13 @@ HEADER = {"kind": "header", "version": 2, "source": "t", "mode": "whole", "pool_
     (2, {"kind": "fence", "t": 0, "req": "r"}, "TRACE-1", 2),
     (2, {"kind": "fence", "t": 0, "req": "r", "span": [0]}, "TRACE-1", 2),
     (2, {"kind": "fence", "t": 0, "req": "r", "span": 1.5}, "TRACE-1", 2),
-    (4, {"kind": "fence", "t": 0, "req": "r", "span": 0}, "TRACE-1", 1),
+    (5, {"kind": "fence", "t": 0, "req": "r", "span": 0}, "TRACE-1", 1),
     (2, {"kind": "fence", "t": 0, "req": "r", "span": 0}, "REQ-1", 2),
     (3, {"kind": "fence", "t": 0, "req": "r", "span": 0}, "REQ-1", 2),
+    (4, {"kind": "fence", "t": 0, "req": "r", "span": 0}, "REQ-1", 2),
 ])
 def test_malformed_fences_and_versions(version, fence_obj, code, line):
-    """A fence in a v1 trace or without a well-typed span is TRACE-1; version 4 is line 1;
-    version 3 keeps version 2's fences."""
+    """A fence in a v1 trace or without a well-typed span is TRACE-1; version 5 is line 1;
+    versions 3 and 4 keep version 2's fences."""
     result = check_lines(_lines({**HEADER, "version": version}, fence_obj))
     assert (result.code, result.line) == (code, line)

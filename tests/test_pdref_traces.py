@@ -23,7 +23,8 @@ PT = 4
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 EACH = settings(SETTINGS, max_examples=25)  # for tests parametrized by event kind or edit
-KINDS = sorted(ev.EVENT_TYPES)
+# pdref.synth draws no prefix cache: version 4's events are mutated in test_pdref_cache.py
+KINDS = sorted(set(ev.EVENT_TYPES) - {"cache", "evict"})
 VACUOUS = Vacuity()
 
 
@@ -526,7 +527,7 @@ def header_with(**changes) -> str:
 
 BAD_HEADERS = {
     "missing header": RESERVE,
-    "version 4": header_with(version=4),
+    "version 5": header_with(version=5),
     "version 0": header_with(version=0),
     "version string": header_with(version="1"),
     "version float": header_with(version=1.0),
