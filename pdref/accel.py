@@ -21,7 +21,7 @@ from pathlib import Path
 COMPILED = {
     "pdref": ("fast_monitor", "mirror_apply", "mirror", "intervals", "plan", "pool",
               "progress", "metrics", "monitor", "rows", "span_ids", "mirror_hybrid", "hybrid",
-              "kinds"),
+              "kinds", "mirror_cache", "cache", "cache_apply"),
     "pdsim.core": ("producer", "decoder", "env", "copier", "sim", "steps", "metrics",
                    "serving_metrics", "workload", "running", "stream", "quantiles"),
 }

@@ -6,8 +6,9 @@ two rules always reports the same code.
 
 from __future__ import annotations
 
-from pdref import cache, hybrid
+from pdref import cache_apply as cache
 from pdref import events as ev
+from pdref import hybrid
 from pdref.intervals import fmt
 from pdref.pool import PoolError, QuarantineError
 from pdref.progress import LayerProgress, ProgressError, empty_coverage

@@ -23,6 +23,7 @@ from pdref.mirror_cache import CacheTransitions
 from pdref.mirror_hybrid import HybridTransitions
 from pdref.monitor import Monitor, first_free_slot
 from pdref.rows import ComputedRow, IssueRow, LandRow, as_event
+from pdref.state import DECODER
 from pdref.violations import Violation
 
 _new = tuple.__new__
@@ -98,11 +99,14 @@ class FastMonitor(CacheTransitions, MirrorTransitions, HybridTransitions, Monito
     # -- the queries shells drive the protocol with ----------------------------------------------
 
     def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0",
-                state_slot=None):
+                state_slot=None, hit=None):
         m = self.mirror
         _, pages = m.pool.allocate(m.geometry.pages_for(prompt - prefix))
-        self.emit(ev.Reserve(t, req, prompt, prefix, pages, producer, state_slot))
+        self.emit(ev.Reserve(t, req, prompt, prefix, pages, producer, state_slot, hit))
         return pages
+
+    def cached(self, owner: str = DECODER) -> dict:
+        return dict(self.mirror.caches.get(owner, {}))
 
     def free_state_slot(self, producer: str = "p0") -> int:
         return first_free_slot(self._layout, self._requests.values(), self.mirror.unfenced,

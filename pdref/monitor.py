@@ -15,7 +15,7 @@ from pdref import hybrid
 from pdref.apply import TRANSITIONS, apply, check_end, initial_state
 from pdref.events import Stage
 from pdref.rows import as_event
-from pdref.state import SystemState
+from pdref.state import DECODER, SystemState
 from pdref.violations import Violation
 
 
@@ -111,13 +111,19 @@ class Monitor:
         self.events += sum(map(len, groups))
 
     def reserve(self, t: float, req: str, prompt: int, prefix: int, producer: str = "p0",
-                state_slot=None):
+                state_slot=None, hit=None):
         """Allocate the lowest free pages for [prefix, prompt) and emit the reserve (v3: with
-        the producer's `state_slot`, see `free_state_slot`); page ids."""
+        the producer's `state_slot`, see `free_state_slot`; v4: with the decoder's cached
+        pages of [0, prefix) as `hit`); page ids."""
         count = self.state.pages_needed(prompt, prefix)
         _, pages = self.state.pool.allocate(count)
-        self.emit(ev.Reserve(t, req, prompt, prefix, pages, producer, state_slot))
+        self.emit(ev.Reserve(t, req, prompt, prefix, pages, producer, state_slot, hit))
         return pages
+
+    def cached(self, owner: str = DECODER) -> dict:
+        """(v4) The pages of a prefix cache (the decoder's, or producer `owner`'s): page id ->
+        CachedPage (its first token, how many hold it: evictable at 0)."""
+        return dict(self.state.caches.get(owner, {}))
 
     def free_state_slot(self, producer: str = "p0") -> int:
         """(v3) The lowest state slot number of `producer` that no live life holds and no

@@ -27,6 +27,7 @@ def _first_problem(objs: list) -> str | None:
     t = 0.0
     live: dict[str, dict] = {}  # req -> its life: pages, produced, admitted, failed
     held: dict[int, str] = {}  # page -> the req whose live slab holds it
+    cached: dict = {}  # (v4) (owner, page) -> the reqs of live lives holding it ("": decoder)
     spans: dict = {}  # span id -> [req, life, state]: pending, landed, ended, fenced
     lives = 0
     for n, e in enumerate(events, 2):
@@ -39,6 +40,13 @@ def _first_problem(objs: list) -> str | None:
             if e["end"] < e["t"]:
                 return f"{where}: a stage ends before it starts"
             continue
+        if kind == "evict":  # (v4) its request need not be live
+            owner = e.get("producer") or ""
+            if any(cached.get((owner, p)) != set() for p in e["pages"]):
+                return f"{where}: evicts a page not cached or still held"
+            for p in e["pages"]:
+                del cached[(owner, p)]
+            continue
         life = live.get(req)
         if kind == "reserve":
             if life is not None:
@@ -46,13 +54,18 @@ def _first_problem(objs: list) -> str | None:
             pages = e["pages"]
             if len(set(pages)) != len(pages) or any(not 0 <= p < pool for p in pages):
                 return f"{where}: pages repeated or outside the pool"
-            if any(p in held for p in pages):
-                return f"{where}: a page another live slab holds"
+            if any(p in held or ("", p) in cached for p in pages):
+                return f"{where}: a page another live slab or the cache holds"
+            hit = e.get("hit") or []
+            if any(("", p) not in cached for p in hit):
+                return f"{where}: a hit on a page the cache does not hold"
+            for p in hit:
+                cached[("", p)].add(req)
             if e["prefix"] % header["geometry"]["page_tokens"] or e["prefix"] > e["prompt"]:
                 return f"{where}: prefix not whole pages of the prompt"
             lives += 1
             live[req] = {"id": lives, "pages": pages, "produced": False, "admitted": False,
-                         "failed": False}
+                         "failed": False, "producer": e.get("producer", "p0")}
             held.update((p, req) for p in pages)
             continue
         if kind == "fence":
@@ -63,7 +76,18 @@ def _first_problem(objs: list) -> str | None:
             continue
         if life is None:
             return f"{where}: the request is not live"
-        if kind == "issue":
+        if kind == "cache" or (kind == "computed" and e.get("hit")):
+            owner = e.get("producer") or ("" if kind == "cache" else life["producer"])
+            pages = e["pages"] if kind == "cache" else e["hit"]
+            if kind == "cache" and not owner and any(p not in life["pages"] for p in pages):
+                return f"{where}: caches a page not of its slab"
+            if kind == "computed" and any((owner, p) not in cached for p in pages):
+                return f"{where}: a hit on a page the cache does not hold"
+            for p in pages:
+                cached.setdefault((owner, p), set()).add(req)
+                if not owner:  # a slab page in the cache: no longer the slab's alone
+                    held.pop(p, None)
+        elif kind == "issue":
             if e["span"] in spans:
                 return f"{where}: span id used before"
             spans[e["span"]] = [req, life["id"], "pending"]
@@ -89,6 +113,8 @@ def _first_problem(objs: list) -> str | None:
                     v[2] = "ended" if fences else "fenced"  # cancelled with the life
             for p in life["pages"]:
                 held.pop(p, None)
+            for holders in cached.values():
+                holders.discard(req)
             del live[req]
     if live:
         return f"end: still live: {sorted(live)}"

@@ -34,7 +34,9 @@ KNOWN = ["ADM-1-admit-after-fenced-failure", "ADM-1-admit-before-produced",
          "LIFE-1-trace-ends-holding-pages", "LIFE-1-trace-ends-with-unfenced-span",
          "REQ-1-fence-of-a-landed-span", "REQ-1-fence-twice", "REQ-1-land-twice",
          "REQ-1-span-id-reused", "SLAB-1-page-held-by-another-slab",
-         "SLAB-2-prefix-not-page-aligned", "TRACE-2-time-goes-back"]
+         "SLAB-2-prefix-not-page-aligned", "TRACE-2-time-goes-back",
+         "CACHE-1-hit-on-an-evicted-page", "CACHE-1-hit-on-a-page-still-written",
+         "EVICT-1-evict-a-page-a-live-life-holds"]
 
 
 def lines_of(header, events) -> list[bytes]:
