@@ -137,6 +137,17 @@ def test_served_tokens_equal_generate_and_transformers(tmp_path, models, family,
         assert totals["kv"] < full / 2
 
 
+def test_a_prompt_that_is_all_prefix_still_hands_off_its_state(tmp_path, models):
+    """A Qwen3.5 prompt no longer than the shared prefix computes nothing of its own: its
+    state span (the prefix's state) still crosses, in chunk mode as in whole mode, and it
+    decodes generate's tokens."""
+    folder = models("qwen3_5")
+    prompts, results, trace = _serve(tmp_path, folder, (16, 40), 16, 4, "--mode", "chunk")
+    _assert_tokens(folder, prompts, results, 16)
+    states = {e["req"]: e for e in events_of(trace, "issue") if e.get("state")}
+    assert states["q0"]["tokens"] == [16, 16] and set(states) == {"q0", "q1"}
+
+
 def test_span_groups_carry_the_contracts_bytes():
     """handoff.kv_groups of a span over any layers of a hybrid carry exactly the bytes the
     contract counts (pdref's span_bytes), in K/V layers that skip the linear ones."""

@@ -251,8 +251,9 @@ class Producer:
         asked = {"logprob": found[0]} if found else {}
         self._send("produced", handle=job.handle, token=token, start=start, end=self.now(),
                    **asked)
-        if self.config.mode is Mode.WHOLE:
-            for region in plan_spans(Mode.WHOLE, self.geometry, job.prompt, job.prefix,
+        if self.config.mode is Mode.WHOLE or job.prefix == job.prompt:
+            # (an empty suffix has no step: still a hybrid's states, the prefix's, cross)
+            for region in plan_spans(self.config.mode, self.geometry, job.prompt, job.prefix,
                                      self.config.chunk):
                 self._queue_span(job, region)
         self.bugs.after_produced(self, job)
