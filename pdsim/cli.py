@@ -80,6 +80,8 @@ def _commands():
         "calibrate": ("pdsim.fit.calibrate", "fit a hw profile from traces' stage events"),
         "validate": ("pdsim.fit.validate",
                      "run the engine over a grid, calibrate on part, predict the rest"),
+        "cache": ("pdsim.cache_whatif", "what a prefix cache of each size is worth on one "
+                  "workload (sessions sharing a system prompt)"),
         "study": ("pdsim.study", "chunk/layer overlap's serving gain over whole copy: "
                   "grid, plots, report"),
         "demo": ("pdsim.demo",

@@ -11,12 +11,20 @@ import attrs
 from pdref.cli_format import DefaultsFormatter
 from pdref.events import Mode
 from pdref.models import context_error, list_models, load_model
+from pdsim.arg_types import int_range as _range
 from pdsim.core.config import SENDERS, RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, engine_of, sim_geometry
 from pdsim.core.engines import DEFAULT_ENGINE, list_engines
 from pdsim.core.profile_fields import COPIERS
 from pdsim.core.profiles import link_of, load_hw
+from pdsim.core.sessions import SessionWorkload
 from pdsim.core.workload import WorkloadSpec, workload
+from pdsim.session_options import (
+    add_cache_options,
+    add_session_options,
+    cache_config,
+    session_workload,
+)
 
 DEFAULT_PROMPT = 8192
 
@@ -35,14 +43,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
-
-
-def _range(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be A:B with integers, got {text!r}") from None
-    return lo, hi
 
 
 def _times(text: str) -> tuple[float, ...]:
@@ -119,6 +119,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="tokens each request generates (the first is its producer's; then "
                         "one per decode step of the decoder's continuous batch)")
     add_serving_options(p)
+    add_session_options(p)
+    add_cache_options(p)
 
 
 def add_serving_options(p: argparse.ArgumentParser) -> None:
@@ -205,14 +207,19 @@ def run_setup(args) -> tuple[SimConfig, Requests]:
     _check_positive(args, "chunk", "max_pending", "producers", "requests", "pool_pages",
                     "payload")
     cfg = base_config(args)
-    prompt = _prompt(args, cfg)
-    _check_closed_loop(args)
-    spec = WorkloadSpec(args.requests, prompt, args.prefix, args.prompt_range,
-                        args.prompts_csv, args.rate, args.interval, args.arrivals, args.seed,
-                        args.prompts, args.output_range, args.arrival_shape, args.workload)
-    _check_context(args)
-    requests = workload(spec, cfg.geometry.page_tokens)
-    count, largest = _scan(args, cfg, requests)
+    if args.sessions is not None:  # multi-turn sessions draw their own prompts
+        requests = _sessions(args)
+        count, largest = _scan(args, cfg, requests.all_turns())
+    else:
+        prompt = _prompt(args, cfg)
+        _check_closed_loop(args)
+        spec = WorkloadSpec(args.requests, prompt, args.prefix, args.prompt_range,
+                            args.prompts_csv, args.rate, args.interval, args.arrivals,
+                            args.seed, args.prompts, args.output_range, args.arrival_shape,
+                            args.workload)
+        _check_context(args)
+        requests = workload(spec, cfg.geometry.page_tokens)
+        count, largest = _scan(args, cfg, requests)
     pool = args.pool_pages or _default_pool(largest, count, args.concurrency)
     cfg = attrs.evolve(cfg, max_pending=args.max_pending, pool_pages=pool,
                        producers=args.producers, no_compute=args.no_compute,
@@ -221,7 +228,24 @@ def run_setup(args) -> tuple[SimConfig, Requests]:
     source = args.source_pages
     if source is None and args.sender == "queued":
         source = 2 * largest[0]  # pdgpu serve's producer cache: two of the longest suffixes
-    return attrs.evolve(cfg, source_pages=source), Requests(requests, count)
+    cfg = cache_config(args, attrs.evolve(cfg, source_pages=source))
+    return cfg, requests if args.sessions is not None else Requests(requests, count)
+
+
+def _sessions(args) -> SessionWorkload:
+    """The --sessions workload; an option that would also set prompts or arrivals is
+    refused (it would be ignored)."""
+    given = [flag for flag, value in (
+        ("--prompt", args.prompt), ("--prompt-range", args.prompt_range),
+        ("--prefix", args.prefix), ("--prompts", args.prompts),
+        ("--prompts-csv", args.prompts_csv), ("--workload", args.workload),
+        ("--arrivals", args.arrivals), ("--requests", args.requests),
+        ("--concurrency", args.concurrency), ("--payload", args.payload)) if value is not None]
+    if given:
+        raise UsageError(f"--sessions draws its own prompts and arrivals; give it without "
+                         f"{' and '.join(given)}")
+    _check_positive(args, "source_pages")
+    return session_workload(args)
 
 
 def _scan(args, cfg: SimConfig, requests) -> tuple[int, list[int]]:

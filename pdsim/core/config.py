@@ -36,6 +36,11 @@ class RequestSpec:
     # tokens it generates, the first one its producer's; None: the run's `output_tokens`
     output_tokens: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_at_least(0)))
+    # what its tokens are, for a prefix cache (contract v4): its first `system` tokens are
+    # every request's (a shared system prompt), the rest its `session`'s (a conversation's
+    # turns share their leading tokens; None: its own)
+    session: str | None = None
+    system: int = attrs.field(default=0, validator=_at_least(0))
 
     def __attrs_post_init__(self) -> None:
         if self.prefix > self.prompt:
@@ -64,6 +69,13 @@ class SimConfig:
     # blocking: compute waits at max_pending spans (pdgpu run); queued: spans wait in the
     # producer's outbox and compute goes on (pdgpu serve's sender thread)
     sender: str = attrs.field(default="blocking", validator=attrs.validators.in_(SENDERS))
+    # (contract v4) automatic prefix caching: the most pages the decoder's cache holds (of
+    # its pool) and each producer's (of its source memory), LRU among the pages no request
+    # holds; None on both: no cache (0: that side caches nothing)
+    decoder_cache_pages: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least(0)))
+    producer_cache_pages: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least(0)))
     stages: bool = True  # emit informational stage events (traces, explain, timeline)
     labels: tuple[tuple[str, object], ...] = ()  # extra header fields (model, hw, link, ...)
 
@@ -71,6 +83,11 @@ class SimConfig:
         if self.mode is Mode.LAYER and self.geometry.recurrent and self.geometry.kinds is None:
             raise ValueError("mode layer is refused for a recurrent model that names no "
                              "layer kinds (CFG-1)")
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether the run caches prefixes (contract v4 traces)."""
+        return self.decoder_cache_pages is not None or self.producer_cache_pages is not None
 
     def producer_name(self, index: int) -> str:
         return f"p{index}"

@@ -164,6 +164,10 @@ class Decoder:
         self.sim.emit(ev.Reuse(now, job.req, (0, job.request.prompt)))
         self.sim.emit(ev.Admit(now, job.req))
         job.owner.free_source(job)
+        caches = self.sim.caches
+        if caches is not None:  # its producer's pages let go, its slab's whole pages kept
+            caches.reused(job.owner.name, job)
+            caches.publish_decoder(job)
         if self.admit_byte_s:  # its context KV copied into its decode cache
             self.charge(self.admit_byte_s * self.admit_bytes * job.request.prompt)
         steps = max(self.sim.output_tokens(job.request) - 1, 0)  # the first came at produced
@@ -332,4 +336,6 @@ class Decoder:
             return
         job.ended = True
         self.sim.emit(ev.Release(self.env.now, job.req))
+        if self.sim.caches is not None:
+            self.sim.caches.released(job)
         self.sim.released(job)

@@ -48,6 +48,11 @@ def workload_metrics(result: SimResult) -> dict:
     out.update(pool_occupancy_mean=running.occupancy, pool_peak_pages=running.pool.peak,
                peak_staging_bytes=running.peak_staging, events=running.events)
     out.update(serving_metrics(running, result.decode, result.leaked_pages))
+    if result.prefix_cache:  # prompt tokens found in the decoder's cache, of those looked up
+        counts = dict(result.prefix_cache)
+        queries = counts["prefix_cache_queries"]
+        out.update(counts, prefix_cache_hit_rate=counts["prefix_cache_hits"] / queries
+                   if queries else 0.0)
     return out
 
 

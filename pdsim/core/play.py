@@ -15,6 +15,9 @@ def simulate(cfg: SimConfig, requests, faults=None, stream=None) -> SimResult:
     with a `stream` (no faults), keeping only what is in flight."""
     if faults is None or not faults.active:
         return Sim(cfg, requests, stream).run()
+    if cfg.prefix_cache or getattr(requests, "followups", None):
+        raise ValueError("faults: the prefix cache and sessions are not simulated with faults "
+                         "yet (a failed turn would end its session)")
     if stream is not None:
         raise ValueError("faults: a run with faults keeps its requests; it cannot be streamed")
     return FaultSim(cfg, requests, faults).run()

@@ -49,6 +49,12 @@ class Job:
     queued_work: int = 0  # suffix tokens counted in its producer's load until `produced`
     source_pages: int = 0  # source cache pages it holds on its producer until its `reuse`
     decode_last: int | None = None  # the decode step that gives its last token
+    # (prefix cache) its slab's page ids, the decoder's cached pages it holds (hit and put
+    # in), its producer's it copies from, and the first token its producer computes
+    slab: tuple = ()
+    decoder_pages: tuple = ()
+    source_held: list = attrs.Factory(list)
+    compute_from: int = 0
     # request.req, kept as a field: a run reads it several times per span
     req: str = attrs.field(init=False, default=attrs.Factory(lambda job: job.request.req,
                                                              takes_self=True))
@@ -105,13 +111,29 @@ class Producer:
 
     # -- the queue --------------------------------------------------------------------------
 
-    def assign(self, request: RequestSpec) -> Job:
-        """The decoder reserved the request's slab for this producer: it joins the queue."""
-        job = self._new_job(request, plan_steps(self.cfg, request, self.sim.chunk_steps))
-        job.owner, job.queued_work = self, request.prompt - request.prefix
+    def assign(self, request: RequestSpec, hit=None) -> Job:
+        """The decoder reserved the request's slab for this producer: it joins the queue.
+        (prefix cache) `hit`: the decoder's cached pages of its leading tokens (its prefix);
+        the producer's own cached pages of what follows are copy sources, not computed."""
+        caches, source = self.sim.caches, ()
+        if caches is not None:
+            request = attrs.evolve(request, prefix=len(hit) * self.cfg.geometry.page_tokens)
+            source = caches.producer_hit(self.name, request, request.prefix)
+        start = request.prefix + len(source) * self.cfg.geometry.page_tokens
+        planned = request if not source else attrs.evolve(request, prefix=start)
+        job = self._new_job(request, plan_steps(self.cfg, planned, self.sim.chunk_steps))
+        job.owner, job.queued_work, job.compute_from = self, request.prompt - start, start
         slot = self.monitor.free_state_slot(self.name) if self.state_slots else None
-        self.monitor.reserve(self.env.now, request.req, request.prompt, request.prefix,
-                             self.name, slot)
+        job.slab = self.monitor.reserve(self.env.now, request.req, request.prompt,
+                                        request.prefix, self.name, slot,
+                                        None if hit is None else tuple(hit))
+        if caches is not None:
+            caches.reserved(request, hit)
+            job.decoder_pages = tuple(hit)
+        if source:  # one span copies the cached pages: ready before any compute
+            caches.source_hit(self.name, job, source)
+            job.ready.append(Region((0, self.cfg.geometry.layers), (request.prefix, start)))
+            job.spans_total += 1
         self.load += job.queued_work
         self.queue.append(job)
         self._start_next()
@@ -132,6 +154,9 @@ class Producer:
             self.source_free -= need
             job.source_pages = need
         self.job = self.queue.popleft()
+        if job.ready:  # (prefix cache) the copy of its producer's cached pages goes first
+            self._issue_ready(job)
+            return
         self._next_step(job)
 
     def _unload(self, job: Job) -> None:
@@ -189,6 +214,8 @@ class Producer:
         self.emit(new_row(ComputedRow, (now, job.req, step.layers, step.tokens)))
         job.index += 1
         job.ready.extend(step.spans)
+        if job.index == len(job.steps) and self.sim.caches is not None:  # what it computed
+            self.sim.caches.publish_producer(self.name, job, job.compute_from)
         if job.index == len(job.steps) and self.whole:  # chunk/layer: produced in _finish
             if self.head_s:
                 self._run_head(job, self._issue_ready)  # the whole copy starts after it

@@ -29,6 +29,7 @@ from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.cores import HostCores
 from pdsim.core.decoder import Decoder, DecodeRecord
 from pdsim.core.env import Env
+from pdsim.core.prefix_cache import PrefixCaches
 from pdsim.core.producer import Producer
 
 
@@ -58,6 +59,9 @@ class SimResult:
     # a streamed run (stream.py): its metrics, folded while it ran; it kept no event, no
     # stage and no request
     running: object = None
+    # (prefix cache) prompt tokens looked up and found: prefix_cache_queries,
+    # prefix_cache_hits (the decoder's), producer_prefix_cache_hits
+    prefix_cache: tuple = ()
 
     @cached_property
     def protocol(self) -> tuple:
@@ -97,13 +101,19 @@ _time = attrgetter("t")
 
 def make_header(cfg: SimConfig) -> ev.Header:
     extra = tuple(sorted((("chunk", cfg.chunk),) + cfg.labels))
-    return ev.Header(source="pdsim", mode=cfg.mode, geometry=cfg.geometry,
-                     pool_pages=cfg.pool_pages, max_pending=cfg.max_pending, extra=extra)
+    header = ev.Header(source="pdsim", mode=cfg.mode, geometry=cfg.geometry,
+                       pool_pages=cfg.pool_pages, max_pending=cfg.max_pending, extra=extra)
+    if cfg.prefix_cache:  # its pages are named: contract v4
+        return attrs.evolve(header, version=ev.CACHE_VERSION)
+    return header
 
 
 def check_fits(cfg: SimConfig, requests) -> None:
     """Refuse a workload with a request no pool state could ever hold (it would wait forever)."""
     for r in requests:
+        if cfg.prefix_cache and r.prefix:
+            raise ValueError(f"prefix: with a prefix cache the cache finds each request's "
+                             f"prefix; {r.req} gives prefix {r.prefix}")
         need = cfg.geometry.pages_for(r.prompt - r.prefix)
         if need > cfg.pool_pages:
             raise ValueError(
@@ -126,9 +136,12 @@ class Sim:
 
     def __init__(self, cfg: SimConfig, requests, stream=None) -> None:
         self.stream = stream
+        # sessions (sessions.py): a request's next turn, (think seconds, RequestSpec), played
+        # once it is released
+        self.followups: dict = dict(getattr(requests, "followups", {}))
         if stream is None:
             requests = tuple(requests)
-            check_fits(cfg, requests)
+            check_fits(cfg, requests + tuple(turn for _, turn in self.followups.values()))
         else:
             stream.attach(self)
         self.cfg, self.requests = cfg, requests
@@ -145,6 +158,9 @@ class Sim:
         host_cores = cfg.costs.host_cores
         self.cores = HostCores(self.env, host_cores) if host_cores is not None else None
         self.emit = self.monitor.emit  # the hot path: producers' events straight to the spec
+        # (contract v4) both sides' prefix caches, or None
+        self.caches = PrefixCaches(self) if cfg.prefix_cache else None
+        self.later: list[RequestSpec] = []  # the turns that arrived after a previous one
         self.chunk_steps: dict = {}  # steps.plan_steps' memo: a chunk's Step by its tokens
         self.producers = [self._make_producer(cfg.producer_name(i))
                           for i in range(cfg.producers)]
@@ -200,12 +216,19 @@ class Sim:
         pages; each goes to the producer with the least queued prefill work."""
         while self.queue:
             head = self.queue[0]
-            if not self.monitor.can_reserve(head.prompt, head.prefix):
-                return
+            if self.caches is None:
+                if not self.monitor.can_reserve(head.prompt, head.prefix):
+                    return
+                hit = None
+            else:  # its cached leading pages; idle cached pages give room (LRU)
+                hit = self.caches.decoder_hit(head)
+                need = self.cfg.geometry.pages_for(head.prompt - len(hit) * self.caches.pt)
+                if not self.caches.room(need, set(hit)):
+                    return
             producer = self._least_queued()
             if producer is None:
                 return
-            producer.assign(self.queue.popleft())
+            producer.assign(self.queue.popleft(), hit)
 
     def _least_queued(self) -> Producer | None:
         best = None
@@ -238,8 +261,19 @@ class Sim:
         """An admitted request finished decoding (its `release` is emitted)."""
         if self.stream is not None:
             self.stream.released(job.req)
+        follow = self.followups.pop(job.req, None)
+        if follow is not None:  # a session's next turn, after the user's think time
+            think, request = follow
+            self.env.at(self.env.now + think, self._turn, request)
         self.request_done()
         self.dispatch_between_steps()
+
+    def _turn(self, request: RequestSpec) -> None:
+        """A session's next turn arrives (its arrival: now)."""
+        request = attrs.evolve(request, arrival=self.env.now)
+        if self.stream is None:
+            self.later.append(request)
+        self._arrive(request)
 
     def dispatch_between_steps(self) -> None:
         """`dispatch` now, unless a decode step runs (then its end dispatches)."""
@@ -257,20 +291,33 @@ class Sim:
         self.monitor.recorded_relative_stages(list(map(itemgetter(3), spans)),
                                               list(map(itemgetter(4), spans)))
         self.monitor.close()
-        requests = self.requests
+        requests = tuple(self.requests) + tuple(self.later)
         if self.entered:
             requests = tuple(attrs.evolve(r, arrival=self.entered.get(r.req, r.arrival))
                              for r in requests)
         return SimResult(self.cfg, self.header, tuple(self.events), requests, self.env.steps,
-                         leaked_pages=self.cfg.pool_pages - len(self.monitor.free_page_ids()),
+                         leaked_pages=self.leaked_pages(), prefix_cache=self._cache_counts(),
                          decode=self.decoder.record, stage_rows=tuple(self.stage_rows),
                          span_stages=tuple(self.span_stages))
+
+    def _cache_counts(self) -> tuple:
+        caches = self.caches
+        if caches is None:
+            return ()
+        return (("prefix_cache_queries", caches.queries), ("prefix_cache_hits", caches.hits),
+                ("producer_prefix_cache_hits", caches.producer_hits))
+
+    def leaked_pages(self) -> int:
+        """Pages neither free nor in the decoder's prefix cache at the end (cached pages are
+        not leaked: the decoder may evict them at any time)."""
+        return (self.cfg.pool_pages - len(self.monitor.free_page_ids())
+                - len(self.monitor.cached()))
 
     def _run_streamed(self) -> SimResult:
         self.env.run()
         running = self.stream.finish(self)
         self.monitor.close()
         return SimResult(self.cfg, self.header, (), (), self.env.steps,
-                         leaked_pages=self.cfg.pool_pages - len(self.monitor.free_page_ids()),
+                         leaked_pages=self.leaked_pages(), prefix_cache=self._cache_counts(),
                          decode=self.decoder.record, running=running)
 
