@@ -23,7 +23,7 @@ COMPILED = {
               "progress", "metrics", "monitor", "rows", "span_ids", "mirror_hybrid", "hybrid",
               "kinds", "mirror_cache", "cache", "cache_apply"),
     "pdsim.core": ("producer", "decoder", "env", "copier", "sim", "steps", "metrics",
-                   "serving_metrics", "workload", "running", "stream", "quantiles"),
+                   "serving_metrics", "workload", "running", "stream", "quantiles", "prefix_cache"),
 }
 MANIFEST = "manifest.json"
 PURE_ENV = "PD_PURE_PYTHON"

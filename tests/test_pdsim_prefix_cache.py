@@ -131,3 +131,14 @@ def test_bad_session_and_cache_options_are_refused(args, words, capsys):
     assert main(["run", *args]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_streamed_run_reports_what_a_traced_one_does(tmp_path, capsys):
+    """`pdsim run` of cached sessions without a trace (streamed: followups and caches while
+    only what is in flight is kept) prints the traced run's figures."""
+    traced, _, _ = _run(tmp_path, capsys, *SESSIONS, "--prefix-cache")
+    assert main(["run", "--json", "--no-progress", *SESSIONS, "--prefix-cache"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    for key in ("requests", "ok", "bytes", "ttft_p50_s", "ttft_p99_s", "tokens_per_s",
+                "prefix_cache_hits", "producer_prefix_cache_hits", "leaked_pages"):
+        assert streamed[key] == traced[key], key

@@ -70,10 +70,11 @@ class FaultyProducer(Producer):
     def _new_job(self, request, steps) -> FaultJob:
         return FaultJob(request, steps, spans_total=sum(len(s.spans) for s in steps))
 
-    def assign(self, request):
+    def assign(self, request, hit=None):
         """Reserve and queue; on a dead, undetected producer the request waits for the
-        detection (the decoder does not know yet)."""
-        job = super().assign(request)
+        detection (the decoder does not know yet). (No prefix cache with faults: `hit`
+        is None.)"""
+        job = super().assign(request, hit)
         self.sim.on_start(job, self)
         return job
 
