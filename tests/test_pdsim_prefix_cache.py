@@ -9,10 +9,17 @@ import json
 from collections import defaultdict
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdref.check import check_file
+from pdref.models import load_model
 from pdref.trace import read_trace
 from pdsim.cli import main
+from pdsim.core.config import SimConfig
+from pdsim.core.costs import costs_for, engine_of, sim_geometry
+from pdsim.core.play import simulate
+from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.sessions import SessionSpec, SessionWorkload
 
 SESSIONS = ["--sessions", "6", "--turns", "3", "--system-prompt", "512", "--turn-tokens",
@@ -142,3 +149,27 @@ def test_a_streamed_run_reports_what_a_traced_one_does(tmp_path, capsys):
     for key in ("requests", "ok", "bytes", "ttft_p50_s", "ttft_p99_s", "tokens_per_s",
                 "prefix_cache_hits", "producer_prefix_cache_hits", "leaked_pages"):
         assert streamed[key] == traced[key], key
+
+
+A100 = load_hw("a100-pcie")
+COSTS = {m: costs_for(load_model(m), A100, link_of(A100), engine_of(A100, None))
+         for m in ("qwen3-0.6b", "gemma-3-27b", "qwen3.5-27b")}
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(sorted(COSTS)), st.sampled_from(["whole", "chunk", "layer"]),
+       st.integers(0, 48), st.integers(0, 48), st.integers(40, 120), st.integers(0, 300),
+       st.integers(1, 2), st.integers(0, 9))
+def test_any_cache_budget_pool_and_session_mix_is_legal(model, mode, decoder, producer, pool,
+                                                        system, producers, seed):
+    """Random budgets (tiny ones evict all the time), pools, system prompts and producers:
+    every event passes pdref's live check (a Violation would raise), every turn ends ok and
+    no page leaks."""
+    geo = sim_geometry(load_model(model), 16)
+    cfg = SimConfig(geo, COSTS[model], mode, 64, pool_pages=pool, producers=producers,
+                    decoder_cache_pages=decoder, producer_cache_pages=producer)
+    work = SessionWorkload(SessionSpec(4, 3, system, (8, 60), (4, 20), 0.05, 30.0, seed=seed))
+    result = simulate(cfg, work)
+    assert result.leaked_pages == 0 and len(result.requests) == 12
+    assert sum(e.kind == "release" for e in result.protocol) == 12
+    assert result.header.version == 4
