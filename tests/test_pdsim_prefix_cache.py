@@ -22,7 +22,7 @@ from pdsim.core.play import simulate
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.sessions import SessionSpec, SessionWorkload
 
-SESSIONS = ["--sessions", "6", "--turns", "3", "--system-prompt", "512", "--turn-tokens",
+SESSIONS = ["--sessions", "6", "--turns", "3", "--system-prompt", "1024", "--turn-tokens",
             "40:200", "--output-tokens", "24", "--think", "0.2", "--rate", "20",
             "--chunk", "128"]
 
@@ -158,7 +158,7 @@ COSTS = {m: costs_for(load_model(m), A100, link_of(A100), engine_of(A100, None))
 
 @settings(max_examples=15, deadline=None)
 @given(st.sampled_from(sorted(COSTS)), st.sampled_from(["whole", "chunk", "layer"]),
-       st.integers(0, 48), st.integers(0, 48), st.integers(40, 120), st.integers(0, 300),
+       st.integers(0, 48), st.integers(0, 48), st.integers(100, 160), st.integers(0, 1200),
        st.integers(1, 2), st.integers(0, 9))
 def test_any_cache_budget_pool_and_session_mix_is_legal(model, mode, decoder, producer, pool,
                                                         system, producers, seed):
