@@ -6,6 +6,7 @@ compute) whole vs chunked, measured side by side.
     python bench/engine_overlap.py --model qwen3-0.6b --prompt 8192 --chunk 256 \
         --device cuda --link-gbps 0                     # GPU check (scripts/gpu_check.sh)
     python bench/engine_overlap.py --export-only --payloads 1e8,5e8,1e9 ...   # export curve
+    python bench/engine_overlap.py --family qwen3_5 --repeats 3   # a hybrid of `small`'s sizes
 
 Every configuration runs `--repeats` times, interleaved (the order rotates each round), after
 a warm-up round; figures are medians and ratios are medians of ratios taken within a round,
@@ -27,12 +28,22 @@ Ratios and targets (issue 11):
   same compute threads in every configuration
 Reported besides: chunk and layer handoff / whole handoff, chunked prefill / one-shot (the
 compute cost of chunking), staging in spans (== max_pending), the copy bandwidth.
+
+`--family qwen3_5|gemma3` (issue 33): the compute configurations on a hybrid of the preset's
+sizes with random weights (Qwen3.5: 3 gated DeltaNet layers to 1 full attention; Gemma 3: 5
+sliding layers of `--window` to 1 full; the last layer full), handed off under contract v3
+(no export-only runs: their payload is a dense model's K/V). Besides the figures above,
+`state_tail_s`: from `produced` to the last state span's `land` (the states' share of the
+tail; 0 without linear layers), and the layer / chunk ratios of handoff and tail: what
+layer mode, which ships a linear layer's state as soon as that layer has the whole prompt,
+does to the handoff compared with chunk mode, which ships every state after the last chunk.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -42,13 +53,14 @@ import torch
 
 from pdgpu.copier import measure_copy_bandwidth
 from pdgpu.engine import Engine
+from pdgpu.hf_config import spec_from_config
 from pdgpu.model import build_model
-from pdgpu.workload import EngineConfig, Request
+from pdgpu.workload import EngineConfig, Request, setup_check
 from pdref.models import load_model
 
 FIGURES = ("prefill_s", "handoff_s", "tail_s", "copy_s", "peak_staging_bytes", "check_frac",
            "compute_s", "blocked_s", "host_staging_bytes", "source_alloc_bytes", "threads",
-           "audit_lag_p50_s", "audit_lag_max_s", "audit_s", "wall_s")
+           "audit_lag_p50_s", "audit_lag_max_s", "audit_s", "wall_s", "state_tail_s")
 CHECK_TARGET = 0.01  # live checks / wall (issue 24)
 COMPUTE = ("whole", "chunk", "layer", "oneshot")
 EXPORT = ("export_whole", "export_chunk")
@@ -77,6 +89,9 @@ def parse_args(argv=None):
                    help="only the export curve: whole vs chunked at each of --payloads")
     p.add_argument("--payloads", type=_payloads, default=None,
                    help="export curve payload bytes, comma separated (e.g. 1e8,5e8,1e9)")
+    p.add_argument("--family", choices=("qwen3_5", "gemma3"),
+                   help="a hybrid of the preset's sizes, random weights (compute configs only)")
+    p.add_argument("--window", type=int, default=512, help="gemma3's sliding window")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON result to this file")
     return p.parse_args(argv)
@@ -94,14 +109,17 @@ def _threads(args, device: str) -> int:
 def _configs(args, device: str, link, threads: int) -> dict[str, EngineConfig]:
     base = EngineConfig("whole", chunk=args.chunk, max_pending=args.max_pending, device=device,
                         decoder_device=args.decoder_device, link_gbps=link, threads=threads)
-    return {
+    compute = {
         "whole": base,
         "chunk": attrs.evolve(base, mode="chunk"),
         "layer": attrs.evolve(base, mode="layer"),
         "oneshot": attrs.evolve(base, chunk=args.prompt),  # whole, prefill in one chunk
-        "export_whole": attrs.evolve(base, no_compute=True),
-        "export_chunk": attrs.evolve(base, mode="chunk", no_compute=True),
     }
+    if args.family:  # the export payload is a dense model's K/V
+        return compute
+    return {**compute,
+            "export_whole": attrs.evolve(base, no_compute=True),
+            "export_chunk": attrs.evolve(base, mode="chunk", no_compute=True)}
 
 
 def measure(model, configs: dict, request: Request, repeats: int) -> list[dict]:
@@ -110,9 +128,19 @@ def measure(model, configs: dict, request: Request, repeats: int) -> list[dict]:
     names, rounds = list(configs), []
     for i in range(repeats + 1):
         order = names[i % len(names):] + names[:i % len(names)]
-        rounds.append({name: Engine(model, configs[name]).run([request]).metrics
+        rounds.append({name: _metrics(Engine(model, configs[name]).run([request]))
                        for name in order})
     return rounds[1:]
+
+
+def _metrics(result) -> dict:
+    """The run's metrics and `state_tail_s`: from `produced` to the last state span's land
+    (0 when no state crossed)."""
+    events = result.events
+    states = {e.span for e in events if e.kind == "issue" and e.state}
+    lands = [e.t for e in events if e.kind == "land" and e.span in states]
+    produced = max((e.t for e in events if e.kind == "produced"), default=0.0)
+    return {**result.metrics, "state_tail_s": max(lands) - produced if lands else 0.0}
 
 
 def medians(rounds: list[dict]) -> dict:
@@ -126,22 +154,30 @@ def _paired(rounds: list[dict], fn) -> float:
 
 
 def _ratio(a: str, b: str, figure: str = "handoff_s"):
-    return lambda r: r[a][figure] / r[b][figure]
+    """a's figure over b's in one round (inf when b's is 0: e.g. no tail at all)."""
+    return lambda r: r[a][figure] / r[b][figure] if r[b][figure] else math.inf
 
 
 def spread(rounds: list[dict]) -> dict:
     """Min and max over rounds of the main ratios: how much the machine's noise moves them."""
-    fns = {"export_chunk_over_whole": _ratio("export_chunk", "export_whole"),
-           "chunk_tail_over_span_copy": lambda r: r["chunk"]["tail_s"] / r["chunk"]["copy_s"],
+    fns = {"chunk_tail_over_span_copy": lambda r: r["chunk"]["tail_s"] / r["chunk"]["copy_s"],
            "chunk_handoff_over_whole": _ratio("chunk", "whole"),
-           "layer_handoff_over_whole": _ratio("layer", "whole")}
+           "layer_handoff_over_whole": _ratio("layer", "whole"),
+           "layer_handoff_over_chunk": _ratio("layer", "chunk"),
+           "layer_tail_over_chunk": _ratio("layer", "chunk", "tail_s")}
+    if "export_chunk" in rounds[0]:
+        fns["export_chunk_over_whole"] = _ratio("export_chunk", "export_whole")
     return {k: (min(map(fn, rounds)), max(map(fn, rounds))) for k, fn in fns.items()}
 
 
 def ratios(rounds: list[dict], span_bytes: int, max_pending: int) -> dict:
     med = medians(rounds)
+    export = ({"export_chunk_over_whole": _paired(rounds, _ratio("export_chunk", "export_whole"))}
+              if "export_chunk" in med else {})
     return {
-        "export_chunk_over_whole": _paired(rounds, _ratio("export_chunk", "export_whole")),
+        **export,
+        "layer_handoff_over_chunk": _paired(rounds, _ratio("layer", "chunk")),
+        "layer_tail_over_chunk": _paired(rounds, _ratio("layer", "chunk", "tail_s")),
         "chunk_tail_over_span_copy": _paired(rounds, lambda r: r["chunk"]["tail_s"]
                                              / r["chunk"]["copy_s"]),
         "chunk_tail_over_whole_tail": _paired(rounds, _ratio("chunk", "whole", "tail_s")),
@@ -163,8 +199,10 @@ def ratios(rounds: list[dict], span_bytes: int, max_pending: int) -> dict:
 
 
 def targets(r: dict) -> dict:
+    export = ({"export chunked <= 1.05 x export whole": r["export_chunk_over_whole"] <= 1.05}
+              if "export_chunk_over_whole" in r else {})
     return {
-        "export chunked <= 1.05 x export whole": r["export_chunk_over_whole"] <= 1.05,
+        **export,
         "chunk tail <= 1.2 x one span's copy": r["chunk_tail_over_span_copy"] <= 1.2,
         "live checks <= 1% of run time": r["live_check_frac"] <= CHECK_TARGET,
         "same compute threads in every configuration": not r["threads_differ"],
@@ -205,25 +243,61 @@ def _setup(args):
     link = args.link_gbps if args.link_gbps is not None else (0.2 if device == "cpu" else None)
     spec = load_model(args.model)
     spec = attrs.evolve(spec, dtype=args.dtype) if args.dtype else spec
+    spec = hybrid_spec(spec, args.family, args.window) if args.family else spec
     model = build_model(spec, device=device, seed=0)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab, (args.prompt,), generator=gen)
     return model, Request("r0", tuple(tokens.tolist()), 0), device, link or None
 
 
+def hybrid_spec(spec, family: str, window: int):
+    """A `family` hybrid of the preset's sizes and dtype, from a config.json as transformers
+    writes it (Qwen3.5: 1 full attention layer in 4; Gemma 3: 1 in 6; the last layer full)."""
+    every, local = (4, "linear_attention") if family == "qwen3_5" else (6, "sliding_attention")
+    config = {
+        "dtype": spec.dtype, "num_hidden_layers": spec.layers, "hidden_size": spec.hidden,
+        "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim, "intermediate_size": spec.intermediate,
+        "vocab_size": spec.vocab, "rms_norm_eps": spec.rms_eps,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "max_position_embeddings": max(spec.max_context or 0, 65536),
+        "layer_types": [local if (i + 1) % every and i + 1 < spec.layers else "full_attention"
+                        for i in range(spec.layers)]}
+    if family == "qwen3_5":
+        config.update({
+            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+            "hidden_act": "silu", "linear_num_key_heads": spec.kv_heads,
+            "linear_num_value_heads": spec.heads, "linear_key_head_dim": spec.head_dim,
+            "linear_value_head_dim": spec.head_dim, "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta,
+                                "partial_rotary_factor": 0.25}})
+    else:
+        config.update({
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh", "sliding_window": window,
+            "query_pre_attn_scalar": spec.head_dim,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    name = f"{spec.name}-as-{family}"
+    return spec_from_config(config, name, name)
+
+
 def run_all(args) -> dict:
     model, request, device, link = _setup(args)
     threads = _threads(args, device)
-    result = {"model": model.spec.name, "prompt": args.prompt, "chunk": args.chunk,
-              "device": device, "link_gbps": link, "threads": threads,
+    result = {"model": model.spec.name, "family": args.family, "prompt": args.prompt,
+              "chunk": args.chunk, "device": device, "link_gbps": link, "threads": threads,
               "repeats": args.repeats}
     if args.payloads:
         result["export_curve"] = export_curve(model, args, device, link, threads)
     if args.export_only:
         return result
-    spec = model.spec
-    rounds = measure(model, _configs(args, device, link, threads), request, args.repeats)
-    span = spec.geometry(16).region_bytes((0, spec.layers), (0, min(args.chunk, args.prompt)))
+    configs = _configs(args, device, link, threads)
+    rounds = measure(model, configs, request, args.repeats)
+    # one staging slot's bytes in chunk mode: its largest span (a chunk, or a hybrid's state)
+    span = setup_check(model.spec, configs["chunk"], [request]).span_elems \
+        * model.spec.dtype_bytes
     r = ratios(rounds, span, args.max_pending)
     result.update({"median": medians(rounds), "ratios": r, "spread": spread(rounds),
                    "targets": targets(r), "copy_bandwidth": measure_copy_bandwidth(device)})

@@ -38,6 +38,21 @@ def test_overlap_bench_reports_ratios_and_targets(capsys, tmp_path):
     assert result["ratios"]["audit_lag_max_s"] >= result["ratios"]["audit_lag_p50_s"] > 0
 
 
+def test_overlap_bench_runs_a_hybrid_and_reports_the_states_tail(capsys):
+    """--family qwen3_5 (one round, `tiny`'s sizes): the compute configurations only (no
+    export: its payload is dense K/V), the layer / chunk ratios and each mode's state tail."""
+    main = runpy.run_path(str(BENCH))["main"]
+    args = ["--model", "tiny", "--family", "qwen3_5", "--prompt", "64", "--chunk", "16",
+            "--repeats", "1", "--link-gbps", "0.002", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["family"], set(result["median"])) == (
+        "qwen3_5", {"whole", "chunk", "layer", "oneshot"})
+    assert result["ratios"]["layer_handoff_over_chunk"] > 0
+    assert result["ratios"]["layer_tail_over_chunk"] > 0
+    assert all(m["state_tail_s"] != 0 for m in result["median"].values())  # a state crossed
+
+
 def test_export_curve_reports_whole_and_chunked_per_payload(capsys):
     """--export-only --payloads: one row per payload with both times and their ratio."""
     main = runpy.run_path(str(BENCH))["main"]

@@ -295,6 +295,26 @@ def test_kernel_speed_bench_runs_a_hybrid_beside_transformers(capsys, name):
     assert all(out[k] > 0 for k in ("prefill_one_chunk", "prefill_chunked", "decode_step"))
 
 
+@pytest.mark.parametrize("mode", ["chunk", "layer"])
+def test_layer_mode_ships_a_linear_layers_state_once_that_layer_is_done(family, mode):
+    """Qwen3.5 (layers linear x3, full): in layer mode each linear layer's state span is
+    issued right after that layer's `computed`, before the next layer computes; in chunk
+    mode every state goes out after the last chunk."""
+    _, model, _ = family
+    if model.state_shape is None:
+        pytest.skip("Gemma 3 has no state")
+    config = EngineConfig(mode=Mode(mode), chunk=32, max_pending=4, warmup=False)
+    events = Engine(model, config).run([Request("a", tuple(_prompt(100, 1)))]).events
+    order = [(e.kind, e.layers) for e in events if e.kind == "computed"
+             or (e.kind == "issue" and e.state)]
+    if mode == "layer":
+        assert order == [("computed", (0, 1)), ("issue", (0, 1)), ("computed", (1, 2)),
+                         ("issue", (1, 2)), ("computed", (2, 3)), ("issue", (2, 3)),
+                         ("computed", (3, 4))]
+    else:
+        assert order == [("computed", (0, 4))] * 4 + [("issue", (0, 3))]
+
+
 def test_a_failed_state_span_is_fenced_and_the_request_retried(family):
     """A Qwen3.5 state span whose copy fails (span 3: after the three chunks' spans) is
     fenced, its life aborted and the request retried in a new life (a state slot named
@@ -333,6 +353,8 @@ def test_the_command_line_runs_a_hybrid(family, capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["tokens"] == [
         generate(model, [5, 6, 7, 8, 9, 10, 11], 3, chunk=4)]
     assert json.loads(trace.read_text().splitlines()[0])["version"] == 3
+    assert cli_main(["run", "--model", str(folder), "--prompt", "20", "--no-compute"]) == 2
+    assert "no_compute" in capsys.readouterr().err  # its payload is a dense model's K/V
 
 
 
