@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens, greedy
+from pdgpu.handoff import handoff_geometry, kv_geometry
 from pdgpu.model import Transformer
 from pdgpu.prefill import Prefill, warm_prefix
 from pdgpu.sampler import Sampler, Step
@@ -52,7 +53,7 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
     if output_tokens < 1:
         raise ValueError(f"output_tokens must be >= 1, got {output_tokens}")
     device = model.inv_freq.device
-    geometry = model.spec.geometry(page_tokens)
+    geometry = kv_geometry(handoff_geometry(model.spec, page_tokens))  # K/V layers only
     dtype = model.model.embed_tokens.weight.dtype
     cache = SourceCache(geometry, geometry.pages_for(len(tokens)), device, dtype,
                         model.state_shape)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from pdgpu.handoff import handoff_geometry, kv_geometry
 from pdgpu.source_cache import SourceCache
 from pdref.intervals import Range
 from pdref.plan import plan_chunks
@@ -33,7 +34,7 @@ def prefix_kv(model, tokens: list[int] | tuple[int, ...], chunk: int,
               page_tokens: int) -> torch.Tensor:
     """A decoder's prefix cache: the K/V [L, 2, prefix, KVH, D] of prefix `tokens`, warmed
     as the producers warm theirs (in a scratch cache of its own)."""
-    geometry = model.spec.geometry(page_tokens)
+    geometry = kv_geometry(handoff_geometry(model.spec, page_tokens))  # K/V layers only
     dtype, device = model.model.embed_tokens.weight.dtype, model.inv_freq.device
     cache = SourceCache(geometry, max(1, geometry.pages_for(len(tokens))), device, dtype,
                         model.state_shape)

@@ -6,6 +6,10 @@ points' traces feed `pdsim calibrate`; the simulator then predicts every point f
 profile, and the held-out points' errors are the result. Tail error is reported relative to
 max(measured tail, 4 ms), so the target "25% or 1 ms, whichever is larger" reads as 25%.
 
+A hybrid model (a profile with `layer_types`, contract v3: pdgpu builds it from the same
+profile) validates its compute grid alone: its export-only payload would be a dense model's
+K/V, which `pdgpu run --no-compute` refuses for a hybrid.
+
 Export only (issue 11): `pdgpu run --no-compute --payload` over a paced link. A second
 profile is calibrated from the whole-copy export runs alone (two payloads, so per-byte and
 fixed costs separate; the copier given as pipelined, pdgpu's, since one span at a time
@@ -164,20 +168,22 @@ def validate(model: str, grid_name: str, out: Path, requests: int = 4,
              device: str | None = None, progress: bool = True) -> tuple[list[Row], dict]:
     out.mkdir(parents=True, exist_ok=True)
     runs = run_grid(GRIDS[grid_name], model, out, requests, device, progress)
-    exports = run_exports(EXPORT_GRIDS[grid_name], model, out, EXPORT_LIVES * requests, device,
-                          progress)
     profile = fit_profile(runs, out, model)
-    export_profile = fit_export_profile(exports, out, model)
     rows = predict_rows(runs, model, profile)
-    export_rows = predict_rows(exports, model, export_profile)
     result = {"model": model, "grid": grid_name, "requests": requests,
               "profile": str(profile), **summary(rows, "test"),
-              "train": summary(rows, "train"), "export_profile": str(export_profile),
-              "export_requests": EXPORT_LIVES * requests,
-              "export": summary(export_rows, "test"),
-              "export_train": summary(export_rows, "train"),
-              "configs": [r.to_json() for r in rows],
-              "export_configs": [r.to_json() for r in export_rows]}
+              "train": summary(rows, "train"), "configs": [r.to_json() for r in rows]}
+    if load_model(model).layer_kinds() is not None:  # a hybrid: no export-only runs
+        return rows, {**result, "export": {}, "export_configs": []}
+    exports = run_exports(EXPORT_GRIDS[grid_name], model, out, EXPORT_LIVES * requests, device,
+                          progress)
+    export_profile = fit_export_profile(exports, out, model)
+    export_rows = predict_rows(exports, model, export_profile)
+    result.update({"export_profile": str(export_profile),
+                   "export_requests": EXPORT_LIVES * requests,
+                   "export": summary(export_rows, "test"),
+                   "export_train": summary(export_rows, "train"),
+                   "export_configs": [r.to_json() for r in export_rows]})
     return rows + export_rows, result
 
 
