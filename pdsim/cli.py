@@ -84,6 +84,8 @@ def _commands():
                   "workload (sessions sharing a system prompt)"),
         "study": ("pdsim.study", "chunk/layer overlap's serving gain over whole copy: "
                   "grid, plots, report"),
+        "study-hybrid": ("pdsim.study_hybrid", "how much smaller a hybrid model's handoff "
+                         "is, and whether chunk/layer overlap still pays: plots, report"),
         "demo": ("pdsim.demo",
                  "the main job: engine, calibration, prediction, sweeps, checks, report"),
     }

@@ -5,10 +5,13 @@
 2. `pdsim calibrate` fits a profile of this device from those traces;
 3. the simulator predicts the same runs: measured vs predicted, side by side;
 4. a chunk-size sweep in the simulator for this device and for qwen3-0.6b on a100-pcie and h200;
-5. a served run: `pdgpu serve` (a decoder and two producer processes) on one prompts file in
+5. the hybrid question (`pdsim study-hybrid`): qwen3-0.6b beside Qwen3.5 and Gemma 3 (and
+   their all-full twins) at 2k..32k tokens on a100-pcie and h200: handoff bytes and
+   overlap's gain, one request at a time;
+6. a served run: `pdgpu serve` (a decoder and two producer processes) on one prompts file in
    whole and chunk mode, spans verified, the decoder's tokens checked against `pdgpu generate`;
-6. every trace (engine, served and simulated) is checked by `pdref check`;
-7. everything lands in one folder with a report.md linking the PNGs.
+7. every trace (engine, served and simulated) is checked by `pdref check`;
+8. everything lands in one folder with a report.md linking the PNGs.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from pdsim.fit.engine_runs import EnginePoint, Measured, run_point
 from pdsim.fit.predict import predict, simulate_point
 from pdsim.options import UsageError
 from pdsim.study import answer_rows
+from pdsim.study_hybrid import MODELS, PROMPTS, HybridGrid, run_study, write_outputs
 from pdsim.sweep import Point, best_chunks, run_sweep
 from pdsim.views.demo_report import comparison_table, report_md, trace_table
+from pdsim.views.hybrid_report import bytes_words, gain_words, png_name
 from pdsim.views.report import edge_note, write_atomic, write_json, write_trace
 from pdsim.views.study_report import headline
 
@@ -44,6 +49,11 @@ REFERENCE_PROMPT = 8192
 ANSWER = dict(models=("qwen3-0.6b", "llama-3.1-8b"), hws=("a100-pcie", "h200"),
               engines=("production", "seed-eager"), prompt=4096, concurrencies=(1, 8),
               requests=8, output_tokens=16, chunk=256)
+
+# The hybrid question (`pdsim study-hybrid`'s grid, one request at a time)
+HYBRID = HybridGrid(models=MODELS, hws=("a100-pcie", "h200"), engines=(DEFAULT_ENGINE,),
+                    prompts=PROMPTS, concurrencies=(1,), requests=4, output_tokens=64,
+                    chunk=256)
 
 
 @attrs.frozen
@@ -62,6 +72,9 @@ class DemoConfig:
 
 ANSWER_KEYS = ("model", "hw", "engine", "concurrency", "mode", "tokens_per_s", "gain_pct",
                "prefill_s", "tail_mean_s", "ttft_p50_s")
+
+HYBRID_KEYS = ("model", "hw", "prompt", "mode", "bytes_per_request", "twin_bytes_ratio",
+               "prefill_s", "tail_mean_s", "tokens_per_s", "gain_pct")
 
 
 def say(text: str) -> None:
@@ -140,6 +153,15 @@ def base_sim_config(model: str, hw: str, engine: str | None = None):
                      labels=(("model", spec.name), ("hw", profile.name), ("engine", used.name)))
 
 
+def hybrid_step(cfg: DemoConfig) -> dict:
+    """`pdsim study-hybrid`'s grid (HYBRID) under out/hybrid: CSV, PNG, traces."""
+    out = cfg.out / "hybrid"
+    rows = run_study(HYBRID, out, jobs=2)
+    write_outputs(rows, HYBRID, out)
+    print("\n".join(bytes_words(rows) + gain_words(rows)))
+    return {"rows": rows, "png": f"hybrid/{png_name(DEFAULT_ENGINE)}"}
+
+
 def serve_step(cfg: DemoConfig) -> dict:
     # Prompts of 1/8 .. 3/8 of the demo's prompt: 128..384 tokens by default.
     demo = ServeDemo(model=cfg.model, device=cfg.device,
@@ -174,6 +196,7 @@ def http_step(demo: ServeDemo, out: Path, served: dict) -> dict:
 
 def check_step(cfg: DemoConfig) -> list:
     traces = sorted(cfg.out.glob("engine/*/*.jsonl")) + sorted(cfg.out.glob("sim/*.jsonl"))
+    traces += sorted(cfg.out.glob("hybrid/traces/*.jsonl"))
     traces += [cfg.out / "serve" / f"{mode}.jsonl" for mode in ("whole", "chunk")]
     if cfg.http and (cfg.out / "serve" / "http.jsonl").exists():
         traces.append(cfg.out / "serve" / "http.jsonl")
@@ -198,6 +221,9 @@ def run_demo(cfg: DemoConfig) -> dict:
         "engine beside the seed's eager one")
     answer = answer_rows(**ANSWER)
     print("\n".join(headline(answer)))
+    say("hybrid: how much smaller is the handoff of Qwen3.5 and Gemma 3 (beside qwen3-0.6b and "
+        "their all-full twins), and does overlap still pay? a100-pcie and h200, 2k..32k")
+    hybrid = hybrid_step(cfg)
     say(f"serve: pdgpu serve, {cfg.model}, a decoder and 2 producer processes, whole and chunk "
         "mode, spans verified, tokens checked against pdgpu generate")
     served = serve_step(cfg)
@@ -206,7 +232,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     print(trace_table(checks, cfg.out))
     result = {"config": {k: str(v) if isinstance(v, Path) else v
                          for k, v in attrs.asdict(cfg).items()},
-              "pairs": pairs, "sweeps": sweeps, "answer": answer, "served": served,
+              "pairs": pairs, "sweeps": sweeps, "answer": answer, "hybrid": hybrid,
+              "served": served,
               "checks": checks,
               "wall_s": time.perf_counter() - start}
     write_atomic(cfg.out / "report.md", report_md(result, cfg.out))
@@ -224,6 +251,7 @@ def summary_json(result: dict) -> dict:
                      for m, p in result["pairs"]],
             "best_chunk": {s["label"]: s["best"] for s in result["sweeps"]},
             "answer": [{k: r[k] for k in ANSWER_KEYS} for r in result["answer"]],
+            "hybrid": [{k: r[k] for k in HYBRID_KEYS} for r in result["hybrid"]["rows"]],
             "served": {"parity": result["served"]["parity"],
                        "runs": served_rows(result["served"]),
                        "http": {k: v for k, v in result["served"].get("http", {}).items()

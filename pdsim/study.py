@@ -25,13 +25,14 @@ from pathlib import Path
 
 import attrs
 
-from pdref.models import ModelSpec, context_error, list_models, load_model
+from pdref.models import context_error, list_models
 from pdref.plan import plan_chunks
 from pdsim.core.config import RequestSpec, SimConfig
 from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.engines import load_engine
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.serving import serving_config, simulate_serving
+from pdsim.core.twins import model_or_twin
 from pdsim.views.report import write_atomic
 
 MODES = ("whole", "chunk", "layer")
@@ -43,7 +44,6 @@ AXES = {
     "source": (1, 2),
 }
 BASE = "base"  # the base point's own rows (the report's headline)
-ALL_FULL = "+full"  # a model name's suffix: that model with every layer full attention
 BRIEF = (-3.0, 17.0)  # the seed's measured spread of chunk overlap's serving change, %
 # Copy work on the producer that slows the compute it overlaps: the gather and the d2h DMA
 # (both read the producer's HBM), not the profile's gather alone.
@@ -100,24 +100,10 @@ def points(args) -> list[Point]:
             for axis, values in grid for mode in MODES]
 
 
-def all_full(spec: ModelSpec) -> ModelSpec:
-    """`spec` with every layer full attention (its v3 layer kinds dropped): what a hybrid's
-    handoff and compute would be without its linear and sliding layers."""
-    dropped = ("layer_types", "sliding_window", "linear_state_bytes")
-    return attrs.evolve(spec, name=spec.name + ALL_FULL, recurrent=False,
-                        extra=tuple((k, v) for k, v in spec.extra if k not in dropped))
-
-
-def study_model(name: str) -> ModelSpec:
-    """A preset or profile file; NAME+full: its all-full twin (`all_full`)."""
-    if name.endswith(ALL_FULL):
-        return all_full(load_model(name.removesuffix(ALL_FULL)))
-    return load_model(name)
-
-
-def run_point(point: Point, requests: int, output_tokens: int, chunk: int) -> dict:
-    """Simulate one point; its row."""
-    spec, hw = study_model(point.model), load_hw(point.hw)
+def point_config(point: Point, requests: int, output_tokens: int,
+                 chunk: int) -> tuple[SimConfig, list[RequestSpec]]:
+    """One point's serving configuration and its closed-loop workload."""
+    spec, hw = model_or_twin(point.model), load_hw(point.hw)
     costs = attrs.evolve(costs_for(spec, hw, link_of(hw), load_engine(point.engine))
                          .scaled(bandwidth=point.bandwidth),
                          contended=CONTENDED)
@@ -128,12 +114,22 @@ def run_point(point: Point, requests: int, output_tokens: int, chunk: int) -> di
     cfg = SimConfig(geometry, costs, point.mode, chunk, output_tokens=output_tokens,
                     stages=False)
     source = point.source * geometry.pages_for(point.prompt)
-    cfg = serving_config(cfg, work, concurrency=point.concurrency, source_pages=source)
-    summary = simulate_serving(cfg, work)
-    prefill = sum(costs.compute_s(c) for c in plan_chunks(point.prompt, 0, chunk))
+    return serving_config(cfg, work, concurrency=point.concurrency, source_pages=source), work
+
+
+def point_row(point: Point, cfg: SimConfig, summary: dict) -> dict:
+    """A point's row from its run's summary (`simulate_serving`'s keys)."""
+    costs = cfg.costs
+    prefill = sum(costs.compute_s(c) for c in plan_chunks(point.prompt, 0, cfg.chunk))
     return {**attrs.asdict(point), "contention_used": costs.contention, "prefill_s": prefill,
             **{k: summary[k] for k in ("tokens_per_s", "ttft_p50_s", "itl_p99_s",
                                        "handoff_p50_s", "tail_mean_s", "decode_batch_mean")}}
+
+
+def run_point(point: Point, requests: int, output_tokens: int, chunk: int) -> dict:
+    """Simulate one point; its row."""
+    cfg, work = point_config(point, requests, output_tokens, chunk)
+    return point_row(point, cfg, simulate_serving(cfg, work))
 
 
 def answer_rows(models, hws, engines, prompt: int, concurrencies, requests: int,
@@ -189,7 +185,7 @@ def command(args) -> int:
                              f"{getattr(args, name)}")
     longest = max(args.prompt, *AXES["prompt"])
     for model in args.models.split(","):  # an unknown one is refused before anything is written
-        problem = context_error(study_model(model), longest, args.output_tokens,
+        problem = context_error(model_or_twin(model), longest, args.output_tokens,
                                 "--prompt / the prompt axis")
         if problem:
             raise ValueError(problem)

@@ -10,18 +10,20 @@ from pdsim.cli import main
 
 @pytest.mark.timeout(360)  # ~50 s alone; a hang guard, not a clock: it ran near 120 s at load 10
 def test_demo_tiny_end_to_end(tmp_path, capsys):
-    """A tiny demo writes a report whose PNG links exist, every trace legal, parity ok, and
-    its served prompts streamed through `pdgpu serve --http` give the chunk run's tokens."""
+    """A tiny demo writes a report whose PNG links exist, every trace legal (the hybrid
+    study's too), parity ok, and its served prompts streamed through `pdgpu serve --http`
+    give the chunk run's tokens."""
     out = tmp_path / "demo"
     code = main(["demo", "--out", str(out), "--model", "tiny", "--prompt", "128",
                  "--chunks", "32,64", "--requests", "1", "--quiet"])
     assert code == 0
     report = (out / "report.md").read_text()
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report)
-    assert len(links) == 3 and all((out / p).read_bytes()[:4] == b"\x89PNG" for p in links)
+    assert len(links) == 4 and all((out / p).read_bytes()[:4] == b"\x89PNG" for p in links)
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["runs"]) == 6 and all(r["parity"] for r in summary["runs"])
-    assert len(summary["checks"]) == 15 and all(c["ok"] for c in summary["checks"])
+    assert len(summary["checks"]) == 21 and all(c["ok"] for c in summary["checks"])
+    assert sum("/hybrid/traces/" in c["file"] for c in summary["checks"]) == 6
     assert summary["served"]["http"]["tokens_equal"] is True
     served = summary["served"]
     assert served["parity"]["ok"] and [r["mode"] for r in served["runs"]] == ["whole", "chunk"]
@@ -31,6 +33,11 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     answer = summary["answer"]
     assert {(r["hw"], r["engine"]) for r in answer} == {
         (hw, e) for hw in ("a100-pcie", "h200") for e in ("production", "seed-eager")}
+    assert "## Hybrid models: how much smaller is the handoff" in report
+    hybrid = summary["hybrid"]
+    assert {r["model"] for r in hybrid} == {"qwen3-0.6b", "qwen3.5-27b", "qwen3.5-27b+full",
+                                            "gemma-3-27b", "gemma-3-27b+full"}
+    assert {r["prompt"] for r in hybrid} == {2048, 4096, 8192, 16384, 32768}
     assert (out / "profile.toml").exists()
     printed = capsys.readouterr().out
     assert "handoff ms" in printed and "predicted" in printed

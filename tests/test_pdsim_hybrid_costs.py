@@ -9,7 +9,7 @@ from pdref.models import load_model
 from pdsim.core.costs import costs_for
 from pdsim.core.engines import load_engine
 from pdsim.core.profiles import link_of, load_hw
-from pdsim.study import all_full
+from pdsim.core.twins import all_full
 
 ENGINES = ("seed-eager", "production")
 # (preset, its full-attention layers, its layers in all): from the presets' layer_types

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from pdref.cli_format import count
+from pdsim.views.hybrid_report import bytes_table, bytes_words, gain_words
 from pdsim.views.report import edge_note
 from pdsim.views.study_report import engine_words, headline
 
@@ -99,6 +100,23 @@ def answer_lines(rows) -> list[str]:
             *engine_words(rows), ""]
 
 
+def hybrid_lines(hybrid: dict | None) -> list[str]:
+    """The hybrid question (`pdsim study-hybrid`'s grid, one request at a time)."""
+    if not hybrid:
+        return []
+    rows = hybrid["rows"]
+    return ["## Hybrid models: how much smaller is the handoff, does overlap still pay? "
+            "(simulator)", "",
+            "One request at a time (closed loop, C=1), chunk 256, production-class engine; "
+            "each hybrid beside its all-full twin (NAME+full: every layer full attention) and "
+            "the dense qwen3-0.6b. MiB handed off per request (÷N: N times less than the "
+            "twin):", "", *bytes_table(rows), "", *bytes_words(rows), *gain_words(rows), "",
+            f"![hybrid models]({hybrid['png']})", "",
+            "Rows: `hybrid/hybrid.csv`; traces of each hybrid at 32,768 tokens: "
+            "`hybrid/traces/` (checked below). `pdsim study-hybrid` runs the grid at C=8 "
+            "too, with its tables and findings.", ""]
+
+
 def engine_devices(pairs) -> str:
     """The devices the engine really ran on, from its traces' headers: "cpu", "cuda:0 -> cpu"."""
     seen = []
@@ -169,6 +187,7 @@ def report_md(result: dict, out: Path) -> str:
         _markdown(comparison_rows(result["pairs"])), "",
         "## Chunk-size sweeps (simulator)", "", *sweep_lines(result["sweeps"]),
         *answer_lines(result.get("answer")),
+        *hybrid_lines(result.get("hybrid")),
         *served_lines(result["served"]),
         f"## Trace checks (`pdref check`): {'all legal' if ok else 'VIOLATIONS'}", "",
         _markdown(check_rows(result["checks"], out)), "",
