@@ -152,7 +152,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="prompt lengths, tokens, comma separated")
     p.add_argument("--concurrency", type=_ints, default=(1, 8),
                    help="closed-loop concurrencies, comma separated")
-    p.add_argument("--requests", type=int, default=8, help="requests per configuration")
+    p.add_argument("--requests", type=int, default=32, help="requests per configuration")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens each request makes")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")

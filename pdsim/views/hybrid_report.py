@@ -14,7 +14,7 @@ COLORS = ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:
 CSV_COLUMNS = ("hw", "engine", "model", "mode", "prompt", "concurrency", "bytes_per_request",
                "bytes_per_token", "twin_bytes_ratio", "prefill_s", "tail_mean_s",
                "tail_share_pct", "handoff_p50_s", "handoff_change_pct", "tokens_per_s",
-               "gain_pct", "ttft_p50_s", "trace")
+               "gain_pct", "ttft_p50_s", "decode_batch_mean", "trace")
 
 
 def png_name(engine: str) -> str:
@@ -172,12 +172,14 @@ def gain_words(rows: list[dict]) -> list[str]:
             parts = []
             for model in _models(mine):
                 at = [r for r in mine if (r["model"], r["concurrency"]) == (model, c)]
-                gains = [r["gain_pct"] for r in at if r["mode"] != "whole"]
+                gains = ", ".join(f"{mode} " + _spread([r["gain_pct"] for r in at
+                                                         if r["mode"] == mode])
+                                  for mode in ("chunk", "layer"))
                 tails = [r["tail_share_pct"] for r in at if r["mode"] == "whole"]
-                parts.append(f"{model} {_spread(gains)}" + (
+                parts.append(f"{model} {gains}" + (
                     f" (whole tail {_spread(tails, '%', '')} of the prefill)" if c == cs[0]
                     else ""))
-            out.append(f"- {hw} under {engine}, C={c}: chunk and layer vs whole, tokens/s: "
+            out.append(f"- {hw} under {engine}, C={c}, tokens/s vs whole: "
                        + "; ".join(parts) + ".")
     worst = min((r for r in rows if r["mode"] != "whole"), key=lambda r: r["gain_pct"])
     if worst["gain_pct"] < 0:
@@ -222,4 +224,4 @@ WHY = ("Why, in the model: overlap can only remove whole copy's tail, the copy l
        "twins show how much of that is the layer kinds and how much the model's size "
        "(27B of compute per token against qwen3-0.6b's 0.6B). With several requests "
        "and pdgpu serve's two-prompt source cache the next prefill can hide whole copy's "
-       "tail instead (`pdsim study`), and overlap's spans then only add their own costs.")
+       "tail instead (`pdsim study`).")
