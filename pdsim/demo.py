@@ -52,7 +52,7 @@ ANSWER = dict(models=("qwen3-0.6b", "llama-3.1-8b"), hws=("a100-pcie", "h200"),
 
 # The hybrid question (`pdsim study-hybrid`'s grid, one request at a time)
 HYBRID = HybridGrid(models=MODELS, hws=("a100-pcie", "h200"), engines=(DEFAULT_ENGINE,),
-                    prompts=PROMPTS, concurrencies=(1,), requests=4, output_tokens=64,
+                    prompts=PROMPTS, concurrencies=(1,), requests=2, output_tokens=64,
                     chunk=256)
 
 

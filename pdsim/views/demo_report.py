@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from pdref.cli_format import count
-from pdsim.views.hybrid_report import bytes_table, bytes_words, gain_words
+from pdsim.views.hybrid_report import bytes_table, bytes_words, overlap_table
 from pdsim.views.report import edge_note
 from pdsim.views.study_report import engine_words, headline
 
@@ -110,7 +110,9 @@ def hybrid_lines(hybrid: dict | None) -> list[str]:
             "One request at a time (closed loop, C=1), chunk 256, production-class engine; "
             "each hybrid beside its all-full twin (NAME+full: every layer full attention) and "
             "the dense qwen3-0.6b. MiB handed off per request (÷N: N times less than the "
-            "twin):", "", *bytes_table(rows), "", *bytes_words(rows), *gain_words(rows), "",
+            "twin):", "", *bytes_table(rows), "", *bytes_words(rows), "",
+            "Tokens/s of chunk and layer mode over whole copy, over 2,048..32,768 tokens:", "",
+            *overlap_table(rows), "",
             f"![hybrid models]({hybrid['png']})", "",
             "Rows: `hybrid/hybrid.csv`; traces of each hybrid at 32,768 tokens: "
             "`hybrid/traces/` (checked below). `pdsim study-hybrid` runs the grid at C=8 "

@@ -161,6 +161,24 @@ def bytes_words(rows: list[dict]) -> list[str]:
     return out
 
 
+def overlap_table(rows: list[dict]) -> list[str]:
+    """Per device, engine and model at the lowest concurrency, over the prompts: whole copy's
+    tail as a share of the prefill, and chunk's and layer's tokens/s change over whole."""
+    c = min(r["concurrency"] for r in rows)
+    lines = [f"| model | device | engine | whole tail / prefill (C={c}) | chunk vs whole | "
+             "layer vs whole |", "|---" * 6 + "|"]
+    for hw, engine in dict.fromkeys((r["hw"], r["engine"]) for r in rows):
+        for model in _models(rows):
+            at = [r for r in rows if (r["hw"], r["engine"], r["model"], r["concurrency"])
+                  == (hw, engine, model, c)]
+            tails = [r["tail_share_pct"] for r in at if r["mode"] == "whole"]
+            gains = [_spread([r["gain_pct"] for r in at if r["mode"] == m])
+                     for m in ("chunk", "layer")]
+            lines.append(f"| {model} | {hw} | {engine} | {_spread(tails, '%', '')} | "
+                         + " | ".join(gains) + " |")
+    return lines
+
+
 def gain_words(rows: list[dict]) -> list[str]:
     """Per device and engine: each model's chunk and layer tokens/s change over whole copy
     at each concurrency, and whole copy's tail as a share of the prefill."""
@@ -204,7 +222,8 @@ def report_text(rows: list[dict], grid, checks: list) -> str:
         "## How much smaller is the handoff", "",
         "MiB handed off per request (÷N: N times less than the model's all-full twin):", "",
         *bytes_table(rows), "", *bytes_words(rows), "", "## Does overlap still pay?", "",
-        *gain_words(rows), "", WHY, ""]
+        "Tokens/s of chunk and layer mode over whole copy, over the prompts:", "",
+        *overlap_table(rows), "", *gain_words(rows), "", WHY, ""]
     for engine in grid.engines:
         lines += [f"![study-hybrid under {engine}]({png_name(engine)})", ""]
     for hw, engine in dict.fromkeys((r["hw"], r["engine"]) for r in rows):
