@@ -99,6 +99,7 @@ def test_demo_http_streams_the_served_prompts(tmp_path):
     assert (tmp_path / "http.jsonl").exists()
 
 
+@pytest.mark.timeout(360)  # a hang guard like the tiny demo's: 102 s at load 11 (2026-12-05)
 def test_demo_without_http_starts_no_server(tmp_path):
     """--no-http: the demo's served part runs in batch mode only (no HTTP trace)."""
     out = tmp_path / "demo"
