@@ -45,16 +45,6 @@ class Recorder:
         self._spans = itertools.count()
         self.t0 = time.perf_counter()
 
-    @property
-    def audit(self):
-        """The audit thread behind the mirror (the live check's)."""
-        return self.live.audit
-
-    @property
-    def monitor(self):
-        """pdref's fast mirror (the live check's)."""
-        return self.live.monitor
-
     def restart_clock(self) -> None:
         """Put t = 0 here; only before the first event."""
         if self.protocol:

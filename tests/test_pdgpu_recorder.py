@@ -57,7 +57,7 @@ def _refusing_second_issue(recorders: list, hold: bool):
                 Refusing.issues += 1
                 if Refusing.issues == 2:
                     if hold:
-                        wait_for(lambda: recorders[0].audit.waits > 0)
+                        wait_for(lambda: recorders[0].live.audit.waits > 0)
                     raise Violation("COPY-2", "refused by the audit alone", event)
             super().emit(event)
 
@@ -76,7 +76,7 @@ def test_a_violation_only_the_audit_finds_stops_the_run_within_the_bound(monkeyp
     assert (info.value.code, info.value.message) == ("COPY-2", "refused by the audit alone")
     rec = recorders[0]
     second_issue = [i for i, e in enumerate(rec.protocol) if e.kind == "issue"][1]
-    assert rec.audit.waits >= 1 or not hold
+    assert rec.live.audit.waits >= 1 or not hold
     assert len(rec.protocol) - 1 - second_issue <= BOUND + 1
     assert "admit" not in [e.kind for e in rec.protocol]
 
@@ -101,7 +101,7 @@ def test_a_mirror_that_drifts_without_an_event_is_caught():
     """Pages the mirror takes with no event: its free-page answer and its final state differ
     from the Monitor's, and closing the run raises Disagreement (the first: free_page_ids)."""
     rec = Recorder(_header())
-    mirror = rec.monitor.mirror
+    mirror = rec.live.monitor.mirror
     mirror.pool = mirror.pool.allocate(1)[0]
     rec.free_page_ids()
     with pytest.raises(Disagreement, match="free_page_ids"):
@@ -138,8 +138,8 @@ def test_the_trace_is_the_accepted_events_in_emission_order_and_the_audit_saw_ea
     lines = [dumps(ev.header_to_json(rec.header)).encode()]
     lines += [dumps(ev.event_to_json(e)).encode() for e in rec.trace()]
     assert check_lines(lines).ok
-    assert rec.audit.monitor.events == len(rec.trace())
-    assert rec.audit.monitor.state == rec.monitor.state
+    assert rec.live.audit.monitor.events == len(rec.trace())
+    assert rec.live.audit.monitor.state == rec.live.monitor.state
 
 
 def test_engine_metrics_report_the_audit_lag_beside_the_live_check_cost():
@@ -180,7 +180,7 @@ def test_a_recorder_dropped_without_close_ends_its_audit_thread():
     gc.disable()  # freed by reference counting alone, not by a later collection
     try:
         rec = Recorder(_header())
-        thread = rec.audit._thread
+        thread = rec.live.audit._thread
         del rec
         wait_for(lambda: not thread.is_alive(), polls=2000)
     finally:

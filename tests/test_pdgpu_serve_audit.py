@@ -153,7 +153,7 @@ def test_after_the_audit_refuses_the_ledger_writes_nothing_more(tmp_path):
         ledger.computed("r", (0, 2), (0, 8))
         spans = [ledger.issue("r", (0, 2), t, GEO.region_bytes((0, 2), t))
                  for t in ((0, 4), (4, 8))]
-        wait_for(lambda: ledger.audit.error is not None)  # the audit saw the second issue
+        wait_for(lambda: ledger.live.audit.error is not None)  # the audit saw the second issue
         kv = torch.randn(2, 2, 4, 2, 4)
         before = ledger.kv_landing.kv.clone()
         with pytest.raises(Violation, match="refused by the audit alone"):

@@ -62,18 +62,8 @@ class Ledger:
         self._spans = itertools.count()
         self.t0 = time.perf_counter()
 
-    @property
-    def audit(self):
-        """The audit thread behind the mirror (the live check's)."""
-        return self.live.audit
-
-    @property
-    def monitor(self):
-        """pdref's fast mirror (the live check's)."""
-        return self.live.monitor
-
     def restart_clock(self) -> None:
-        if self.monitor.events:
+        if self.live.monitor.events:
             raise RuntimeError("the clock can only restart before the first event")
         self.t0 = time.perf_counter()
 
@@ -127,12 +117,12 @@ class Ledger:
 
     @property
     def used_pages(self) -> int:  # a metric (the peak), not a decision: not audited
-        return self.header.pool_pages - self.monitor.free_pages
+        return self.header.pool_pages - self.live.monitor.free_pages
 
     @property
     def leaked_pages(self) -> int:
         """Pages not in pdref's free pool (held by a slab or quarantined)."""
-        return self.header.pool_pages - len(self.monitor.free_page_ids())
+        return self.header.pool_pages - len(self.live.monitor.free_page_ids())
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -178,7 +168,7 @@ class Ledger:
         a copy of the state: once, as the run stops)."""
         event = ev.Land(self.now(), req, span)
         try:
-            apply(self.monitor.state, event)
+            apply(self.live.monitor.state, event)
         except Violation as e:
             raise Violation(e.code, f"{e.message}: nothing written", event) from None
         raise Disagreement(f"the fast mirror refuses {event!r}, the specification accepts it")
