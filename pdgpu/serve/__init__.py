@@ -11,9 +11,13 @@ Modules (one concept each):
   digest     compute-time row checksums of KV, checked when a span lands (--verify)
   producer   chunked prefill into the source cache, spans bounded by max_pending
   bugs       the hand-made copy bugs of --debug, one object a producer calls at fixed hooks
-  ledger     the decoder's pool: each resource operation and its pdref event are one call
+  ledger     the decoder's protocol authority: each resource operation and its pdref event
+             are one call (decides and records; moves no bytes)
+  landing    the decoder's handoff memory: slabs, landing slots, bytes written and checked
   decoder    schedule -> run -> postprocess, the continuous decode batch
+  recovery   the decoder's part for faults: failed lives, cancels, deadlines, lost producers
   launch     processes, handshake, shutdown
+  command    what `pdgpu serve` and `--http` share: checks, the run, its outputs
   report     results lines and the summary
   status     stderr while serving: producer deaths, restarts, rejoins; progress off a terminal
 """
