@@ -9,9 +9,8 @@ at each context length:
                   (full layers: a bucket row of width_for(context + 1); sliding layers: a
                   ring of `window` rows; linear layers: one state slot), built on the meta
                   device (sizes only, nothing allocated)
-  kv_bytes        the K/V a whole-mode handoff of that prompt carries today (`pdgpu run`'s
-                  span bytes: every token of every K/V layer; a Qwen3.5's linear layers
-                  carry none)
+  kv_bytes        the K/V a whole-mode handoff of that prompt carried before contract v3
+                  (every token of every K/V layer; a Qwen3.5's linear layers carry none)
   state_bytes     a Qwen3.5's per-request DeltaNet state (conv window + recurrent matrices)
   window_kv_bytes the K/V a handoff needs under contract v3's sliding rule (a sliding layer
                   only its last window, from the start of its page)
@@ -82,7 +81,7 @@ def decoder_bytes(model: Transformer, context: int) -> int:
 
 
 def handoff(model: Transformer, prompt: int, page_tokens: int = 16) -> dict:
-    """K/V bytes of a whole-mode handoff today, under v3's window rule, and the state's."""
+    """K/V bytes of a whole-mode handoff before v3, under v3's window rule, and the state's."""
     spec, arch = model.spec, model.arch
     per_token_layer = 2 * spec.kv_heads * spec.head_dim * spec.dtype_bytes
     first = max(0, prompt - (arch.window or prompt) + 1)
