@@ -331,7 +331,7 @@ def _state_in_flight(decoder, rank: int) -> int | None:
         if life.producer != rank:
             continue
         for span in list(life.spans.values()):
-            found = None if span is None else decoder.ledger.monitor.landing(life.req, span)
+            found = None if span is None else decoder.ledger.live.monitor.landing(life.req, span)
             if found is not None and found.slot is not None:
                 return span
     return None
