@@ -272,11 +272,11 @@ class Builder:
 
 
 @st.composite
-def cache_traces(draw, hybrid=None, decoder=None, min_shared=0, min_waves=1):
+def cache_traces(draw, hybrid=None, decoder=None, min_shared=0, min_waves=1, cancel_odds=5):
     """(header, events, sites) of one legal version 4 trace: waves of 1 to 3 requests
-    sharing a system prompt, some cancelled, with LRU evictions of both caches. `decoder`:
-    whether the decoder caches (None: drawn); `min_shared`, `min_waves` bias the draw towards
-    a property's sites."""
+    sharing a system prompt, some cancelled (1 in `cancel_odds`), with LRU evictions of both
+    caches. `decoder`: whether the decoder caches (None: drawn); `min_shared`, `min_waves`,
+    `cancel_odds` bias the draw towards a property's sites."""
     if hybrid is None:
         hybrid = draw(st.booleans(), "hybrid")
     geo = draw(geometries()) if hybrid else Geometry(2, 1, 2, 1, PAGE)
@@ -295,7 +295,7 @@ def cache_traces(draw, hybrid=None, decoder=None, min_shared=0, min_waves=1):
             serial += 1
             if life is not None:
                 wave.append(life)
-        cancelled = [draw(st.integers(0, 4), "cancel?") == 0 for _ in wave]
+        cancelled = [draw(st.integers(0, cancel_odds - 1), "cancel?") == 0 for _ in wave]
         for life, gone in zip(wave, cancelled, strict=True):
             builder.work(life)
             if gone:
