@@ -1,5 +1,6 @@
 """The import graph of a package, read from its sources with `ast` (imports inside functions
-counted), and its circles: for tests/test_import_circles.py and tests/test_pdgpu_serve_parts.py."""
+counted), and its circles: for tests/test_import_circles.py, test_pdgpu_serve_parts.py and
+test_pdsim_layout.py."""
 
 import ast
 from pathlib import Path
