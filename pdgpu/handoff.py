@@ -29,7 +29,7 @@ import attrs
 from pdgpu.arch import HYBRID, arch_of
 from pdgpu.state_pool import StateShape
 from pdref.geometry import Geometry
-from pdref.intervals import Range, length
+from pdref.intervals import Range, intersect, is_empty, length
 from pdref.kinds import FULL, LINEAR, SLIDING, LayerKind, window_range
 from pdref.models import ModelSpec
 from pdref.plan import Region
@@ -99,9 +99,9 @@ def kv_groups(geometry: Geometry, layers: Range, tokens: Range, prompt: int,
         kind = geometry.kinds[layer]
         if kind.kind == LINEAR:
             continue
-        cut = tokens if kind.kind == FULL else _clip(
+        cut = tokens if kind.kind == FULL else intersect(
             tokens, window_range(kind.window, prompt, prefix, geometry.page_tokens))
-        if cut[0] < cut[1]:
+        if not is_empty(cut):
             last = groups[-1] if groups else None
             if last is not None and last.layers[1] == kv and last.tokens == cut:
                 groups[-1] = Group((last.layers[0], kv + 1), cut)
@@ -109,11 +109,6 @@ def kv_groups(geometry: Geometry, layers: Range, tokens: Range, prompt: int,
                 groups.append(Group((kv, kv + 1), cut))
         kv += 1
     return tuple(groups)
-
-
-def _clip(tokens: Range, window: Range) -> Range:
-    """Where two token ranges meet (empty when lo >= hi)."""
-    return (max(tokens[0], window[0]), min(tokens[1], window[1]))
 
 
 @attrs.frozen
