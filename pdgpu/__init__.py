@@ -8,6 +8,7 @@ Modules (one concept each):
   source_cache  the producer's paged KV cache (and the contiguous workspace attention reads),
                 and the gather of a span out of it
   decoder_pool  the decoder's paged pool; slabs come from pdref's allocator
+  prefix_index  block-hash prefix index (chained page keys, holders, LRU, budget; no torch)
   copier        the copy path of one producer: a span's gather, d2h and h2d each on its own
                 lane, a watcher that lands spans as they complete (with streams.py, the
                 only modules that know streams, events and pinned memory)

@@ -1,0 +1,161 @@
+"""The block-hash prefix index against a plain model: hits, holders, LRU eviction, budget."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pdgpu.prefix_index import PrefixIndex, page_keys
+
+PT = 2  # tokens a page: small, so random sequences share pages often
+sequences = st.lists(st.integers(0, 1), max_size=5 * PT)
+
+
+def test_a_page_is_found_only_after_the_same_tokens_before_it():
+    """Keys chain: the same page of tokens after a different prefix is another key."""
+    a, b = page_keys([1, 2, 3, 4], 2), page_keys([9, 9, 3, 4], 2)
+    assert a[1] != b[1] and a[0] != b[0]
+    assert page_keys([1, 2, 3, 4, 5], 2) == a  # the partial last page has no key
+    assert page_keys([1, 2, 3, 4], 2, root=b"m") != a
+
+
+def test_keys_are_the_same_in_another_process_and_need_no_torch():
+    """A key does not depend on the process (no salted hash()) and the index imports no torch."""
+    code = ("import sys; from pdgpu.prefix_index import page_keys; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "print(page_keys(list(range(8)), 4)[1].hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == page_keys(list(range(8)), 4)[1].hex()
+
+
+def test_a_hit_stops_at_the_first_missing_page_and_within_the_limit():
+    """lookup returns the leading held pages only, whole pages, up to `limit` tokens."""
+    index = PrefixIndex(page_tokens=2, budget=8)
+    tokens = [5, 6, 7, 8, 9, 10, 11]
+    index.insert(tokens, (0, 4), ["a", "b"])
+    index.insert(tokens, (6, 6), [])
+    assert index.lookup(tokens) == ("a", "b")
+    assert index.lookup(tokens, limit=3) == ("a",)
+    assert index.lookup(tokens, start=2) == ("b",)
+    assert index.missing(tokens, 0, 6) == [(4, 6)]
+    assert index.lookup([5, 6, 0, 0]) == ("a",)
+
+
+def test_bad_uses_are_refused():
+    """Inserting over budget, twice, off page boundaries, releasing an unheld page: ValueError."""
+    index = PrefixIndex(page_tokens=2, budget=2)
+    with pytest.raises(ValueError, match="budget"):
+        index.insert([1, 2, 3, 4, 5, 6], (0, 6), [0, 1, 2])
+    with pytest.raises(ValueError, match="page boundary"):
+        index.insert([1, 2, 3, 4], (1, 3), [0])
+    index.insert([1, 2], (0, 2), [0])
+    index.release([0])
+    with pytest.raises(ValueError, match="held by nobody"):
+        index.release([0])
+    with pytest.raises(ValueError, match="cached already"):
+        index.insert([1, 2], (0, 2), [1])
+    with pytest.raises(ValueError, match="not cached"):
+        index.acquire([7])
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Random inserts, hits, releases and evictions against dicts and a list (LRU order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = PrefixIndex(page_tokens=PT, budget=5)
+        self.pages: dict = {}  # page id -> [prefix tokens through its end, first, refs]
+        self.idle: list = []  # least recently used first
+        self.holds: list = []  # one entry per hold taken by a "life"
+        self.names = 0
+
+    def _held_prefixes(self) -> dict:
+        return {tuple(p[0]): page for page, p in self.pages.items()}
+
+    def _model_evict(self, count: int) -> list:
+        gone = self.idle[:count]
+        self.idle = self.idle[count:]
+        for page in gone:
+            del self.pages[page]
+        return gone
+
+    @rule(tokens=sequences, data=st.data())
+    def cache(self, tokens, data):
+        """Put the missing whole pages of a range in, making room by LRU like the owners do."""
+        whole = len(tokens) // PT
+        end = data.draw(st.integers(0, whole)) * PT
+        start = data.draw(st.integers(0, end // PT)) * PT
+        held = self._held_prefixes()
+        want = [k for k in range(start // PT, end // PT)
+                if tuple(tokens[:(k + 1) * PT]) not in held]
+        runs = self.index.missing(tokens, start, end)
+        assert [k for a, b in runs for k in range(a // PT, b // PT)] == want
+        for a, b in runs:
+            evicted, fit = self.index.room((b - a) // PT)
+            over = max(0, len(self.pages) + (b - a) // PT - self.index.budget)
+            assert list(evicted) == self._model_evict(min(over, len(self.idle)))
+            assert fit == max(0, min((b - a) // PT, self.index.budget - len(self.pages)))
+            ids = list(range(self.names, self.names + fit))
+            self.names += fit
+            self.index.insert(tokens, (a, a + fit * PT), ids)
+            for i, page in enumerate(ids):
+                self.pages[page] = [tokens[:a + (i + 1) * PT], a + i * PT, 1]
+            self.holds += ids
+
+    @rule(tokens=sequences)
+    def hit(self, tokens):
+        """A hit is the leading pages held, in order; the life then holds them."""
+        held, expect = self._held_prefixes(), []
+        for k in range(len(tokens) // PT):
+            page = held.get(tuple(tokens[:(k + 1) * PT]))
+            if page is None:
+                break
+            expect.append(page)
+        pages = self.index.lookup(tokens)
+        assert list(pages) == expect
+        assert [self.pages[p][1] for p in pages] == [k * PT for k in range(len(pages))]
+        self.index.acquire(pages)
+        for page in pages:
+            self.pages[page][2] += 1
+            if page in self.idle:
+                self.idle.remove(page)
+        self.holds += pages
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def release(self, data):
+        """Letting go of a run of holds; pages nobody holds queue up tail first."""
+        count = data.draw(st.integers(1, len(self.holds)))
+        run, self.holds = self.holds[:count], self.holds[count:]
+        self.index.release(run)
+        for page in reversed(run):
+            self.pages[page][2] -= 1
+            if not self.pages[page][2]:
+                self.idle.append(page)
+
+    @rule(count=st.integers(0, 4))
+    def evict(self, count):
+        """Eviction takes idle pages only, least recently used first."""
+        assert list(self.index.evict(count)) == self._model_evict(count)
+
+    @invariant()
+    def agrees_with_the_model(self):
+        entries = self.index.entries()
+        assert {p: (e.first, e.refs) for p, e in entries.items()} == \
+            {p: (v[1], v[2]) for p, v in self.pages.items()}
+        assert list(self.index.idle()) == self.idle
+        assert len(self.index) <= self.index.budget
+        assert sorted(p for p, v in self.pages.items() if v[2] == 0) == sorted(self.idle)
+        held = {}
+        for page in self.holds:
+            held[page] = held.get(page, 0) + 1
+        assert held == {p: v[2] for p, v in self.pages.items() if v[2]}  # nothing leaked
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
