@@ -2,6 +2,8 @@
 
 Modules (one concept each):
   model         Qwen3 / Llama decoder with chunked prefill over a paged KV store
+  layers/       its layers: dense_blocks (Qwen3 / Llama), hybrid_blocks, gated_deltanet,
+                rope, norms, kv_ports
   attention     prefill attention over a request's contiguous K/V (no mask tensor, no
                 repeated K/V), decode attention over rows of one width
   checkpoint    local Hugging Face checkpoints (config.json + *.safetensors), validated first
