@@ -12,8 +12,11 @@ Modules (one concept each):
   decoder_pool  the decoder's paged pool; slabs come from pdref's allocator
   prefix_index  block-hash prefix index (chained page keys, holders, LRU, budget; no torch)
   copier        the copy path of one producer: a span's gather, d2h and h2d each on its own
-                lane, a watcher that lands spans as they complete (with streams.py, the
-                only modules that know streams, events and pinned memory)
+                lane, a watcher that lands spans as they complete (with streams.py and
+                copy_bandwidth.py, the only modules that know streams, events and pinned
+                memory)
+  copy_job      what goes through the copier and comes back: jobs, stage times, results
+  copy_bandwidth  the raw copy bandwidth of a device, each direction, as the copier stages
   streams       lanes (a CUDA stream, or a CPU thread), readiness marks, staging rings
   workload      engine settings, requests, and every check made before allocating
   recorder      the live checks (pdref's FastMonitor in line), the run clock, stage events,

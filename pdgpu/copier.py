@@ -1,5 +1,6 @@
-"""The copy path of one producer. With streams.py (lanes, marks, backends), the only
-modules of pdgpu that know streams, events and pinned memory.
+"""The copy path of one producer. With streams.py (lanes, marks, backends) and
+copy_bandwidth.py (the raw link measured), the only modules of pdgpu that know streams,
+events and pinned memory. Its jobs and results are copy_job.py's.
 
 Every span runs through three stages, each on its own lane (streams.py), in issue order:
   gather  index the span out of the source pages into its staging slot's gather buffer
@@ -18,10 +19,8 @@ writer has stopped), puts its staging slot back (only then may it be reused) and
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -29,56 +28,14 @@ from concurrent.futures import Future
 import attrs
 import torch
 
-from pdgpu.decoder_pool import DecoderPool, Slab
+from pdgpu.copy_bandwidth import measure_copy_bandwidth
+from pdgpu.copy_job import CopierConfig, CopyFault, CopyJob, CopyResult, StageTime
+from pdgpu.decoder_pool import DecoderPool
 from pdgpu.handoff import KVPiece, StatePiece, staged
 from pdgpu.source_cache import gather
 from pdgpu.state_pool import StatePool, state_views
 from pdgpu.streams import STAGES, Backend, Mark, Ring
-from pdref.intervals import Range, length
-
-
-class CopyFault(RuntimeError):
-    """The injected failure of one copy (fault injection)."""
-
-
-@attrs.frozen
-class CopyJob:
-    """One span to move: source region of a request into its decoder slab."""
-
-    span: int
-    req: str
-    layers: Range
-    tokens: Range
-    src_slots: torch.Tensor  # [prompt] source slot per position
-    slab: Slab
-    ready: Mark  # the span's region is computed once this is done (Copier.mark_ready)
-    fail: bool = False  # fault injection: write half the span, then fail
-    # what it moves (handoff.py): a dense model's region is its one piece
-    pieces: tuple = attrs.field(default=attrs.Factory(
-        lambda self: (KVPiece(self.layers, self.tokens),), takes_self=True))
-
-
-@attrs.frozen
-class StageTime:
-    name: str
-    start: float
-    end: float
-    resource: str
-
-
-@attrs.frozen
-class CopyResult:
-    job: CopyJob
-    error: str | None
-    stages: tuple[StageTime, ...]
-    done_t: float  # run clock when every stage was seen complete (the writer has stopped)
-
-
-@attrs.frozen
-class CopierConfig:
-    slots: int  # staging buffers in the ring (= the spans that may be in flight)
-    span_elems: int  # elements of the largest span: each buffer's size
-    link_gbps: float | None = None  # pace d2h and h2d each to this many GB/s (1e9 bytes/s)
+from pdref.intervals import length
 
 
 @attrs.frozen
@@ -305,34 +262,6 @@ class Copier:
 def _end_of(stage: Future):
     """The end mark of a stage once its lane ran it (waits for the lane, not the device)."""
     return lambda: stage.result()[1]
-
-
-def _best_copy_s(stream, dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            dst.copy_(src, non_blocking=True)
-        if stream is not None:
-            stream.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def measure_copy_bandwidth(device, nbytes: int = 256 << 20, repeats: int = 5) -> dict:
-    """Best-of-`repeats` GB/s of device->host and host->device copies through the staging
-    kind of host memory the copier uses (pinned on CUDA), on a copy stream."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    stream = torch.cuda.Stream(device=device) if cuda else None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)  # [nbytes]
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)  # [nbytes]
-    return {
-        "d2h_gbps": nbytes / _best_copy_s(stream, host, dev, repeats) / 1e9,
-        "h2d_gbps": nbytes / _best_copy_s(stream, dev, host, repeats) / 1e9,
-        "bytes": nbytes,
-        "pinned": cuda and bool(host.is_pinned()),
-    }
 
 
 __all__ = ["CopierConfig", "CopyFault", "CopyJob", "CopyResult", "Copier", "StageTime",
