@@ -1,0 +1,100 @@
+"""bench/multiturn.py: its workload is pdsim's sessions, its figures agree with the server's
+own trace, and bad options are refused (a tiny run over `pdgpu serve --http`)."""
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import multiturn  # noqa: E402
+from pdsim.core.sessions import SessionSpec, SessionWorkload  # noqa: E402
+
+TINY = ["--model", "tiny", "--sessions", "3", "--turns", "2", "--system-prompt", "40",
+        "--turn-tokens", "8:20", "--output-tokens", "3", "--think", "0.2", "--rate", "20"]
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--sessions", "0", "--sessions must be >= 1"),
+    ("--turn-tokens", "9:4", "--turn-tokens must be A:B"),
+    ("--think", "-1", "--think must be >= 0"),
+    ("--output-tokens", "0", "--output-tokens must be >= 1"),
+    ("--cache", "sometimes", "--cache must be distinct settings"),
+    ("--cache", "off,off", "--cache must be distinct settings"),
+])
+def test_a_bad_option_is_refused_with_exit_2(capsys, option, value, says):
+    """A bad option: exit 2 with a line naming it, before any server starts."""
+    with pytest.raises(SystemExit) as stop:
+        multiturn.main([*TINY, option, value])
+    assert stop.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_the_sessions_are_pdsims_workload():
+    """Lengths, think times and starts are pdsim's for the same spec; each prompt is the one
+    before, its answer and new user tokens, all after the shared system prompt."""
+    spec = SessionSpec(4, 3, 50, (5, 30), (7, 7), 1.5, 2.0, 0.0, 11)
+    system, sessions = multiturn.build_sessions(spec, vocab=97)
+    work = SessionWorkload(spec)
+    turns = {t.req: t for s in sessions for t in s.turns}
+    assert sorted(turns) == sorted(r.req for r in work.all_turns())
+    for r in work.all_turns():
+        assert turns[r.req].prompt == r.prompt and turns[r.req].output == r.output_tokens
+    thinks = {turn.req: think for think, turn in work.followups.values()}
+    assert sorted(s.start for s in sessions) == [r.arrival for r in work]
+    for session in sessions:
+        history = len(system)
+        for turn in session.turns:
+            assert turn.prompt == history + len(turn.user)
+            assert turn.think_s == thinks.get(turn.req, 0.0)
+            assert all(0 <= t < 97 for t in turn.user)
+            history = turn.prompt + turn.output
+    assert len(system) == 50
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("multiturn")
+    out = folder / "report.json"
+    stdout = sys.stdout
+    with out.open("w") as sys.stdout:
+        code = multiturn.main([*TINY, "--trace-dir", str(folder), "--json"])
+    sys.stdout = stdout
+    return code, json.loads(out.read_text()), folder
+
+
+def test_a_tiny_run_serves_every_turn_and_agrees_with_the_trace(tiny_run):
+    """Every turn answered in full; the prompts the server reserved are the bench's, and the
+    bytes handed off are the K/V of every prompt token the decoder did not hold already."""
+    code, report, folder = tiny_run
+    assert code == 0
+    for run in report["runs"]:
+        assert run["requests"] == run["ok"] == run["server_ok"] == 6 and run["errors"] == 0
+        assert run["output_tokens"] == 6 * 3 and run["leaked_pages"] == 0
+        header, *events = [json.loads(line) for line in
+                           (folder / f"{run['setting']}.jsonl").read_text().splitlines()]
+        reserves = [e for e in events if e["kind"] == "reserve"]
+        assert Counter(e["prompt"] for e in reserves) == Counter(t["prompt"] for t in run["turns"])
+        g = header["geometry"]
+        per_token = 2 * g["layers"] * g["kv_heads"] * g["head_dim"] * g["dtype_bytes"]
+        crossed = sum(e["prompt"] - e["prefix"] for e in reserves)
+        assert run["bytes_handed_off"] == crossed * per_token > 0
+
+
+def test_a_tiny_run_keeps_think_times_and_consistent_figures(tiny_run):
+    """A turn is sent no sooner than its think time after the previous answer's last token;
+    TTFT p50 <= p99; tokens/s is the output over the run's wall time."""
+    _, report, _ = tiny_run
+    for run in report["runs"]:
+        by_req = {t["req"]: t for t in run["turns"]}
+        for req, turn in by_req.items():
+            session, k = req[1:].split("t")
+            if int(k) > 0:
+                before = by_req[f"s{session}t{int(k) - 1}"]
+                assert turn["sent"] >= before["end"]
+                assert turn["prompt"] > before["prompt"] + len(before["tokens"])
+        assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
+        assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
