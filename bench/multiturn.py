@@ -77,8 +77,8 @@ def _parse(argv):
     p.add_argument("--system-prompt", type=int, default=256, help="shared leading tokens")
     p.add_argument("--turn-tokens", type=int_range, default=(32, 96), help="user tokens A:B")
     p.add_argument("--output-tokens", type=int, default=16, help="answer tokens per turn")
-    p.add_argument("--think", type=float, default=1.0, help="mean think time, seconds")
-    p.add_argument("--rate", type=float, default=1.0, help="session starts per second")
+    p.add_argument("--think", type=float, default=2.0, help="mean think time, seconds")
+    p.add_argument("--rate", type=float, default=0.5, help="session starts per second")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--producers", type=int, default=1)
     p.add_argument("--chunk", type=int, default=64)
@@ -100,6 +100,8 @@ def _check(p, args) -> None:
     for name in ("output_tokens", "producers", "chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.trace_dir is not None and not args.trace_dir.is_dir():
+        p.error(f"--trace-dir: {args.trace_dir} is not an existing folder")
     settings = args.cache.split(",")
     unknown = [s for s in settings if s not in CACHE_FLAGS]
     if unknown or len(set(settings)) != len(settings):

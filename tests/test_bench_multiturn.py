@@ -24,6 +24,7 @@ TINY = ["--model", "tiny", "--sessions", "3", "--turns", "2", "--system-prompt",
     ("--output-tokens", "0", "--output-tokens must be >= 1"),
     ("--cache", "sometimes", "--cache must be distinct settings"),
     ("--cache", "off,off", "--cache must be distinct settings"),
+    ("--trace-dir", "/nonexistent/folder", "--trace-dir: /nonexistent/folder is not an"),
 ])
 def test_a_bad_option_is_refused_with_exit_2(capsys, option, value, says):
     """A bad option: exit 2 with a line naming it, before any server starts."""
