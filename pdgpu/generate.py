@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens, greedy
+from pdgpu.decode_kv import DecodeBatch, DecodeCache, Forward, decode_logits, decode_tokens, greedy
 from pdgpu.handoff import handoff_geometry, kv_geometry
 from pdgpu.model import Transformer
 from pdgpu.prefill import Prefill, warm_prefix
@@ -47,9 +47,10 @@ def step_at(sampling: Sampling, position: int, stops: frozenset[int], slot: int 
 @torch.no_grad()
 def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: int = 64,
              prefix: int = 0, page_tokens: int = 16, eos: int | None = None,
-             sampling: Sampling = GREEDY) -> list[int]:
+             sampling: Sampling = GREEDY, forward: Forward = decode_logits) -> list[int]:
     """The `output_tokens` tokens after `tokens` (the first one from prefill), or fewer,
-    ending with `eos` when that token comes first (unless `sampling` ignores it)."""
+    ending with `eos` when that token comes first (unless `sampling` ignores it); each
+    decode step run by `forward` (eager, or a decode_graph.GraphedStep)."""
     if output_tokens < 1:
         raise ValueError(f"output_tokens must be >= 1, got {output_tokens}")
     device = model.inv_freq.device
@@ -72,5 +73,5 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
     context = kv.kv.index_select(2, kv.slots)  # [L, 2, prompt, KVH, D]
     seq = DecodeCache.for_model(model).add(context, kv.read_state())
     while len(out) < output_tokens and out[-1] not in stops:
-        out.append(decode_tokens(model, DecodeBatch([seq]), [out[-1]], pick)[0])
+        out.append(decode_tokens(model, DecodeBatch([seq]), [out[-1]], pick, forward)[0])
     return out

@@ -18,6 +18,7 @@ import time
 
 from pdgpu import interrupt
 from pdgpu.checkpoint import CheckpointError
+from pdgpu.decode_graph import decode_forward, graph_problem
 from pdgpu.serve.args import add_parsers  # noqa: F401 - pdgpu.cli registers it from here
 from pdgpu.serve.command import (
     check_eos,
@@ -104,13 +105,17 @@ def cmd_generate(args) -> int:
     check_eos(args.eos_token, spec.vocab)
     sampling = _sampling(args)
     device = check_device(args.device)
+    problem = graph_problem(args.cuda_graphs, device)
+    if problem is not None:
+        raise WorkloadError(problem)
     from pdgpu.generate import generate
     use_device(device)
     with compute_threads("cpu", args.threads):  # as before once it returns (main() in-process)
         model = load_served_model(args.model, args.seed, args.dtype, device)
         start = time.perf_counter()
         output = generate(model, tokens, args.output_tokens, args.chunk, args.prefix,
-                          args.page_tokens, args.eos_token, sampling)
+                          args.page_tokens, args.eos_token, sampling,
+                          decode_forward(args.cuda_graphs, device))
         wall = time.perf_counter() - start
     if args.json:
         print(json.dumps({"output": output, "prompt": len(tokens), "model": spec.name,

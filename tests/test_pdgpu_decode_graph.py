@@ -24,6 +24,17 @@ def _cache(model, lengths, seed=0):
     return cache, seqs
 
 
+def _sensitive(device="cpu"):
+    """The tiny model with weights large enough that a token depends on its whole context
+    (at the presets' init it echoes its input: stale K/V would not show)."""
+    model = build_model(TINY, device=device, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(8)
+    return model
+
+
 def test_the_step_traces_whole_with_no_graph_break():
     """torch.compile(fullgraph=True) traces the step (0 graph breaks) and gives eager's
     logits, over two buckets and padding rows."""
@@ -70,27 +81,15 @@ def test_the_padded_layout_takes_few_shapes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_gives_the_eager_steps_tokens():
     """On CUDA, steps replayed from captured graphs give the eager steps' tokens, while
-    requests join, leave and cross into a wider bucket (new layouts captured on the way)."""
+    requests join, leave and cross into a wider bucket (each layout captured once, those of
+    a passed generation dropped, the pool given up and taken afresh)."""
     from pdgpu.decode_graph import GraphedStep
-    model = build_model(TINY, device="cuda", seed=0)
+    model = _sensitive("cuda")
+    eager, keys = _steps(model, decode_logits)
     graphed = GraphedStep()
-    runs = {}
-    for name, step in (("eager", decode_logits), ("graph", graphed)):
-        cache, seqs = _cache(model, [250, 40, 100])
-        tokens, out = [1, 2, 3], []
-        for i in range(12):
-            if i == 4:
-                seqs.append(cache.add(torch.zeros(TINY.layers, 2, 60, TINY.kv_heads,
-                                                  TINY.head_dim, device="cuda")))
-                tokens.append(4)
-            if i == 8:
-                cache.remove(seqs.pop(1))
-                tokens.pop(1)
-            tokens = decode_tokens(model, DecodeBatch(seqs), tokens, forward=step)
-            out.append(tokens)
-        runs[name] = out
-    assert runs["graph"] == runs["eager"]
-    assert 2 <= graphed.captures <= 6
+    replayed, _ = _steps(model, graphed)
+    assert replayed == eager
+    assert graphed.captures == len(set(keys))
 
 
 @pytest.mark.gpu
@@ -114,3 +113,74 @@ def test_cuda_decode_step_is_batch_invariant(dtype):
     together = logits([0, 1, 2, 3, 4])
     for place in range(5):
         assert torch.equal(logits([place])[0], together[place]), place
+
+
+def _steps(model, forward):
+    """Steps over a padded cache while requests join, leave and cross into a wider bucket:
+    (tokens of each step, the batch key of each step). Step 6 has step 0's padded layout
+    over the rows the join of step 4 doubled: a layout whose key missed the new rows would
+    replay the old ones."""
+    cache, seqs = _cache(model, [245, 40, 100])
+    tokens, out, keys = [1, 2, 3], [], []
+    for i in range(14):
+        if i in (2, 4):  # 4 rows then 5: the bucket's rows double, 4 -> 8
+            seqs.append(cache.add(torch.zeros(TINY.layers, 2, 20 + i, TINY.kv_heads,
+                                              TINY.head_dim)))
+            tokens.append(4 + i)
+        if i in (6, 12):  # 4 rows padded to 4 again; at 12 the rows halve
+            cache.remove(seqs.pop(1))
+            tokens.pop(1)
+        batch = DecodeBatch(seqs)  # at 11 the first request crosses into width 512
+        keys.append(batch.key)
+        tokens = decode_tokens(model, batch, tokens, forward=forward)
+        out.append(list(tokens))  # the next step's joins and leaves edit `tokens`
+    return out, keys
+
+
+@pytest.mark.parametrize("most", [1, 2, 16])
+def test_graphed_steps_replay_eagers_tokens_with_few_graphs_held(most):
+    """Replayed through a captured batch (the CPU stand-in for a graph), steps give the eager
+    steps' tokens while the layout changes; a layout is captured once while it is held, at
+    most `most` are held, and one whose generation passed is dropped."""
+    from graph_helpers import replay_eagerly
+
+    from pdgpu.decode_graph import GraphedStep
+    model = _sensitive()
+    eager, keys = _steps(model, decode_logits)
+    held = []
+
+    def capture(model, batch, pool):
+        held.append(len(graphed.graphs) + 1)
+        return replay_eagerly(model, batch, pool)
+    graphed = GraphedStep(most=most, capture=capture)
+    replayed, replayed_keys = _steps(model, graphed)
+    assert replayed == eager and replayed_keys == keys
+    assert len({k[0] for k in keys}) >= 2  # a generation passed (the rows doubled, a width)
+    if most >= len(set(keys)):
+        assert graphed.captures == len(set(keys))  # each layout once
+    if most == 1:  # a change of layout is a capture
+        assert graphed.captures == 1 + sum(a != b for a, b in zip(keys, keys[1:], strict=False))
+    assert max(held) <= most + 1 and len(graphed.graphs) <= most
+
+
+def test_warm_up_leaves_a_hybrids_linear_states_as_they_were():
+    """The warm-up before a capture runs the step eagerly (which advances a gated DeltaNet
+    state) and puts the batch's states back: a replay then advances them once."""
+    from pdgpu.decode_graph import warm_up
+    model = build_model(load_model("tiny-qwen3.5"), seed=0)
+    cache = DecodeCache.for_model(model, padded=True)
+    spec, state = model.spec, model.state_shape
+    seqs = [cache.add(torch.randn(len(model.arch.kv_layers), 2, n, spec.kv_heads,
+                                  spec.head_dim),
+                      (torch.randn(state.layers, *state.conv),
+                       torch.randn(state.layers, *state.recurrent)))
+            for n in (30, 50)]
+    batch = DecodeBatch(seqs)
+    batch.feed([3, 4])
+    before = cache.states.conv.clone(), cache.states.recurrent.clone()
+    warm_up(model, batch)
+    assert torch.equal(cache.states.conv, before[0])
+    assert torch.equal(cache.states.recurrent, before[1])
+    with torch.no_grad():
+        decode_logits(model, batch)
+    assert not torch.equal(cache.states.recurrent, before[1])  # a step does move them

@@ -58,6 +58,8 @@ def _one_line_exit_2(capsys, argv) -> str:
     (["--restart-producers", "--role", "decoder", "--rank", "0", "--world-size", "2",
       "--init-method", "tcp://127.0.0.1:1"], "restart-producers"),
     (["--model", "./no-such-model"], "model: ./no-such-model does not exist"),
+    (["--cuda-graphs", "on"], "cuda-graphs: on needs the decoder on a CUDA device, got cpu"),
+    (["--cuda-graphs", "yes"], "--cuda-graphs"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, field):
     """Each bad field: one line naming it, exit 2, no process started."""
@@ -85,8 +87,11 @@ def test_port_in_use_is_refused(capsys):
 
 
 def test_generate_refuses_out_of_vocab_and_prints_json(capsys):
-    """generate: a bad token is exit 2; --json prints the output token list."""
+    """generate: a bad token or CUDA graphs on a CPU is exit 2; --json prints the output
+    token list."""
     _one_line_exit_2(capsys, ["generate", "--tokens", "1,999"])
+    assert "cuda-graphs: on needs" in _one_line_exit_2(
+        capsys, ["generate", "--tokens", "1", "--cuda-graphs", "on"])
     assert main(["generate", "--tokens", "5,6,7", "--output-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["output"]) == 3 and all(0 <= t < 256 for t in out["output"])

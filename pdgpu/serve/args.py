@@ -6,6 +6,7 @@ import argparse
 
 from pdgpu.cli_types import int_at_least as _int
 from pdgpu.cli_types import positive_float as _positive
+from pdgpu.decode_graph import GRAPH_MODES
 from pdgpu.sampling import problem
 from pdgpu.serve.config import DEBUG_BUGS
 from pdref.events import Mode
@@ -79,6 +80,9 @@ def _model_args(p) -> None:
     p.add_argument("--threads", type=_int(1), default=1, help="torch threads per process")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (serve: the "
                    "producers', or with --role this process's; cuda between processes: NCCL)")
+    p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="auto",
+                   help="replay the decode step as CUDA graphs: auto (default: where the "
+                   "decoder is on CUDA), on (refused on CPU), off (eager)")
 
 
 def _serve_args(p) -> None:

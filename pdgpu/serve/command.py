@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pdgpu.decode_graph import graph_problem
 from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.devices import serve_devices, use_device
 from pdgpu.serve.faults import FaultPolicy, FaultSpec, parse_kill
@@ -128,6 +129,11 @@ def fault_options(args, producers: int) -> tuple[FaultSpec, FaultPolicy]:
 
 
 def serve_config(args, workload: Workload, faults: FaultSpec) -> ServeConfig:
+    """The run's config (after `serve_devices`: the decoder's device is known)."""
+    problem = None if args.role == "producer" else graph_problem(args.cuda_graphs,
+                                                                   args.decoder_device)
+    if problem is not None:
+        raise WorkloadError(problem)
     spec_pages = -(-max(r.prompt for r in workload.requests) // args.page_tokens)
     prefix_pages = workload.prefix // args.page_tokens
     return ServeConfig(
@@ -137,7 +143,7 @@ def serve_config(args, workload: Workload, faults: FaultSpec) -> ServeConfig:
         pool_pages=_pool_pages(args, workload), link_gbps=args.link_gbps, verify=args.verify,
         debug=args.debug, prefix_tokens=workload.prefix_tokens,
         source_pages=prefix_pages + 2 * (spec_pages - prefix_pages), threads=args.threads,
-        faults=faults, beat_s=args.heartbeat_timeout / 4)
+        faults=faults, beat_s=args.heartbeat_timeout / 4, cuda_graphs=args.cuda_graphs)
 
 
 def check_eos(eos: int | None, vocab: int) -> None:

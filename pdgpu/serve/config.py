@@ -44,6 +44,7 @@ class ServeConfig:
     threads: int = 1
     faults: FaultSpec = attrs.field(factory=FaultSpec, converter=_fault_spec)
     beat_s: float = 1.0  # a producer sends a heartbeat this often
+    cuda_graphs: str = "auto"  # the decoder's step: auto, on, off (decode_graph.py)
 
     @property
     def prefix(self) -> int:

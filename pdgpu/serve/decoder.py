@@ -20,7 +20,7 @@ from collections import deque
 import attrs
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
+from pdgpu.decode_kv import DecodeBatch, DecodeCache, Forward, decode_logits, decode_tokens
 from pdgpu.generate import step_at, stop_tokens
 from pdgpu.sampler import Sampler
 from pdgpu.serve.faults import FaultPolicy, FaultSpec
@@ -39,8 +39,9 @@ class Decoder:
     def __init__(self, ledger: Ledger, model, workload: Workload, prefix_kv: torch.Tensor,
                  members: Members, policy: FaultPolicy, faults: FaultSpec, verify: bool,
                  progress=None, stall_s: float = 300.0, eos: int | None = None,
-                 inbox=None) -> None:
+                 inbox=None, forward: Forward = decode_logits) -> None:
         self.ledger, self.model, self.members = ledger, model, members
+        self.forward = forward  # the decode step: eager, or replayed (decode_graph.py)
         self.workload, self.prefix_kv = workload, prefix_kv
         self.verify = verify
         self.progress, self.stall_s, self.eos = progress, stall_s, eos
@@ -339,7 +340,8 @@ class Decoder:
             tokens, logprobs = self.sampler.draw(logits, steps)
             found.append(logprobs)
             return tokens
-        tokens = decode_tokens(self.model, batch, [t.output[-1] for t in self.running], pick)
+        tokens = decode_tokens(self.model, batch, [t.output[-1] for t in self.running], pick,
+                               self.forward)
         now = self.ledger.now()
         self.ledger.stage(self.running[0].req, "decode", start, now, resource="decoder",
                           batch=len(self.running), kv_tokens=kv_tokens)

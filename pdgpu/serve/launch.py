@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pdgpu import audit, interrupt
+from pdgpu.decode_graph import decode_forward, uses_graphs
 from pdgpu.handoff import handoff_geometry
 from pdgpu.prefill import prefix_kv
 from pdgpu.serve import clock
@@ -162,10 +163,13 @@ def start_header(config: ServeConfig, producers: int, kv_lane: str) -> ev.Header
     return _header(config, spec, producers, {rank: kv_lane for rank in range(producers)})
 
 
-def _header(config: ServeConfig, spec, producers: int, lanes: dict[int, str]) -> ev.Header:
+def _header(config: ServeConfig, spec, producers: int, lanes: dict[int, str],
+            graphs: bool | None = None) -> ev.Header:
     extra = {"chunk": config.chunk, "model": spec.name, "engine": "pdgpu serve",
              "producers": producers, "verify": config.verify,
              "transport": "+".join(sorted(set(lanes.values())))}
+    if graphs is not None:  # known once the decoder's device is (the start header's is not)
+        extra["cuda_graphs"] = graphs
     if config.link_gbps is not None:
         extra["link_gbps"] = config.link_gbps
     return ev.Header("pdgpu serve", config.mode, handoff_geometry(spec, config.page_tokens),
@@ -247,7 +251,8 @@ def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: Fau
     handshake(transport, config, timeout_s, check_peers, device)
     model = load_served_model(config.model, config.seed, config.dtype, device)
     prefix_kv = prefix_cache(model, config)  # [L, 2, prefix, KVH, D] on `device`
-    header = _header(config, model.spec, len(transport.peers()), transport.lanes())
+    header = _header(config, model.spec, len(transport.peers()), transport.lanes(),
+                     uses_graphs(config.cuda_graphs, device))
     if run.log is None:
         run.log = TraceLog(header, trace)
     else:  # opened at the start with the lane asked for: now the lanes agreed
@@ -262,7 +267,8 @@ def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: Fau
     members = Members(transport, config, offsets, policy.heartbeat_timeout, timeout_s,
                       processes, policy.restart_producers, device)
     run.decoder = Decoder(run.ledger, model, workload, prefix_kv, members, policy,
-                          config.faults, config.verify, progress, eos=eos, inbox=run.frontend)
+                          config.faults, config.verify, progress, eos=eos, inbox=run.frontend,
+                          forward=decode_forward(config.cuda_graphs, device))
     if run.results is not None:
         run.decoder.on_end = run.results.add
     start = time.perf_counter()

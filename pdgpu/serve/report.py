@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from pdgpu.decode_graph import GraphedStep
 from pdgpu.serve.decoder import Decoder, Tracked
 from pdgpu.serve.ledger import Ledger
 from pdref.metrics import life_metrics
@@ -104,8 +105,15 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "transport": dict(ledger.header.extra).get("transport"),  # shm, gloo, nccl, ...
         "kv_bytes_by_lane": _received(decoder),  # which lane carried the bytes, measured
         "verify_s": ledger.kv_landing.verify_s,  # the decoder's seconds checking landed bytes
+        "decode_graph_captures": _captures(decoder),
         **ledger.check_metrics(wall_s),  # live checks' share of wall, the audit's lag
     }
+
+
+def _captures(decoder: Decoder) -> int | None:
+    """Decode-step layouts captured as CUDA graphs (`--cuda-graphs`), None when eager."""
+    forward = decoder.forward
+    return forward.captures if isinstance(forward, GraphedStep) else None
 
 
 def _received(decoder: Decoder) -> dict[str, int] | None:
