@@ -28,7 +28,9 @@ Modules (one concept each):
   faults        fault injection: a failing span, the protocol-breaking debug switches
   payload       export only: the known payload written and checked byte-exact
   host          glibc told to keep freed memory (a serving process keeps its heap)
-  engine        one step loop over pdref.plan.plan_steps per request (whole / chunk / layer)
+  engine        serve requests one at a time: the run, and one life of a request
+  engine_warmup the warm-up before t = 0 (a throwaway chunk and copies, caches zeroed)
+  step_loop     one step loop over pdref.plan.plan_steps per life (whole / chunk / layer)
   compare       the modes side by side: KV parity with whole, ratios
   cli           `pdgpu run` and `pdgpu compare` (and registers serve_cli's commands)
   cli_types     argument types shared by the command lines (integer >= n, finite > 0)

@@ -1,55 +1,41 @@
 """The engine: prefill a request on the producer, hand its KV to the decoder, checked live.
 
-Before t = 0 (unless `warmup` is off): one throwaway chunk of prefill and the head, and one
-copy through every staging slot into the decoder pool, on the run's devices and threads; then
-the source pages go back and both caches are zeroed. Nothing of it is traced or checked.
-
-Per request (one at a time, back to back on the same source pages), one loop over the step
-schedule of `pdref.plan.plan_steps`:
-  run the step     launch its compute (on CUDA nothing waits for it) and mark its readiness
-  emit `computed`  for every step whose readiness mark completed, in order
-  issue            the spans those steps made ready, as pdref's `can_issue` allows (the
-                   producer blocks while max_pending spans are in flight or unfenced)
-  poll             completions: the copier's watcher emits `land`/`fail` as they happen
-then the head and `produced` (whole mode issues its span here), wait for every span, `reuse`
-the source pages, `admit`, `release`. On a failed span: `fail` and `fence` (from the watcher,
-once the span's writer stopped), wait for the others, `reuse`, `abort`, retry.
+Before t = 0 (unless `warmup` is off) the run warms up (engine_warmup.py). Per request (one at
+a time, back to back on the same source pages), one loop over the step schedule of
+`pdref.plan.plan_steps` (step_loop.py: compute, `computed`, issue, poll), then the head and
+`produced` (whole mode issues its span here), wait for every span, `reuse` the source pages,
+`admit`, `release`. On a failed span: `fail` and `fence` (from the watcher, once the span's
+writer stopped), wait for the others, `reuse`, `abort`, retry.
 Every resource operation goes through the EngineLedger (engine_ledger.py), which emits its
-event first.
+event first. Here: the run (buffers, header, metrics) and one life of a request.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from functools import partial
 
 import attrs
 import torch
 
 from pdgpu import audit, host
-from pdgpu.copier import Copier, CopierConfig, CopyJob
+from pdgpu.copier import Copier, CopierConfig
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine_ledger import EngineLedger, LifeKV
+from pdgpu.engine_warmup import WarmUp
 from pdgpu.faults import DEBUG_BREAKS, Faults
-from pdgpu.handoff import handoff_geometry, kv_geometry, pieces
+from pdgpu.handoff import handoff_geometry, kv_geometry
 from pdgpu.model import Transformer
-from pdgpu.payload import fill_payload, payload_matches
+from pdgpu.payload import payload_matches
 from pdgpu.prefill import Prefill, warm_prefix
 from pdgpu.recorder import Recorder, engine_metrics
 from pdgpu.run_decode import RunDecoder
 from pdgpu.source_cache import RequestKV, SourceCache
+from pdgpu.step_loop import EngineError, Loop, StepLoop
 from pdgpu.streams import compute_threads
 from pdgpu.workload import EngineConfig, Plan, Request, setup_check
 from pdref import events as ev
-from pdref.events import Mode
-from pdref.plan import Region, Step, plan_spans, plan_steps
 
 __all__ = ["DEBUG_BREAKS", "Engine", "EngineError", "Outcome", "RunResult"]
-
-
-class EngineError(RuntimeError):
-    """A run that cannot go on (every retry failed, admission refused, payload corrupted)."""
 
 
 @attrs.frozen
@@ -70,26 +56,10 @@ class RunResult:
     metrics: dict
 
 
-@attrs.define
-class _Pending:
-    """A step launched whose `computed` is not emitted yet."""
 
-    step: Step
-    start: object  # readiness marks (copier.Mark) before and after its compute
-    end: object
+class Engine(WarmUp, StepLoop):
+    """Serve requests one at a time through a producer, the copier and a decoder pool."""
 
-
-@attrs.define
-class _Loop:
-    """The per-life state of the step loop."""
-
-    life: LifeKV
-    prefill: Prefill  # the request's compute, step by step (its `last` hidden state)
-    pending: deque = attrs.Factory(deque)  # _Pending, in step order
-    ready: deque = attrs.Factory(deque)  # (Region, mark) computed and not yet issued
-
-
-class Engine:
     def __init__(self, model: Transformer, config: EngineConfig) -> None:
         self.model, self.config = model, config
         self.geometry = handoff_geometry(model.spec, config.page_tokens)  # the trace's (v3)
@@ -161,56 +131,6 @@ class Engine:
                 "host_staging_bytes": self.copier.host_staging_bytes,
                 "source_alloc_bytes": self.copier.source_side_bytes}
 
-    def _warm_up(self, requests: list[Request]) -> float:
-        """Before t = 0: prefill one chunk (and the head) of the request with the largest
-        span into its source pages, copy that span once through every staging slot into the
-        decoder pool, give the pages back and zero both caches. Seconds it took."""
-        start = time.perf_counter()
-        request = max(requests, key=self._largest_region_elems)
-        src = self.source.open(request.prompt)
-        tokens = torch.tensor(request.tokens[:self.config.chunk], dtype=torch.int64,
-                              device=self.config.device)
-        if len(tokens) and not self.config.no_compute:
-            throwaway = Prefill(self.model, tokens, 0, self.config.chunk, src)
-            throwaway.chunk((0, len(tokens)))
-            self.model.logits(throwaway.last)
-        ready = self.copier.mark_ready()
-        region = max(self._plan_spans(request), key=partial(self._region_elems, request),
-                     default=None)
-        if region is not None:
-            self._warm_copies(request, region, src, ready)
-        self.source.close(src)  # before t = 0 and any event: nothing reads these pages
-        self.source.kv.zero_()  # on the compute stream, before the first request's prefill
-        self.copier.mark_ready().wait()
-        return time.perf_counter() - start
-
-    def _warm_copies(self, request: Request, region: Region, src: RequestKV, ready) -> None:
-        """Copy `region` through every staging slot into the decoder pool (and a state slot
-        of it), then zero the pool: the copy path touched once before t = 0."""
-        pages = tuple(range(self.geometry.pages_for(request.prompt - request.prefix)))
-        slab = self.pool.slab(pages, request.prefix, request.prompt)
-        states = self.pool.states
-        slot = None if states is None else states.take()
-        parts = pieces(self.geometry, region, request.prompt, request.prefix,
-                       (src.state_slot, slot))
-        self.copier.warm_up([CopyJob(-1 - i, "warm-up", region.layers, region.tokens,
-                                     src.slots, slab, ready, pieces=parts)
-                             for i in range(self.copier.config.slots)])
-        if states is not None:
-            states.give_back(slot)
-
-    def _region_elems(self, request: Request, region: Region) -> int:
-        g = self.geometry
-        return region.span_bytes(g, request.prompt, request.prefix) // g.dtype_bytes
-
-    def _largest_region_elems(self, request: Request) -> int:
-        return max(map(partial(self._region_elems, request), self._plan_spans(request)),
-                   default=0)
-
-    def _plan_spans(self, request: Request) -> list[Region]:
-        return plan_spans(self.config.mode, self.geometry, request.prompt, request.prefix,
-                          self.config.chunk)
-
     def _serve_all(self, rec: Recorder, requests: list[Request]):
         outcomes = tuple(self._serve(rec, r, first=i == 0) for i, r in enumerate(requests))
         return outcomes, time.perf_counter() - rec.t0
@@ -222,11 +142,6 @@ class Engine:
                 return outcome
         raise EngineError(f"request {request.req!r}: copy failed on all {attempt} attempts")
 
-    def _raise_copy_errors(self) -> None:
-        """A violation raised on the copier's watcher (e.g. by a `land`) stops the run here."""
-        if self.copier.callback_error is not None:
-            raise self.copier.callback_error
-
     # -- one life of a request ---------------------------------------------------------------
 
     def _attempt(self, rec: Recorder, request: Request, attempt: int, first: bool):
@@ -235,7 +150,7 @@ class Engine:
         prefill = self._warm_prefix(src, tokens, request.prefix)
         if first:
             rec.restart_clock()  # t = 0 once the producer's prefix cache is warm
-        loop = _Loop(self.ledger.reserve(request, src, tokens), prefill)
+        loop = Loop(self.ledger.reserve(request, src, tokens), prefill)
         self._run_steps(rec, loop)
         if self.ledger.failed(request.req):
             return self._abort(loop.life)
@@ -270,92 +185,6 @@ class Engine:
         token = int(self.model.logits(hidden).argmax(dim=-1)[0])
         rec.stage(req, "head", start, rec.now(), resource="producer")
         return token
-
-    # -- the step loop -----------------------------------------------------------------------
-
-    def _run_steps(self, rec: Recorder, loop: _Loop) -> None:
-        """The one loop: launch each step, emit `computed` for the steps whose readiness mark
-        completed, issue what they made ready (whole mode: after `produced`), and surface
-        what the watcher hit while landing; then the same for the steps still running."""
-        r, c = loop.life.request, self.config
-        steps = plan_steps(c.mode, self.geometry, r.prompt, r.prefix, c.chunk,
-                           compute=not c.no_compute)
-        for step in steps:
-            if self.ledger.failed(r.req):
-                return
-            if self.faults.issues_before_compute:
-                loop.ready.extend((s, self.copier.mark_ready()) for s in step.spans)
-                self._issue_ready(rec, loop)
-            start = self.copier.mark_ready()
-            self._compute(loop, step)
-            loop.pending.append(_Pending(step, start, self.copier.mark_ready()))
-            self._emit_computed(rec, loop)
-            if c.mode is not Mode.WHOLE:
-                self._issue_ready(rec, loop)
-            self._raise_copy_errors()
-        while loop.pending and not self.ledger.failed(r.req):  # the device may still compute
-            loop.pending[0].end.wait()
-            self._emit_computed(rec, loop)
-            if c.mode is not Mode.WHOLE:
-                self._issue_ready(rec, loop)
-
-    def _compute(self, loop: _Loop, step: Step) -> None:
-        """Launch one step's compute (on CUDA this only enqueues kernels)."""
-        if self.config.no_compute:
-            fill_payload(loop.life.src, step.layers, step.tokens)
-        elif self.config.mode is Mode.LAYER:
-            loop.prefill.layer(step.layers[0])
-        else:
-            loop.prefill.chunk(step.tokens)
-
-    def _emit_computed(self, rec: Recorder, loop: _Loop) -> None:
-        """`computed` (and its `compute` stage) for each launched step whose readiness mark
-        completed, in order (never waiting); its spans become ready to issue."""
-        while loop.pending and loop.pending[0].end.done():
-            done = loop.pending.popleft()
-            step = done.step
-            name = "fill" if self.config.no_compute else "compute"
-            rec.stage(loop.life.req, name, done.start.time(), done.end.time(),
-                      resource="producer", tokens=step.tokens)
-            self.ledger.computed(loop.life.req, step.layers, step.tokens)
-            loop.ready.extend((s, done.end) for s in step.spans)
-
-    def _issue_ready(self, rec: Recorder, loop: _Loop) -> None:
-        """Issue the ready spans in order, each once pdref's `can_issue` allows it."""
-        req = loop.life.req
-        while loop.ready:
-            self._wait_for_slot(rec, req)
-            if self.ledger.failed(req):
-                return
-            region, ready = loop.ready.popleft()
-            self.ledger.issue(loop.life, region, ready)
-
-    def _wait_for_slot(self, rec: Recorder, req: str) -> None:
-        """Block (no compute) while the producer has max_pending spans in flight."""
-        if self.faults.skips_block:
-            return
-        start, waited = rec.now(), False
-        while True:
-            seen = self.copier.completions
-            if self.ledger.failed(req) or self._may_issue(rec):
-                break
-            if not self.copier.in_flight:  # nothing will land: waiting would never end
-                raise EngineError(f"request {req!r}: pdref refuses an issue with no copy in "
-                                  "flight (max_pending held by spans that never end)")
-            self.copier.wait_progress(seen)
-            self._raise_copy_errors()
-            waited = True
-        if waited:
-            rec.stage(req, "blocked", start, rec.now(), resource="producer")
-
-    def _may_issue(self, rec: Recorder) -> bool:
-        """pdref's `can_issue`, asked once the copier has a free staging slot (with none, no
-        issue can go out whatever pdref says: one query per issue, not one per wake-up)."""
-        return self.copier.free_slots > 0 and rec.ask("can_issue")
-
-    def _wait_all(self) -> None:
-        self.copier.drain()
-        self._raise_copy_errors()
 
     # -- end of a life -----------------------------------------------------------------------
 

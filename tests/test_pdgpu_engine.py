@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdgpu.decoder_pool import DecoderPool
-from pdgpu.engine import Engine, EngineError, _Loop, _Pending
+from pdgpu.engine import Engine, EngineError
 from pdgpu.engine_ledger import EngineLedger
 from pdgpu.generate import prefill_chunks
 from pdgpu.model import build_model
@@ -20,6 +20,7 @@ from pdgpu.payload import fill_payload, payload_matches, payload_values
 from pdgpu.prefill import Prefill
 from pdgpu.recorder import Recorder
 from pdgpu.source_cache import SourceCache
+from pdgpu.step_loop import Loop, Pending
 from pdgpu.streams import Backend, HostMark
 from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
 from pdref import events as ev
@@ -307,11 +308,11 @@ def test_computed_waits_for_the_steps_readiness_mark():
     with _engine_with_ledger() as (engine, rec, request):
         src = engine.source.open(request.prompt)
         tokens = torch.tensor(request.tokens)
-        loop = _Loop(engine.ledger.reserve(request, src, tokens),
+        loop = Loop(engine.ledger.reserve(request, src, tokens),
                      Prefill(engine.model, tokens, 0, 16, src))
         step = plan_steps("chunk", engine.geometry, request.prompt, 0, 16)[0]
         end = HostMark(rec.now)
-        loop.pending.append(_Pending(step, HostMark.now(rec.now), end))
+        loop.pending.append(Pending(step, HostMark.now(rec.now), end))
         engine._emit_computed(rec, loop)
         assert not any(e.kind == "computed" for e in rec.protocol) and not loop.ready
         end.set()
