@@ -305,7 +305,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.trace_dir or Path(tmp)
         runs = [serve_setting(args, setting, system, sessions, folder) for setting in args.cache]
-    report = {"runs": runs, "same_answers": same_answers(runs),
+    options = {k: v for k, v in vars(args).items() if k not in ("cache", "trace_dir", "json")}
+    report = {"options": options, "runs": runs, "same_answers": same_answers(runs),
               "note": "pdgpu serve has no prefix cache yet (issue 35 item 2): off only"
               if "on" not in CACHE_FLAGS else None}
     _print(args, report)

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import multiturn  # noqa: E402
+from bench import multiturn, multiturn_sim  # noqa: E402
 from pdsim.core.sessions import SessionSpec, SessionWorkload  # noqa: E402
 
 TINY = ["--model", "tiny", "--sessions", "3", "--turns", "2", "--system-prompt", "40",
@@ -99,3 +99,42 @@ def test_a_tiny_run_keeps_think_times_and_consistent_figures(tiny_run):
                 assert turn["prompt"] > before["prompt"] + len(before["tokens"])
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
         assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
+
+
+def test_pdsim_plays_the_same_workload_as_the_bench(tiny_run):
+    """Calibrated on the tiny run's own trace, pdsim's run of the same options hands off
+    exactly the bytes the server did (the same prompts); every figure is predicted."""
+    _, report, folder = tiny_run
+    (folder / "report.json").write_text(json.dumps(report))
+    rows = multiturn_sim.compare(multiturn_sim._parse(["--train", str(folder)]))
+    assert [r["setting"] for r in rows] == [r["setting"] for r in report["runs"]]
+    for row in rows:
+        assert row["role"] == "calibration"
+        assert row["predicted"]["bytes"] == row["measured"]["bytes"] > 0
+        assert all(row["predicted"][k] is not None for k in multiturn_sim.FIGURES)
+
+
+def test_the_trace_figures_count_reserves_hits_and_spans(tmp_path):
+    """Hit rate from reserve prefixes over prompts, producer hit tokens from computed hits,
+    bytes from issues (a version 4 trace's fields)."""
+    rows = [{"kind": "header", "version": 4, "pool_pages": 9, "geometry": {"page_tokens": 4}},
+            {"kind": "reserve", "req": "a", "prompt": 10, "prefix": 0},
+            {"kind": "computed", "req": "a", "layers": [0, 2], "tokens": [0, 10]},
+            {"kind": "issue", "req": "a", "bytes": 100},
+            {"kind": "reserve", "req": "b", "prompt": 30, "prefix": 8},
+            {"kind": "computed", "req": "b", "layers": [0, 2], "tokens": [8, 16],
+             "hit": [3, 4]},
+            {"kind": "issue", "req": "b", "bytes": 220}]
+    trace = tmp_path / "on.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert multiturn_sim.trace_figures(trace) == {
+        "prefix_cache_hit_rate": 8 / 40, "producer_prefix_cache_hits": 8, "bytes": 320,
+        "pool_pages": 9}
+
+
+def test_a_folder_without_a_report_is_refused(tmp_path, capsys):
+    """--train naming a folder with no report.json: one line, exit 2."""
+    with pytest.raises(SystemExit) as stop:
+        multiturn_sim.main(["--train", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "holds no report.json" in capsys.readouterr().err
