@@ -283,6 +283,47 @@ def test_the_ledger_lands_a_read_span_and_fails_and_fences_a_failed_read(tmp_pat
         _closed_cleanly((reader, writer))
 
 
+@needs_nixl
+def test_many_spans_land_with_one_registration_of_the_pool(tmp_path, monkeypatch):
+    """Spans READ into the slab pool with their digests READ and checked: over 12 spans the
+    reader's agent registers the pool once and nothing else (the digests land in its
+    landing buffer, registered once at connect by the lane check's read, not a tensor per
+    span) and deregisters nothing; a read past the buffer's size grows it once (the new
+    region registered, then the old deregistered)."""
+    from pdgpu.serve.nixl_landing import LANDING_BYTES
+    reader, writer = _pair()
+    header = ev.Header("test", "chunk", GEO, 64, 2)
+    ledger = Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"))
+    try:
+        agent, calls = reader.links[1].nixl.agent, []
+        for name in ("register_memory", "deregister_memory"):
+            real = getattr(agent, name)
+            monkeypatch.setattr(agent, name, lambda *a, real=real, name=name: (
+                calls.append(name), real(*a))[1])
+        for i in range(12):
+            req = f"r{i}"
+            ledger.reserve(req, 8, 0, "p1")
+            ledger.computed(req, (0, 2), (0, 8))
+            span = ledger.issue(req, (0, 2), (0, 8), GEO.region_bytes((0, 2), (0, 8)))
+            kv = torch.randn(2, 2, 8, 2, 4)  # [nl, 2, nt, KVH, D]
+            writer.send(0, "span", {}, (kv, row_digests(kv)))
+            msg = reader.get(timeout=20)
+            assert ledger.land(req, span, *msg.tensors) is None  # read, checked: equal
+            reader.done(msg)
+        assert calls == ["register_memory"]  # the pool; the landing buffer: at connect
+        end = reader.links[1].nixl
+        assert len(end.targets) == 2 and end.landing.memory.numel() == LANDING_BYTES
+        big = torch.randn(LANDING_BYTES)  # 4 x the landing buffer's bytes: it grows once
+        writer.send(0, "big", {}, (big,))
+        msg = reader.get(timeout=20)
+        assert torch.equal(local(msg.tensors[0], "cpu"), big)
+        reader.done(msg)
+        assert calls == ["register_memory"] * 2 + ["deregister_memory"]
+    finally:
+        ledger.stop()
+        _closed_cleanly((reader, writer))
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from serve_helpers import write_sensitive_checkpoint

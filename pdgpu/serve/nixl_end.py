@@ -2,8 +2,9 @@
 staging slots (the producer's), the thread that keeps UCX progressing, the notifications, and
 the READ (the decoder's) of bytes in the other end's slot straight into its own memory: a
 `RemoteSlice` is a message's tensor still in the producer's slot, read into the decoder's
-pool rows by `copy_into` (one descriptor per page run and layer plane). The NIXL package is
-passed in (transport_nixl.nixl_module), so nothing here imports it."""
+pool rows by `copy_into` (one descriptor per page run and layer plane), or by `read` into
+the end's landing buffer (registered once: nixl_landing.py) and copied out. The NIXL package
+is passed in (transport_nixl.nixl_module), so nothing here imports it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import attrs
 import numpy as np
 import torch
 
+from pdgpu.serve.nixl_landing import Landing
 from pdgpu.serve.rendezvous import TransportError
 
 SLOTS = 8  # per link, like the shm ring (max_pending bounds it in practice)
@@ -58,6 +60,7 @@ class NixlEnd:
         self.remote: dict[int, tuple[int, int, int]] = {}  # decoder: the producer's slots
         self.grown: list[tuple[bytes, int, tuple]] = []  # (metadata, slot, desc) to load
         self.targets: dict[tuple[int, int], object] = {}  # decoder: (address, bytes) -> reg
+        self.landing = Landing(self)  # decoder: where `RemoteSlice.read` READs
         self.closed = threading.Event()
         self.poller = threading.Thread(target=self._poll, daemon=True, name=f"{name}-poll")
         self.poller.start()
@@ -238,14 +241,13 @@ class RemoteSlice:
         self.nbytes = _nbytes(dtype, self.shape)
 
     def read(self, device=None) -> torch.Tensor:
-        """The bytes, READ into a new tensor on this end's device (the memory type its
-        agent registers: DRAM or VRAM), then moved to `device` if another is asked for."""
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.end.device)
-        try:
-            self.copy_into(out)
-        finally:
-            self.end.untarget(out)  # its memory goes back to torch: no registration stays
-        return out if device is None else out.to(device)
+        """The bytes, READ into this end's landing buffer (the memory type its agent
+        registers: DRAM or VRAM; registered once per link) and copied out into a new tensor
+        on `device` (default: this end's)."""
+        with self.end.landing.lent(self.nbytes) as memory:
+            landed = view(memory, 0, self.dtype, self.shape)
+            self.copy_into(landed)
+            return landed.to(device or self.end.device, copy=True)
 
     def copy_into(self, dst: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """dst = the bytes (same shape, contiguous); with `index`: dst[:, :, index] = them,
