@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (issues 4, 9, 11, 24, 33 and 34), about 6 minutes on one GPU without the hybrid
 # steps of issue 33 (in 1 and 2c, not yet timed on a GPU); each step has its own time limit,
-# together 665 s (695 with NIXL):
+# together 815 s (845 with NIXL):
 #   1. the CUDA tests (pytest -m gpu): every one must run, a skipped one fails the check
 #      (the engine on CUDA, the attention kernels in bf16 and float32, and the hybrid
 #      families' tokens against transformers on CUDA, issue 33; issue 34: the decode step
@@ -14,7 +14,9 @@
 #      and KV crosses over NCCL; with one, NCCL cannot join two processes on one GPU, so the
 #      KV crosses through page-locked shared host memory (lane shm-pinned: the NCCL path is
 #      then NOT checked; the step prints which lane ran, and the tests assert it); and
-#      tests/test_pdgpu_serve_shm.py's GPU test: one GPU serves through shm-pinned
+#      tests/test_pdgpu_serve_shm.py's GPU test: one GPU serves through shm-pinned; and
+#      tests/test_pdgpu_serve_graphs.py's: served tokens with the decode step replayed as CUDA
+#      graphs (--cuda-graphs on) equal the eager step's (off) and generate's
 #   2. pdgpu compare with qwen3-0.6b geometry (random weights, bf16): parity of chunk and
 #      layer with whole, traces checked by pdref
 #   2b. bench/kernel_speed.py: pdgpu prefill (one chunk, chunks of 256) and a decode step
@@ -26,6 +28,9 @@
 #   2d. kernel ops per layer on the device (bench/kernel_speed.py --count, issue 34): decode
 #      step of batch 16 <= 20, prefill chunk (first, later; digests on) <= 25, host syncs and
 #      host-made tensors in the step 0, each printed with its target
+#   2e. the served ITL at batch 16 (bench/serve_graphs.py, issue 34): pdgpu serve of 16
+#      requests at once, the decode step eager (--cuda-graphs off) and replayed (on), side by
+#      side in alternating rounds: the median full-batch step with its target (8 ms, goal 5)
 #   3. bench/engine_overlap.py with qwen3-0.6b at 8192 tokens / chunk 256, no link pacing,
 #      plus the measured pinned copy bandwidth, in the same run.
 #   4. the export-only curve (no compute, `pdgpu run --no-compute`): 0.1, 0.5, 1, 2 GB of
@@ -82,6 +87,8 @@ if [ "$DRY" = 1 ]; then
     DEV=cpu DECODER=cpu MODEL=tiny PROMPT=256 CHUNK=32 COMPARE_PROMPT=128
     PAYLOADS=2e4,5e4,1e5,2e5,4e5 REPEATS=1 CURVE_REPEATS=1 LANE_MB=4 LANE_ROUNDS=1
     KERNEL_CONTEXTS=16:64 HYBRID_CONTEXTS=16:32
+    # CPU: eager twice, 4 at once (16 tiny prompts' prefills spread their admissions)
+    SERVED=(--batch 4 --contexts 16:64 --output-tokens 32 --graphs off,auto --rounds 1)
     TESTS=(--collect-only)
     LIMIT_SCALE=3  # the limits bound a GPU run; a dry run's processes start on a shared CPU
     echo "device: cpu (dry run: toy sizes, nothing measured)" | tee "$OUT/device.txt"
@@ -91,6 +98,7 @@ else
     DECODER=$("$PY" -c "import torch; print('cuda:1' if torch.cuda.device_count() > 1 else 'cuda:0')")
     PAYLOADS=1e8,5e8,1e9,2e9 REPEATS=3 CURVE_REPEATS=2 LANE_MB=64 LANE_ROUNDS=2
     KERNEL_CONTEXTS=1024:4096 HYBRID_CONTEXTS=256:1024
+    SERVED=(--batch 16 --contexts 1024:4096 --output-tokens 256 --graphs off,on --rounds 2)
     TESTS=(-rs)
     LIMIT_SCALE=1
 fi
@@ -119,7 +127,8 @@ echo "== 1b. pdgpu serve on CUDA ($LANE)"
 NIXL=()
 if "$PY" -c "import nixl_cu13" 2>/dev/null; then NIXL=(tests/test_pdgpu_serve_nixl.py); fi
 step 90 serve_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" \
-    tests/test_pdgpu_serve_gpu.py tests/test_pdgpu_serve_shm.py "${NIXL[@]}"
+    tests/test_pdgpu_serve_gpu.py tests/test_pdgpu_serve_shm.py tests/test_pdgpu_serve_graphs.py \
+    "${NIXL[@]}"
 no_skips serve_gpu
 
 echo "== 2. parity, $MODEL geometry, $COMPARE_PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
@@ -141,6 +150,10 @@ done
 echo "== 2d. kernel ops per layer on $DEV, $MODEL: decode batch 16, chunk $CHUNK (issue 34)"
 step 60 op_counts "$PY" bench/kernel_speed.py --count --device "$DEV" --model "$MODEL" \
     --chunk "$CHUNK" --contexts "$KERNEL_CONTEXTS" --batch 16
+
+echo "== 2e. served ITL at batch 16, $MODEL, eager vs CUDA graphs (decoder $DECODER, issue 34)"
+step 150 served_itl "$PY" bench/serve_graphs.py --model "$MODEL" --device "$DEV" \
+    --decoder-device "$DECODER" --chunk "$CHUNK" "${SERVED[@]}"
 
 echo "== 3. overlap benchmark, $MODEL, $PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
 step 80 engine_overlap "$PY" bench/engine_overlap.py --model "$MODEL" --prompt "$PROMPT" \

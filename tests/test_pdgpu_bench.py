@@ -93,7 +93,7 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     steps = [line.split()[0] for line in (out / "timings.txt").read_text().splitlines()]
     nixl = importlib.util.find_spec("nixl_cu13") is not None
     assert steps == ["pytest_gpu", "serve_gpu", "compare", "kernels", "kernels_qwen3_5",
-                     "kernels_gemma3", "op_counts", "engine_overlap", "export_curve",
+                     "kernels_gemma3", "op_counts", "served_itl", "engine_overlap", "export_curve",
                      "kv_lane"] + ["ucx_transport"] * nixl
     if nixl:  # which UCX transport carried the NIXL READ, from UCX's own tables
         assert "remote memory read" in (out / "ucx_read.txt").read_text()
@@ -109,6 +109,9 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert "prefill_one_chunk" in kernels and "decode_step" in kernels
     counts = (out / "op_counts.txt").read_text()  # issue 34: ops per layer beside targets
     assert "decode_step" in counts and "target <= 20: ok" in counts and "0 host syncs" in counts
+    itl = (out / "served_itl.txt").read_text()  # issue 34: eager beside replayed
+    assert "| off | eager |" in itl and "| auto | eager |" in itl  # auto: eager on CPU
+    assert "<= 8 ms (goal 5)" in itl and "auto/off per round" in itl
     lanes = (out / "kv_lane.txt").read_text()
     assert "| shm |" in lanes and "| gloo |" in lanes and "of memcpy" in lanes
 
