@@ -48,7 +48,8 @@ import attrs
 import torch
 
 from pdgpu.checkpoint import load_checkpoint, save_checkpoint
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_logits
+from pdgpu.decode_batch import DecodeBatch, decode_logits
+from pdgpu.decode_kv import DecodeCache
 from pdgpu.model import build_model
 from pdgpu.op_count import decode_step_ops, per_layer, prefill_chunk_ops
 from pdgpu.source_cache import SourceCache

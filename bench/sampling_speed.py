@@ -25,7 +25,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
+from pdgpu.decode_batch import DecodeBatch, decode_tokens
+from pdgpu.decode_kv import DecodeCache
 from pdgpu.model import build_model
 from pdgpu.sampler import Sampler, Step
 from pdgpu.sampling import GREEDY, Sampling

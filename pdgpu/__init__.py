@@ -35,7 +35,8 @@ Modules (one concept each):
   cli           `pdgpu run` and `pdgpu compare` (and registers serve_cli's commands)
   cli_types     argument types shared by the command lines (integer >= n, finite > 0)
   interrupt     Ctrl-C and SIGTERM: one line, exit 130 / 143, children stopped, no C++ abort
-  decode_kv     the running requests' K/V in power-of-two-wide rows, and the decode batch
+  decode_kv     decode memory: the running requests' K/V in power-of-two-wide rows
+  decode_batch  the decode step over them: padded, fed from persistent buffers, capturable
   generate      `pdgpu generate`: single-process greedy reference, no handoff
   serve/        `pdgpu serve`: decoder and producer processes over torch.distributed
   serve_cli     `pdgpu serve` and `pdgpu generate` on the command line

@@ -1,6 +1,6 @@
 """The decode step captured as a CUDA graph per batch layout, and replayed.
 
-A step (decode_kv.decode_logits) launches a few hundred kernels of a few microseconds of work
+A step (decode_batch.decode_logits) launches a few hundred kernels of a few microseconds of work
 each at small batches: on a GPU the launches, not the math, set its time. Captured once per
 layout (DecodeBatch.key: which buckets, how many padded rows each, which buffers), a step is
 one graph launch. The inputs are the cache's persistent buffer, filled by `DecodeBatch.feed`
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, Forward, decode_logits
+from pdgpu.decode_batch import DecodeBatch, Forward, decode_logits
 
 WARMUP_STEPS = 2  # eager runs before a capture (lazy inits, autotuning)
 MOST_GRAPHS = 16  # graphs kept at once (each holds its logits [R, V])
@@ -60,7 +60,7 @@ def decode_forward(mode: str, device) -> Forward:
 
 
 class GraphedStep:
-    """A `forward` for decode_kv.decode_tokens: replays the batch layout's captured step,
+    """A `forward` for decode_batch.decode_tokens: replays the batch layout's captured step,
     capturing it first when the layout is new (`capture`: CUDA graphs; tests give a CPU
     stand-in that replays the captured batch eagerly)."""
 

@@ -1,51 +1,36 @@
-"""The K/V requests decode with, kept in rows of equal width so a batch attends in few calls,
-and the decode step over them: padded to few shapes, fed from persistent buffers, capturable.
+"""Decode memory: the K/V of every running request, in rows of equal width so a batch attends
+in few calls (its one job; the step over it is decode_batch.py).
 
-At admission a request's context (prefix cache + the slab its spans landed in, or a single-
-process prefill) is copied once into a row of a `DecodeCache` bucket: every row of a bucket
-is `width` tokens wide (a power of two, at least MIN_WIDTH), so the bucket's K/V for one layer
-is one tensor [rows, KVH, width, D] and its requests attend in one call, however ragged their
-lengths (attention.decode_attention). Each step appends one K/V row per request in place; a
-request about to outgrow its row moves once to the next bucket (a copy of its K/V, once per
-doubling of its length); a request that ends leaves its bucket's last row in its place, so a
-bucket's rows [0, count) are always its requests. A bucket's rows double when full and halve
-once a quarter or less is used, and an empty bucket is freed: the memory held stays within
-four rows per running request of its width (tests/test_pdgpu_decode_kv.py).
-
-A step (`decode_logits`) runs a padded batch laid out bucket by bucket: bucket b's requests
-are batch rows [start_b, start_b + rows_b) in row order, rows_b on CUDA the power of two that
-holds them (its padding rows are free rows of the bucket, written at position 0 and never
-read; on CPU, where a padding row costs what a request does, rows_b is exact), and the batch
-has at least MIN_ROWS rows (CPU GEMM kernels pick another reduction for 1..3
-rows: the padding keeps a request's bits independent of its batch). Its inputs (tokens,
-positions, the caller's order) sit in one persistent buffer that `DecodeBatch.feed` fills
-outside the step; inside it nothing is read on the host and no tensor is made from host data,
-so it traces whole (torch.compile fullgraph) and is captured as a CUDA graph per layout
-(`GraphedStep`): a layout changes only when a bucket is made, resized or freed, or a
-bucket's padded row count changes. Bucket moves and growth happen in `DecodeBatch()`, before
-the step. The token choice (`greedy`) is a separate function of the logits in caller order.
+A request's context enters once, at admission, by one gather straight into its row
+(`add_paged`): the rows of the paged K/V where it lies (the serving decoder's landing pool,
+whose pages hold the fixed prefix and the request's slab; a single-process prefill's cache)
+in token order, written into its bucket row (of a sliding layer only the last window, into
+its ring), with no context tensor in between. Every row of a bucket is `width` tokens wide (a
+power of two, at least MIN_WIDTH), so the bucket's K/V for one layer is one tensor
+[rows, KVH, width, D] and its requests attend in one call, however ragged their lengths
+(attention.decode_attention). Each step appends one K/V row per request in place; a request
+about to outgrow its row moves once to the next bucket (a copy of its K/V, once per doubling
+of its length); a request that ends leaves its bucket's last row in its place, so a bucket's
+rows [0, count) are always its requests. A bucket's rows double when full and halve once a
+quarter or less is used, and an empty bucket is freed: the memory held stays within four
+rows per running request of its width (tests/test_pdgpu_decode_kv.py).
 
 Hybrids. Sliding-window layers (Gemma 3) keep no growing row: each bucket row also has a
 *ring* of `window` positions per sliding layer (`Bucket.ring`), position p at p % window, so
-a request's memory for those layers stays the same at any context; attention over a ring is
-order-free (softmax over a set), masked to the positions written so far. Linear layers
-(Qwen3.5's gated DeltaNet) keep their state in a slot of the cache's StatePool, which a step
-reads and writes once per layer for the whole batch (`read_states` / `write_states`); a
-padding row reads and writes the pool's scratch slot, taken when the cache is made.
+a request's memory for those layers stays the same at any context. Linear layers (Qwen3.5's
+gated DeltaNet) keep their state in a slot of a StatePool: the serving decoder's is the one
+its state spans land in (serve/landing.py), so a request's state is landed once where the
+step reads it and admission copies none of it (`add_paged` adopts the slot); a padding row
+reads and writes the pool's scratch slot, taken when the cache is made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
-
 import torch
 
-from pdgpu.attention import decode_attention, key_bias
 from pdgpu.state_pool import StatePool, StateShape
 
 MIN_WIDTH = 256
-MIN_ROWS = 8
 
 
 def width_for(tokens: int) -> int:
@@ -56,6 +41,17 @@ def width_for(tokens: int) -> int:
 def rows_for(count: int) -> int:
     """The power of two that holds `count` rows (at least 1)."""
     return 1 << max(count - 1, 0).bit_length()
+
+
+def layer_runs(layers: list[int]) -> list[tuple[tuple[int, int], int]]:
+    """Runs of consecutive K/V layers in `layers`: ((first, end), index of first in it)."""
+    runs: list[tuple[tuple[int, int], int]] = []
+    for at, layer in enumerate(layers):
+        if runs and runs[-1][0][1] == layer:
+            runs[-1] = ((runs[-1][0][0], layer + 1), runs[-1][1])
+        else:
+            runs.append(((layer, layer + 1), at))
+    return runs
 
 
 class SequenceKV:
@@ -116,7 +112,8 @@ class DecodeCache:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, device, dtype,
                  windows: tuple[int | None, ...] | None = None,
-                 state: StateShape | None = None, padded: bool | None = None) -> None:
+                 state: StateShape | None = None, padded: bool | None = None,
+                 states: StatePool | None = None) -> None:
         windows = windows or (None,) * layers  # per K/V layer: its window, None if full
         self.full = [i for i, w in enumerate(windows) if w is None]
         self.sliding = [i for i, w in enumerate(windows) if w is not None]
@@ -126,10 +123,14 @@ class DecodeCache:
         # K/V layer -> (in the ring?, its index among the layers of its tensor)
         self.place = {layer: (layer in self.sliding, group.index(layer))
                       for group in (self.full, self.sliding) for layer in group}
+        self.full_runs, self.sliding_runs = layer_runs(self.full), layer_runs(self.sliding)
         self.shape = (len(self.full), kv_heads, head_dim)
         self.device, self.dtype = torch.device(device), dtype
-        self.states = None if state is None else StatePool(state, 1, self.device)
-        self.scratch = None if state is None else self.states.take()  # padding rows' slot
+        # the linear layers' states: a pool shared with whoever lands them, or its own
+        self.states = states if states is not None or state is None \
+            else StatePool(state, 1, self.device)
+        self.scratch = None if self.states is None else self.states.take()  # padding rows'
+        self.state_slots = 0 if self.states is None else self.states.slots  # seen so far
         # a group's rows padded to a power of two (few layouts, for CUDA graphs), or exact
         # (on CPU a padding row's attention costs what a request's does)
         self.padded = self.device.type == "cuda" if padded is None else padded
@@ -141,12 +142,14 @@ class DecodeCache:
         self.zero = torch.zeros((), dtype=dtype, device=self.device)  # padding rows' output
 
     @classmethod
-    def for_model(cls, model, padded: bool | None = None) -> DecodeCache:
-        """An empty cache in the model's shape, device and dtype."""
+    def for_model(cls, model, padded: bool | None = None,
+                  states: StatePool | None = None) -> DecodeCache:
+        """An empty cache in the model's shape, device and dtype (its linear layers' states
+        in `states`, or in a pool of its own)."""
         spec, arch = model.spec, model.arch
         return cls(len(arch.kv_layers), spec.kv_heads, spec.head_dim, model.inv_freq.device,
                    model.model.embed_tokens.weight.dtype, arch.kv_windows, model.state_shape,
-                   padded)
+                   padded, states)
 
     def rows(self, width: int, count: int) -> torch.Tensor:
         """Zeroed rows [Lf, 2, count, KVH, width, D] (keys past a length must be finite)."""
@@ -164,28 +167,48 @@ class DecodeCache:
                            dtype=self.dtype, device=self.device)
 
     def add(self, context: torch.Tensor, state=None) -> SequenceKV:
-        """A request whose context is context [L, 2, c, KVH, D] of every K/V layer (copied in
-        once; of a sliding layer only its last window) and, of a hybrid with linear layers,
-        whose state is `state` (StatePool.read's pair)."""
+        """A request whose context is context [L, 2, c, KVH, D] of every K/V layer and, of a
+        hybrid with linear layers, whose state is `state` (StatePool.read's pair), written
+        into a slot of the cache's pool (see `add_paged`)."""
         if (state is None) != (self.states is None):
             raise ValueError("decode cache: a state is given exactly for a model with linear "
                              "layers")
-        seq = SequenceKV(self, context.shape[2])
+        slot = None
+        if state is not None:
+            slot = self.states.take()
+            self.states.write(slot, *state)
+        slots = torch.arange(context.shape[2], device=context.device)  # [c]
+        return self.add_paged(context, slots, slot)
+
+    def add_paged(self, kv: torch.Tensor, slots: torch.Tensor,
+                  state_slot: int | None = None) -> SequenceKV:
+        """A request whose context is the rows `slots` [c] (in token order) of the paged K/V
+        kv [L, 2, S, KVH, D], gathered once straight into its row (of a sliding layer only
+        the last window, into its ring); of a hybrid with linear layers, whose state is in
+        slot `state_slot` of the cache's state pool, which the request now holds (and
+        `remove` gives back)."""
+        if (state_slot is None) != (self.states is None):
+            raise ValueError("decode cache: a state slot is given exactly for a model with "
+                             "linear layers")
+        seq = SequenceKV(self, slots.shape[0])
         bucket = self._bucket(width_for(seq.length + 1))
         row = bucket.add(seq)  # first: it may grow the bucket's rows
-        full = context if not self.sliding else context[self.full]
-        bucket.kv[:, :, row, :, :seq.length] = full.transpose(2, 3)
+        for (l0, l1), at in self.full_runs:
+            into = bucket.kv[at:at + l1 - l0, :, row, :, :seq.length]  # [n, 2, KVH, c, D]
+            torch.index_select(kv[l0:l1], 2, slots, out=into.transpose(2, 3))
         if self.sliding:
-            first = max(0, seq.length - self.window)
-            ring = context[self.sliding, :, first:].transpose(2, 3)  # [Ls, 2, KVH, w, D]
-            at = torch.arange(first, seq.length, device=self.device) % self.window
-            bucket.ring[:, :, row].index_copy_(3, at, ring)
-        if state is not None:
-            slots = self.states.slots
-            seq.slot = self.states.take()
-            self.states.write(seq.slot, *state)
-            self.generation += self.states.slots != slots  # the pool doubled: new tensors
+            ring_slots = slots.index_select(0, self._ring_positions(seq.length))  # [<= w]
+            for (l0, l1), at in self.sliding_runs:
+                into = bucket.ring[at:at + l1 - l0, :, row, :, :ring_slots.shape[0]]
+                torch.index_select(kv[l0:l1], 2, ring_slots, out=into.transpose(2, 3))
+        seq.slot = state_slot
         return seq
+
+    def _ring_positions(self, length: int) -> torch.Tensor:
+        """The position each ring column holds after `length` tokens: column c the last
+        position p < length with p % window == c -> [min(length, window)] int64."""
+        columns = torch.arange(min(length, self.window), device=self.device)
+        return columns + self.window * ((length - 1 - columns) // self.window)
 
     def remove(self, seq: SequenceKV) -> None:
         """The request ended: its row (and its state's slot) is free."""
@@ -222,7 +245,11 @@ class DecodeCache:
         return self.buckets[width]
 
     def buffers(self, rows: int, columns: int) -> None:
-        """Grow the step's persistent buffers to `rows` batch rows and `columns` keys."""
+        """Grow the step's persistent buffers to `rows` batch rows and `columns` keys (and
+        note a state pool that grew: its tensors are new)."""
+        if self.states is not None and self.states.slots != self.state_slots:
+            self.state_slots = self.states.slots
+            self.generation += 1
         if self.inputs.shape[1] < rows:
             self.inputs = torch.zeros((4, rows), dtype=torch.int64, device=self.device)
             pin = self.device.type == "cuda"
@@ -245,130 +272,3 @@ class DecodeCache:
         return rows + rings + (0 if self.states is None else self.states.nbytes)
 
 
-class _Group(NamedTuple):
-    """One bucket's part of a decode step: batch rows [start, start + rows)."""
-
-    kv: torch.Tensor  # [Lf, 2, capacity, KVH, W, D] the bucket's rows
-    ring: torch.Tensor | None  # [Ls, 2, capacity, KVH, window, D] its sliding layers' rings
-    start: int
-    rows: int  # its requests, padded to a power of two (<= capacity) if the cache is
-
-
-class DecodeBatch:
-    """One decode step over every request of a cache; `seqs` is the caller's order."""
-
-    def __init__(self, seqs: list[SequenceKV]) -> None:
-        cache = seqs[0].cache
-        if any(s.cache is not cache or s.bucket is None for s in seqs) or \
-                len(set(map(id, seqs))) != cache.count or len(seqs) != cache.count:
-            raise ValueError("decode batch: every request of one decode cache, once each")
-        for seq in seqs:
-            cache.fit(seq, seq.length + 1)
-        self.seqs, self.cache = seqs, cache
-        self.groups, start, starts = [], 0, {}
-        for width in sorted(cache.buckets):
-            bucket = cache.buckets[width]
-            rows = rows_for(len(bucket.seqs)) if cache.padded else len(bucket.seqs)
-            self.groups.append(_Group(bucket.kv, bucket.ring, start, rows))
-            starts[width] = start
-            start += self.groups[-1].rows
-        self.covered, self.size = start, max(start, MIN_ROWS)
-        self.rows = [starts[s.bucket.width] + s.row for s in seqs]  # batch row of each
-        cache.buffers(self.size, max(self.size, max(cache.buckets), cache.window or 0))
-        # [4, R]: tokens, positions, the caller's order, state slots (hybrids)
-        self.inputs = cache.inputs[:, :self.size]
-        self.key = (cache.generation, self.size, tuple((g.start, g.rows) for g in self.groups))
-
-    def feed(self, tokens: list[int]) -> None:
-        """Write each request's last token, position (and state slot) into the step's
-        inputs (one copy; padding rows get token 0 at position 0, and the scratch slot)."""
-        host = self.cache.staging[:, :self.size]
-        host.zero_()
-        rows = torch.tensor(self.rows, dtype=torch.int64)  # [B]
-        host[0, rows] = torch.tensor(tokens, dtype=torch.int64)
-        host[1, rows] = torch.tensor([s.length for s in self.seqs], dtype=torch.int64)
-        host[2, :len(rows)] = rows
-        if self.cache.states is not None:
-            host[3] = self.cache.scratch
-            host[3, rows] = torch.tensor([s.slot for s in self.seqs], dtype=torch.int64)
-        self.inputs.copy_(host, non_blocking=host.is_pinned())
-
-    @property
-    def order(self) -> torch.Tensor:
-        """The batch row of each request, in the caller's order -> [B] (a view)."""
-        return self.inputs[2, :len(self.seqs)]
-
-    def masks(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
-        """Per group (once a step): where its rows write and what they see, in the full
-        layers (positions [n], key mask [n, 1, 1, W]) and in the rings of the sliding ones
-        (positions % window, mask [n, 1, 1, window]; or None)."""
-        out, window, columns = [], self.cache.window, self.cache.arange
-        for g in self.groups:
-            places = positions[g.start:g.start + g.rows]  # [n]
-            full = (places, key_bias(places, columns[:g.kv.shape[4]], dtype))
-            ring = None if window is None else (
-                places % window, key_bias(places.clamp(max=window - 1), columns[:window], dtype))
-            out.append((full, ring))
-        return tuple(out)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               masks: tuple) -> torch.Tensor:
-        """q [R, H, D], k/v [R, KVH, D]: store each row's k/v at its position, then each
-        group's attention in one call -> [R, H * D]."""
-        new, outs = torch.stack((k, v), dim=1), []  # [R, 2, KVH, D]
-        ring, index = self.cache.place[layer]
-        for g, (full, rung) in zip(self.groups, masks, strict=True):
-            rows = slice(g.start, g.start + g.rows)
-            kv = g.ring[index] if ring else g.kv[index]  # [2, capacity, KVH, W, D]
-            places, bias = rung if ring else full
-            kv[:, self.cache.arange[:g.rows], :, places] = new[rows]  # [n, 2, KVH, D]
-            outs.append(decode_attention(q[rows], kv[0, :g.rows], kv[1, :g.rows], bias))
-        size, heads, head_dim = q.shape
-        if size > self.covered:  # rows in no group (the batch's padding): zeros
-            outs.append(self.cache.zero.expand(size - self.covered, *outs[0].shape[1:]))
-        if len(outs) == 1:
-            return outs[0].reshape(size, heads * head_dim)  # one copy: SDPA's layout is G-major
-        return torch.cat(outs).view(size, heads * head_dim)
-
-    def read_states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Linear layer `layer`'s state of every row: conv [R, C, K-1], recurrent
-        [R, Hv, Dk, Dv] (one gather for the batch)."""
-        return self.cache.states.gather(layer, self.inputs[3])
-
-    def write_states(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Store each row's new state of linear layer `layer` (one scatter for the batch)."""
-        self.cache.states.scatter(layer, self.inputs[3], conv, recurrent)
-
-    def advance(self) -> None:
-        """After a step: every request holds one more token."""
-        for seq in self.seqs:
-            seq.length += 1
-
-
-def decode_logits(model, batch: DecodeBatch) -> torch.Tensor:
-    """The step: a forward over the batch's persistent inputs -> logits [R, V] (padded,
-    bucket order). Capturable: see the module docstring."""
-    return model.decode_step(batch.inputs[0], batch.inputs[1], batch)
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> the most likely token of each row [B]."""
-    return logits.argmax(dim=-1)
-
-
-Forward = Callable[[object, DecodeBatch], torch.Tensor]
-Pick = Callable[[torch.Tensor], torch.Tensor]
-
-
-@torch.no_grad()
-def decode_tokens(model, batch: DecodeBatch, tokens: list[int], pick: Pick = greedy,
-                  forward: Forward = decode_logits) -> list[int]:
-    """One step: feed each request's last token, get its next token (caller's order).
-    `pick`: logits [B, V] in the caller's order -> tokens [B], greedy unless the requests
-    sample (sampler.py); `forward` runs the step (decode_logits, or a GraphedStep replaying
-    it)."""
-    batch.feed(tokens)
-    logits = forward(model, batch).index_select(0, batch.order)  # [B, V]
-    chosen = pick(logits)  # [B]
-    batch.advance()
-    return chosen.tolist()

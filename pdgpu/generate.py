@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, Forward, decode_logits, decode_tokens, greedy
+from pdgpu.decode_batch import DecodeBatch, Forward, decode_logits, decode_tokens, greedy
+from pdgpu.decode_kv import DecodeCache
 from pdgpu.handoff import handoff_geometry, kv_geometry
 from pdgpu.model import Transformer
 from pdgpu.prefill import Prefill, warm_prefix

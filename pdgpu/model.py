@@ -151,7 +151,7 @@ class Transformer(nn.Module):
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, kv: DecodeKV):
         """One forward for a padded decode batch: tokens [R] at positions [R] (each row its
         own request's length) -> logits [R, V]. Makes no tensor from host data and reads no
-        tensor value on the host: it can be traced whole and captured (decode_kv.py)."""
+        tensor value on the host: it can be traced whole and captured (decode_batch.py)."""
         h = self.embed(tokens)  # [R, E]
         tables = self.rope_by_kind(positions, h.dtype)  # kind -> [R, 1, D] each
         masks = kv.masks(positions, h.dtype)

@@ -1,5 +1,6 @@
 """Counting what a forward dispatches: kernel ops (what a GPU would launch), host syncs and
-tensors made from nothing, on any device (a TorchDispatchMode: no GPU needed).
+tensors made from nothing, on any device (a TorchDispatchMode: no GPU needed); and the bytes
+a call copies (`bytes_copied`: what the serving decoder's admission moves, for instance).
 
 Views (and `_unsafe_view`) launch nothing and are not counted. Convention for CPU: torch's
 `rms_norm` counts as one op, as on CUDA, where it is one fused kernel (`_fused_rms_norm`);
@@ -65,6 +66,56 @@ class _Dispatched(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _Copied(TorchDispatchMode):
+    """Sums the floating-point bytes each op writes from values it reads from a tensor (K/V
+    and state; integer bookkeeping such as slot indices and fills are not copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not func.is_view and str(func) not in FREE:
+            written = _written(func, args, kwargs, out)
+            if any(t is not w for t in _tensors((args, kwargs)) for w in written):
+                self.bytes += sum(w.numel() * w.element_size() for w in written
+                                  if w.is_floating_point())
+        return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [x for x in torch.utils._pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _written(func, args, kwargs, out) -> list[torch.Tensor]:
+    """The tensors an op writes, as many bytes as it writes: its `out=`; of an in-place op
+    its source (`source`, `values`, `src`: an indexed write writes that many) or else its
+    first argument; else what it returns."""
+    schema = func._schema
+    if "out" in kwargs:
+        return _tensors(kwargs["out"])
+    first = schema.arguments[0] if schema.arguments else None
+    if first is None or first.alias_info is None or not first.alias_info.is_write:
+        return _tensors(out)
+    names = [a.name for a in schema.arguments]
+    for name in ("source", "values", "src"):
+        if name in names:
+            at = names.index(name)
+            return _tensors(kwargs[name] if name in kwargs else args[at])
+    return _tensors(args[0])
+
+
+@torch.no_grad()
+def bytes_copied(fn, *args, **kwargs) -> tuple[object, int]:
+    """fn(*args, **kwargs)'s result and the floating-point bytes it copied (see _Copied)."""
+    seen = _Copied()
+    with seen:
+        result = fn(*args, **kwargs)
+    return result, seen.bytes
+
+
 def _to_host(name: str, args, kwargs) -> bool:
     """A copy from a device tensor into host memory (the host waits for it)."""
     if name == "aten._to_copy.default":
@@ -121,7 +172,8 @@ def per_layer(spec, measure) -> tuple[OpCount, OpCount]:
 def decode_step_ops(spec, contexts, device="cpu") -> OpCount:
     """A decode step of requests with `contexts` tokens each (random weights, zero K/V and
     state), counted after a first step (the steady state)."""
-    from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_logits
+    from pdgpu.decode_batch import DecodeBatch, decode_logits
+    from pdgpu.decode_kv import DecodeCache
     from pdgpu.model import build_model
     model = build_model(spec, device, seed=0)
     cache = DecodeCache.for_model(model)

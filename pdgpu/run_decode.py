@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
+from pdgpu.decode_batch import DecodeBatch, decode_tokens
+from pdgpu.decode_kv import DecodeCache
 from pdgpu.prefill import prefix_kv
 
 

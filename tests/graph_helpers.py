@@ -4,7 +4,7 @@ the decode-graph and serve tests."""
 from __future__ import annotations
 
 from pdgpu.decode_graph import warm_up
-from pdgpu.decode_kv import decode_logits
+from pdgpu.decode_batch import decode_logits
 
 
 def replay_eagerly(model, batch, pool):

@@ -104,7 +104,8 @@ def test_a_chunks_new_memory_does_not_grow_with_its_context():
 
 def test_a_decode_step_calls_attention_once_per_bucket_not_per_request():
     """Eight requests in one bucket make as many attention calls as one request does."""
-    from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_logits
+    from pdgpu.decode_batch import DecodeBatch, decode_logits
+    from pdgpu.decode_kv import DecodeCache
     model = build_model(load_model("tiny"), seed=0)
     spec = model.spec
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_logits, decode_tokens
+from pdgpu.decode_batch import DecodeBatch, decode_logits, decode_tokens
+from pdgpu.decode_kv import DecodeCache
 from pdgpu.model import build_model
 from pdref.models import load_model
 

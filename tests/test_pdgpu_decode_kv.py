@@ -15,7 +15,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pdgpu.decode_kv import MIN_WIDTH, DecodeBatch, DecodeCache, decode_logits, width_for
+from pdgpu.decode_batch import DecodeBatch, decode_logits
+from pdgpu.decode_kv import MIN_WIDTH, DecodeCache, width_for
 from pdgpu.model import build_model
 from pdref.models import load_model
 

@@ -14,7 +14,8 @@ from test_pdgpu_transformers_parity import agree_while_clear, hf_greedy
 from pdgpu import checkpoint as ckpt
 from pdgpu.cli import main as cli_main
 from pdgpu.compare import compare_modes
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
+from pdgpu.decode_batch import DecodeBatch, decode_tokens
+from pdgpu.decode_kv import DecodeCache
 from pdgpu.engine import Engine
 from pdgpu.generate import first_token, generate
 from pdgpu.handoff import handoff_geometry

@@ -19,7 +19,7 @@ from serve_helpers import (
 )
 
 from pdgpu.decode_graph import GraphedStep, decode_forward, graph_problem, uses_graphs
-from pdgpu.decode_kv import decode_logits
+from pdgpu.decode_batch import decode_logits
 from pdgpu.serve import launch
 
 CHUNK = 16

@@ -225,7 +225,7 @@ def _state_payload():
 def test_a_state_span_lands_and_admission_hands_the_state_to_decoding(ledger):
     """The reserve names the producer's free state slot; the sliding layer's window and the
     full layer's tokens land where admit reads them; admission waits for the state
-    (STATE-3), then `take_state` is exactly the bytes that crossed."""
+    (STATE-3), then the state slot admission names holds exactly the bytes that crossed."""
     assert ledger.reserve("r", 12, 0, "p1") == 0
     first = _kv_span(ledger, (0, 8), 12)  # the window [8, 12) of the sliding layer: not here
     last = _kv_span(ledger, (8, 12), 12)
@@ -236,11 +236,13 @@ def test_a_state_span_lands_and_admission_hands_the_state_to_decoding(ledger):
     assert ledger.land("r", span, *payload) is None
     assert ledger.can_admit("r")
     ledger.reuse("r", (0, 12))
-    context = ledger.admit("r", torch.zeros(2, 2, 0, 2, 4))  # [Lkv, 2, 12, KVH, D]
+    admitted = ledger.admit("r")
+    context = admitted.kv.index_select(2, admitted.slots)  # [Lkv, 2, 12, KVH, D]
     assert len(first) == 1 and torch.equal(context[1, :, :8], first[0][0])  # full: every token
     assert torch.equal(context[:, :, 8:], last[0])  # both layers over the window
-    got = ledger.kv_landing.take_state("r")
+    got = ledger.kv_landing.states.read(admitted.state_slot)
     assert torch.equal(got[0], conv) and torch.equal(got[1], rec)
+    ledger.kv_landing.states.give_back(admitted.state_slot)  # the decode cache's to give
     ledger.release("r")
     ledger.close()
 

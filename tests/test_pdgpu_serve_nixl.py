@@ -273,11 +273,12 @@ def test_the_ledger_lands_a_read_span_and_fails_and_fences_a_failed_read(tmp_pat
             assert (error is None) == (req == "ok"), error
         assert "KV not read" in error and [type(e) for e in list(ledger.recent)[-2:]] == \
             [ev.Fail, ev.Fence]
-        prefix = torch.zeros(2, 2, 0, 2, 4)
         for req in kv:
             ledger.produced(req, 3)
             ledger.reuse(req, (0, 8))
-        assert torch.equal(ledger.admit("ok", prefix), kv["ok"]) and not ledger.can_admit("bad")
+        context = ledger.admit("ok")
+        assert torch.equal(context.kv.index_select(2, context.slots), kv["ok"])
+        assert not ledger.can_admit("bad")
     finally:
         ledger.stop()
         _closed_cleanly((reader, writer))

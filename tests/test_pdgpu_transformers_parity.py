@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pdgpu import checkpoint as ckpt
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, decode_tokens
+from pdgpu.decode_batch import DecodeBatch, decode_tokens
+from pdgpu.decode_kv import DecodeCache
 from pdgpu.generate import generate
 from pdgpu.source_cache import SourceCache
 

@@ -20,7 +20,8 @@ from collections import deque
 import attrs
 import torch
 
-from pdgpu.decode_kv import DecodeBatch, DecodeCache, Forward, decode_logits, decode_tokens
+from pdgpu.decode_batch import DecodeBatch, Forward, decode_logits, decode_tokens
+from pdgpu.decode_kv import DecodeCache
 from pdgpu.generate import step_at, stop_tokens
 from pdgpu.sampler import Sampler
 from pdgpu.serve.faults import FaultPolicy, FaultSpec
@@ -36,13 +37,13 @@ __all__ = ["Decoder", "ServeError"]
 
 
 class Decoder:
-    def __init__(self, ledger: Ledger, model, workload: Workload, prefix_kv: torch.Tensor,
-                 members: Members, policy: FaultPolicy, faults: FaultSpec, verify: bool,
+    def __init__(self, ledger: Ledger, model, workload: Workload, members: Members,
+                 policy: FaultPolicy, faults: FaultSpec, verify: bool,
                  progress=None, stall_s: float = 300.0, eos: int | None = None,
                  inbox=None, forward: Forward = decode_logits) -> None:
         self.ledger, self.model, self.members = ledger, model, members
         self.forward = forward  # the decode step: eager, or replayed (decode_graph.py)
-        self.workload, self.prefix_kv = workload, prefix_kv
+        self.workload = workload
         self.verify = verify
         self.progress, self.stall_s, self.eos = progress, stall_s, eos
         self.tracked = {r.req: Tracked(r) for r in workload.requests}
@@ -52,7 +53,8 @@ class Decoder:
         self.future = deque(workload.requests)  # not yet arrived
         self.waiting: deque[Tracked] = deque()
         self.running: list[Tracked] = []
-        self.decode_cache = DecodeCache.for_model(model)  # the running requests' K/V
+        # the running requests' K/V (their states in the pool they landed in)
+        self.decode_cache = DecodeCache.for_model(model, states=ledger.kv_landing.states)
         self.sampler = Sampler(model.spec.vocab, self.decode_cache.device)
         self.lives: dict[str, Life] = {}  # handle -> a life its producer may still send for
         self.recovery = Recovery(ledger, members, policy, workload.prefix, self.tracked,
@@ -305,8 +307,7 @@ class Decoder:
         self.ledger.reuse(t.req, (self.workload.prefix, t.request.prompt))
         del self.lives[life.handle]
         self.members.send(life.producer, "reuse", {"handle": life.handle})
-        context = self.ledger.admit(t.req, self.prefix_kv)  # [L, 2, prompt, KVH, D]
-        t.seq = self.decode_cache.add(context, self.ledger.kv_landing.take_state(t.req))
+        t.seq = self.decode_cache.add_paged(*self.ledger.admit(t.req))  # the one copy
         t.slot = self.sampler.open(t.request.sampling, t.request.tokens, [life.token])
         t.output = [life.token]
         t.logprobs = [] if life.logprob is None else [life.logprob]

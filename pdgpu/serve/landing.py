@@ -2,13 +2,18 @@
 and checks bytes and decides nothing: the Ledger (ledger.py), pdref's authority in this
 process, asks pdref first and tells it after; this component only does what it was told.
 
-It owns the decoder's handoff memory: the paged pool of slabs [Lkv, 2, S, KVH, D] (the K/V
-layers only), each live request's token slots in it, and for a model with linear layers a
-landing slot of state per request (a `StatePool`). `open` maps a reserved slab's pages to
-token slots; `write` puts a span's payload into them (lanes hand a tensor, the NIXL lane a
-RemoteSlice that is READ straight into the pages here) and checks the landed rows against the
-producer's compute-time digests (`--verify`, its cost in `verify_s`); `context` gathers an
-admitted request's context K/V for its decode; `forget` lets a request's slots go.
+It owns the decoder's handoff memory, the one place a request's context lies until its
+decode row takes it: the paged pool [Lkv, 2, S, KVH, D] (the K/V layers only) of pdref's
+slab pages and, after them, the pages of the fixed prefix (`--prefix`: warmed once, outside
+pdref's pool: `reserve.prefix` covers it), each live request's token slots in it, and for a
+model with linear layers a landing slot of state per request in a `StatePool` that the
+decode cache shares (decode_kv.py: the state is landed once where the decode step reads it).
+`open` maps the prefix's pages and a reserved slab's pages to the request's token slots;
+`write` puts a span's payload into them (lanes hand a tensor, the NIXL lane a RemoteSlice
+that is READ straight into the pages here) and checks the landed rows against the producer's
+compute-time digests (`--verify`, its cost in `verify_s`); `context` names where an admitted
+request's context lies (the pool, its slots in token order, its state slot), for the decode
+cache's one gather; `forget` lets a request's slots go.
 Payloads (contract v3, pdgpu/handoff.py): a KV span is one tensor per group of its K/V layers
 (a sliding layer's rows are only its window's), each followed by its digests; a state span is
 the conv windows [ns, C, K-1] and the recurrent states [ns, Hv, Dk, Dv] of its linear layers,
@@ -18,6 +23,7 @@ each followed by its digests.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -30,19 +36,33 @@ from pdgpu.state_pool import StatePool, StateShape
 from pdref.geometry import Geometry
 
 
+class Context(NamedTuple):
+    """Where an admitted request's context lies: for DecodeCache.add_paged."""
+
+    kv: torch.Tensor  # [Lkv, 2, S, KVH, D] the landing pool
+    slots: torch.Tensor  # [prompt] the pool slot of each token, in token order
+    state_slot: int | None  # its landed state's slot in the shared StatePool (hybrids)
+
+
 class KVLanding:
     """The decoder's handoff memory and the bytes put into it (see the module docstring)."""
 
     def __init__(self, geometry: Geometry, pool_pages: int, device, dtype: torch.dtype,
-                 state: StateShape | None = None) -> None:
+                 state: StateShape | None = None, prefix_kv: torch.Tensor | None = None) -> None:
         if geometry.recurrent and state is None:
             raise ValueError("ledger: a geometry with linear layers needs the state's shape")
         self.geometry = geometry
+        prefix = 0 if prefix_kv is None else prefix_kv.shape[2]
+        prefix_pages = tuple(range(pool_pages, pool_pages + geometry.pages_for(prefix)))
         # [Lkv, 2, S, KVH, D]: the K/V layers only (a hybrid's linear layers keep none)
-        self.kv = paged_kv(kv_geometry(geometry), pool_pages, device, dtype)
-        self.slots: dict[str, torch.Tensor] = {}  # req -> [prompt - prefix] pool slot per token
-        self.prefixes: dict[str, int] = {}  # req -> its reserve's prefix (slot 0's token)
-        self.prompts: dict[str, int] = {}
+        self.kv = paged_kv(kv_geometry(geometry), pool_pages + len(prefix_pages), device,
+                           dtype)
+        # [prefix] the fixed prefix's slots, its K/V written there once
+        self.prefix_slots = token_slots(prefix_pages, geometry.page_tokens, prefix, device)
+        if prefix_kv is not None:
+            self.kv.index_copy_(2, self.prefix_slots, prefix_kv.to(self.kv.device))
+        self.slots: dict[str, torch.Tensor] = {}  # req -> [prompt] pool slot per token
+        self.prefixes: dict[str, int] = {}  # req -> its reserve's prefix (covered already)
         # the landed states of live requests, one slot each (a hybrid with linear layers)
         self.states = None if not geometry.recurrent else StatePool(state, 1, device)
         self.state_slots: dict[str, int] = {}  # req -> its landing slot in `states`
@@ -54,10 +74,14 @@ class KVLanding:
         return self.states is not None
 
     def open(self, req: str, pages, prompt: int, prefix: int) -> None:
-        """A slab was reserved on `pages`: its token slots (and a state landing slot)."""
-        self.slots[req] = token_slots(pages, self.geometry.page_tokens, prompt - prefix,
-                                      self.kv.device)
-        self.prefixes[req], self.prompts[req] = prefix, prompt
+        """A slab was reserved on `pages` for tokens [prefix, prompt): the request's token
+        slots, the fixed prefix's then the slab's (and a state landing slot)."""
+        if prefix > self.prefix_slots.shape[0]:
+            raise ValueError(f"landing: prefix {prefix} is longer than the decoder's prefix "
+                             f"cache ({self.prefix_slots.shape[0]} tokens)")
+        slab = token_slots(pages, self.geometry.page_tokens, prompt - prefix, self.kv.device)
+        self.slots[req] = torch.cat((self.prefix_slots[:prefix], slab))  # [prompt]
+        self.prefixes[req] = prefix
         if self.states is not None:
             self.state_slots[req] = self.states.take()
 
@@ -73,8 +97,9 @@ class KVLanding:
 
     def _write_kv(self, req: str, found, payload) -> str | None:
         """A KV span's groups into the slab (nothing written when a shape is wrong)."""
-        prefix = self.prefixes[req]
-        groups = kv_groups(self.geometry, found.layers, found.tokens, self.prompts[req], prefix)
+        slots = self.slots[req]  # [prompt]
+        groups = kv_groups(self.geometry, found.layers, found.tokens, slots.shape[0],
+                           self.prefixes[req])
         shapes = [tuple(kv.shape[:3]) for kv in payload[0::2]]
         if shapes != [(l1 - l0, 2, b - a) for (l0, l1), (a, b) in groups]:
             (l0, l1), (a, b) = found.layers, found.tokens
@@ -82,7 +107,7 @@ class KVLanding:
                     f"[{l0}, {l1}) x tokens [{a}, {b})")
         for ((l0, l1), (a, b)), kv, digests in zip(groups, payload[0::2], payload[1::2],
                                                    strict=True):
-            index = self.slots[req][a - prefix:b - prefix]  # [nt]
+            index = slots[a:b]  # [nt]
             rows_into(self.kv[l0:l1], kv, index)  # over NIXL: READ into the pages here
             error = self._verify(self.kv[l0:l1].index_select(2, index), digests)
             if error is not None:
@@ -117,28 +142,15 @@ class KVLanding:
         self.verify_s += time.perf_counter() - start  # --verify's cost, in the loop
         return None if bad is None else ("checksum mismatch", bad)
 
-    def context(self, req: str, prefix_kv: torch.Tensor) -> torch.Tensor:
-        """An admitted request's context K/V [L, 2, prompt, KVH, D]: the shared prefix's,
-        then its slab's rows gathered in token order."""
-        suffix = self.kv.index_select(2, self.slots[req])  # [L, 2, suffix, KVH, D]
-        return torch.cat([prefix_kv.to(suffix.device), suffix], dim=2)
-
-    def take_state(self, req: str):
-        """An admitted request's landed state (StatePool.read's pair: conv [NL, C, K-1],
-        recurrent [NL, Hv, Dk, Dv]) for its decode, its landing slot given back; None for a
-        model without linear layers."""
-        slot = self.state_slots.pop(req, None)
-        if slot is None:
-            return None
-        state = self.states.read(slot)
-        self.states.give_back(slot)
-        return state
+    def context(self, req: str) -> Context:
+        """Where admitted request `req`'s context lies (its landed state's slot now the
+        decode cache's: `forget` no longer gives it back)."""
+        return Context(self.kv, self.slots[req], self.state_slots.pop(req, None))
 
     def forget(self, req: str) -> None:
         """A life ended: its slab's slots and its landing slot (if still held) go."""
         self.slots.pop(req, None)
         self.prefixes.pop(req, None)
-        self.prompts.pop(req, None)
         slot = self.state_slots.pop(req, None)
         if slot is not None:
             self.states.give_back(slot)

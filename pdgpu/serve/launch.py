@@ -258,7 +258,7 @@ def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: Fau
     else:  # opened at the start with the lane asked for: now the lanes agreed
         run.log.set_header(header)
     run.ledger = Ledger(header, device, model.model.embed_tokens.weight.dtype, run.log,
-                        state=model.state_shape)
+                        state=model.state_shape, prefix_kv=prefix_kv)
     for _ in transport.peers():
         _wait(transport, "ready", timeout_s, check_peers)
     offsets = {rank: measure_offset(transport, rank, timeout_s, check_peers)
@@ -266,7 +266,7 @@ def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: Fau
     run.ledger.restart_clock()
     members = Members(transport, config, offsets, policy.heartbeat_timeout, timeout_s,
                       processes, policy.restart_producers, device)
-    run.decoder = Decoder(run.ledger, model, workload, prefix_kv, members, policy,
+    run.decoder = Decoder(run.ledger, model, workload, members, policy,
                           config.faults, config.verify, progress, eos=eos, inbox=run.frontend,
                           forward=decode_forward(config.cuda_graphs, device))
     if run.results is not None:

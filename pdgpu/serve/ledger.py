@@ -7,8 +7,9 @@ reserve -> pages of a slab (and, for a model with linear layers, the producer's 
 pdref names free; the landing opens the slab's token slots and a state landing slot) |
 issue -> a span id | land -> pdref says where the span lands, the landing writes and checks
 its bytes (`--verify`), then `land` or `fail` | reuse -> the producer may free its source
-pages | admit -> the request's context K/V (the landing gathers it; its landed state:
-`kv_landing.take_state`) | release / abort -> pages and slots back. pdref is the authority
+pages | admit -> where the request's context lies (the landing names its slots and its
+landed state's slot; the decode cache gathers it once) | release / abort -> pages and slots
+back. pdref is the authority
 for every process of the run. Every accepted event goes to the run's TraceLog (written while
 the run goes).
 
@@ -33,7 +34,7 @@ import torch
 
 from pdgpu.audit import BOUND, Disagreement
 from pdgpu.live_check import LiveCheck
-from pdgpu.serve.landing import KVLanding
+from pdgpu.serve.landing import Context, KVLanding
 from pdgpu.serve.tracelog import TraceLog
 from pdgpu.state_pool import StateShape
 from pdref import events as ev
@@ -49,13 +50,15 @@ class Ledger:
 
     def __init__(self, header: ev.Header, device, dtype: torch.dtype,
                  log: TraceLog | None = None, audit_monitor=Monitor,
-                 audit_bound: int = BOUND, state: StateShape | None = None) -> None:
+                 audit_bound: int = BOUND, state: StateShape | None = None,
+                 prefix_kv: torch.Tensor | None = None) -> None:
         self.header = header
         self.geometry = header.geometry
         self.log = log if log is not None else TraceLog(header, None)
         self.recent: deque = deque(maxlen=8)  # the last protocol events (for tests, errors)
         self._accepted: list = []  # accepted by the mirror, not yet in the trace
-        self.kv_landing = KVLanding(self.geometry, header.pool_pages, device, dtype, state)
+        self.kv_landing = KVLanding(self.geometry, header.pool_pages, device, dtype, state,
+                                    prefix_kv)
         self.live = LiveCheck(header, self._accepted.append, audit_monitor=audit_monitor,
                               audit_bound=audit_bound)
         self.peak_pages = 0
@@ -192,12 +195,12 @@ class Ledger:
     def reuse(self, req: str, tokens) -> None:
         self._emit(ev.Reuse, req, tuple(tokens))
 
-    def admit(self, req: str, prefix_kv: torch.Tensor) -> torch.Tensor:
-        """Admit once pdref says so; the context K/V [L, 2, prompt, KVH, D] to decode with."""
+    def admit(self, req: str) -> Context:
+        """Admit once pdref says so; where the context to decode with lies."""
         if not self.can_admit(req):
             raise Violation("ADM-1", f"pdref refuses admission of {req!r}: nothing admitted")
         self._emit(ev.Admit, req)
-        return self.kv_landing.context(req, prefix_kv)
+        return self.kv_landing.context(req)
 
     def release(self, req: str) -> None:
         self._emit(ev.Release, req)

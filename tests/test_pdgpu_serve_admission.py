@@ -1,0 +1,51 @@
+"""pdgpu serve's admission copies a request's context once into decode memory: the bytes the
+decoder's `_admit` copies (every op that writes K/V or state from another tensor) equal its
+context's K/V once (of a sliding layer only the window the decode step reads) and, of a
+hybrid with linear layers, nothing of its state (landed where the decode step reads it)."""
+
+from __future__ import annotations
+
+import pytest
+from serve_helpers import drawn_prompts, reference, serve, trace_ok
+
+from pdgpu.op_count import bytes_copied
+from pdgpu.serve.decoder import Decoder
+from pdref.models import load_model
+
+CHUNK = 16
+LENGTHS = (40, 57)  # longer than tiny-gemma3's window (16)
+
+
+def _context_bytes(preset: str, prompt: int) -> int:
+    """A context's K/V bytes once, from the preset's layer kinds: a full layer every token,
+    a sliding one its last window (float32)."""
+    spec = load_model(preset)
+    extra = dict(spec.extra)
+    kinds = extra.get("layer_kinds", ["full"] * spec.layers)
+    window = extra.get("sliding_window")
+    tokens = sum(prompt if k == "full" else min(prompt, window) for k in kinds if k != "linear")
+    return tokens * 2 * spec.kv_heads * spec.head_dim * 4
+
+
+@pytest.mark.parametrize("prefix", [0, 16], ids=["no-prefix", "prefix"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3.5", "tiny-gemma3"])
+def test_admission_copies_the_context_once_into_decode_memory(tmp_path, monkeypatch, preset,
+                                                               prefix):
+    """One request at a time (each admitted into an empty decode cache, so no bucket grows
+    meanwhile): each admission copies exactly its context's K/V once, its state not at all;
+    the served tokens still equal `pdgpu generate`'s."""
+    copied: dict[str, int] = {}
+    admit = Decoder._admit
+
+    def counted(self, t):
+        copied[t.req] = bytes_copied(admit, self, t)[1]
+    monkeypatch.setattr(Decoder, "_admit", counted)
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 2, LENGTHS, 256, prefix, 3)
+    code, results, trace = serve(
+        tmp_path, "--model", preset, "--prompts", str(tmp_path / "p.jsonl"), "--prefix",
+        str(prefix), "--chunk", str(CHUNK), "--concurrency", "1")
+    assert code == 0
+    trace_ok(trace)
+    for line, result in zip(prompts, results, strict=True):
+        assert result["output"] == reference(preset, line["tokens"], 3, CHUNK, prefix)
+        assert copied[line["req"]] == _context_bytes(preset, len(line["tokens"])), line["req"]
