@@ -3,8 +3,8 @@ the decode-graph and serve tests."""
 
 from __future__ import annotations
 
-from pdgpu.decode_graph import warm_up
 from pdgpu.decode_batch import decode_logits
+from pdgpu.decode_graph import warm_up
 
 
 def replay_eagerly(model, batch, pool):

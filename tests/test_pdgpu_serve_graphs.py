@@ -18,8 +18,8 @@ from serve_helpers import (
     write_sensitive_checkpoint,
 )
 
-from pdgpu.decode_graph import GraphedStep, decode_forward, graph_problem, uses_graphs
 from pdgpu.decode_batch import decode_logits
+from pdgpu.decode_graph import GraphedStep, decode_forward, graph_problem, uses_graphs
 from pdgpu.serve import launch
 
 CHUNK = 16

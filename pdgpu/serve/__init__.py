@@ -13,8 +13,10 @@ Modules (one concept each):
   bugs       the hand-made copy bugs of --debug, one object a producer calls at fixed hooks
   ledger     the decoder's protocol authority: each resource operation and its pdref event
              are one call (decides and records; moves no bytes)
-  landing    the decoder's handoff memory: slabs, landing slots, bytes written and checked
-  decoder    schedule -> run -> postprocess, the continuous decode batch
+  landing    the decoder's handoff memory: slabs, the fixed prefix's pages, landing slots,
+             bytes written and checked, where an admitted context lies
+  decoder    schedule -> run -> postprocess, the continuous decode batch, admission
+  postprocess  the decoder's part turning every producer message into its pdref event
   recovery   the decoder's part for faults: failed lives, cancels, deadlines, lost producers
   launch     processes, handshake, shutdown
   command    what `pdgpu serve` and `--http` share: checks, the run, its outputs

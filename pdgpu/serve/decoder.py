@@ -4,9 +4,10 @@ schedule     arrived requests, in arrival order, get a slab as soon as the pool 
              (the head waits rather than being overtaken: no overcommit, no starvation) and go
              to the serving producer with the least queued prefill work
 postprocess  every message of every producer becomes its pdref event through the Ledger (the
-             authority): computed, issue, a span's bytes into its slab (land or fail), produced;
-             a complete request is admitted when pdref says so; faults (recovery.py, a part
-             that owns its own state): failed lives, cancels, deadlines, dead producers
+             authority; postprocess.py, a part that owns its own state); a complete request
+             is admitted when pdref says so: its context gathered once from where it landed
+             into its decode row (decode_kv.py); faults (recovery.py, a part too): failed
+             lives, cancels, deadlines, dead producers
 run          one batched decode forward for every running request, each over its own K/V
              length, its token drawn by the request's own options (greedy unless it samples;
              sampler.py); a request is released at its output-token count, pages back
@@ -27,11 +28,10 @@ from pdgpu.sampler import Sampler
 from pdgpu.serve.faults import FaultPolicy, FaultSpec
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.lives import Life, Status, Tracked
-from pdgpu.serve.members import HANDSHAKE, Members
+from pdgpu.serve.members import Members
+from pdgpu.serve.postprocess import Postprocess
 from pdgpu.serve.recovery import Recovery, ServeError, expected_steps
-from pdgpu.serve.transport import Message
 from pdgpu.serve.workload import ServeRequest, Workload
-from pdref.violations import Violation
 
 __all__ = ["Decoder", "ServeError"]
 
@@ -44,7 +44,6 @@ class Decoder:
         self.ledger, self.model, self.members = ledger, model, members
         self.forward = forward  # the decode step: eager, or replayed (decode_graph.py)
         self.workload = workload
-        self.verify = verify
         self.progress, self.stall_s, self.eos = progress, stall_s, eos
         self.tracked = {r.req: Tracked(r) for r in workload.requests}
         for t in self.tracked.values():
@@ -59,6 +58,8 @@ class Decoder:
         self.lives: dict[str, Life] = {}  # handle -> a life its producer may still send for
         self.recovery = Recovery(ledger, members, policy, workload.prefix, self.tracked,
                                  self.waiting, self.lives, self._finish, self._leave_batch)
+        self.postprocess = Postprocess(ledger, members, self.recovery, self.tracked, self.lives,
+                                       verify, self._admit)
         self.done = 0
         self.last_progress = time.perf_counter()
         self.inbox = inbox  # the HTTP front end's bridge (frontend.py), or None: batch mode
@@ -70,7 +71,7 @@ class Decoder:
     def run(self) -> None:
         while self.done < len(self.tracked) or self._writers_busy() or self._open():
             self._arrivals()
-            self._postprocess()
+            self.postprocess.drain()
             if self.inbox is not None:  # requests in; tokens, ends and cancels out
                 self.inbox.pump(self)
             self.recovery.watch()
@@ -117,12 +118,13 @@ class Decoder:
 
     def _idle(self) -> None:
         """Nothing to decode: wait for a message (or the next arrival)."""
-        if time.perf_counter() - self.last_progress > self.stall_s:
+        if time.perf_counter() - max(self.last_progress, self.postprocess.last_message) \
+                > self.stall_s:
             raise ServeError(f"no progress for {self.stall_s:.0f} s")
         msg = self.members.transport.get(timeout=min(self.idle_s,
                                                      max(0.0, self._next_arrival_in())))
         if msg is not None:
-            self._handle(msg)
+            self.postprocess.handle(msg)
 
     def _next_arrival_in(self) -> float:
         arrivals = self.workload.arrivals
@@ -171,136 +173,7 @@ class Decoder:
                 "sampling": attrs.asdict(t.request.sampling), "ban": list(self._draw(t, 0).ban),
                 "state_slot": state_slot})
 
-    # -- postprocess --------------------------------------------------------------------------
-
-    def _postprocess(self) -> None:
-        while (msg := self.members.transport.get(timeout=0)) is not None:
-            self._handle(msg)
-
-    def _handle(self, msg: Message) -> None:
-        try:
-            self._take(msg)
-        finally:  # its tensors were copied out (or dropped): shared slots go back
-            self.members.transport.done(msg)
-
-    def _take(self, msg: Message) -> None:
-        self.last_progress = time.perf_counter()
-        self.members.seen(msg.src)
-        if msg.op in HANDSHAKE:
-            self.members.on_handshake(msg)
-        elif msg.op == "lost":
-            self.recovery.producer_lost(msg.src, msg.body["error"])
-        elif msg.op == "error":
-            raise ServeError(f"producer p{msg.src}: {msg.body['message']}")
-        elif msg.op != "beat":
-            self._life_message(msg)
-
-    def _life_message(self, msg: Message) -> None:
-        life = self.lives.get(msg.body.get("handle"))
-        if life is None:
-            raise ServeError(f"producer p{msg.src} sent {msg.op!r} for an unknown request life "
-                             f"{msg.body.get('handle')!r}")
-        t = self.tracked[life.req]
-        current = t.life is life and not life.ended
-        try:
-            getattr(self, f"_on_{msg.op}")(life, msg)
-        except Violation as e:  # the live check refused what this message did
-            if self.ledger.live.found(e):  # an earlier event's, found by the audit
-                raise
-            raise Violation(e.code, f"{e.message} (on producer p{msg.src}'s {msg.op!r})",
-                            e.event, e.line) from None
-        self._settle(life)
-        if current and not t.status.final:
-            self.recovery.step(t)
-
-    def _on_computed(self, life: Life, msg: Message) -> None:
-        if not life.ended:
-            b = msg.body
-            self.ledger.computed(life.req, b["layers"], b["tokens"])
-            self._stage(life, msg, "compute", b["start"], b["end"])
-
-    def _on_issue(self, life: Life, msg: Message) -> None:
-        b = msg.body
-        if life.ended or life.failed is not None:
-            life.spans[b["sid"]] = None  # a ghost: pdref never sees it, its bytes are dropped
-            return
-        span = self.ledger.issue(life.req, b["layers"], b["tokens"], b["bytes"],
-                                 b.get("state", False))
-        life.spans[b["sid"]] = span
-        self.recovery.issued(span, life)
-
-    def _on_span(self, life: Life, msg: Message) -> None:
-        """A span's bytes (or its writer's failure): land, fail, or dropped when late."""
-        span = life.spans.pop(msg.body["sid"])
-        self.members.send(msg.src, "ack", {"handle": life.handle})  # the writer's slot
-        if span is None:
-            return
-        self.recovery.arrived(span)
-        if span in life.unfenced:  # failed or cancelled before its bytes came: dropped
-            life.unfenced.discard(span)
-            self.ledger.fence(life.req, span)
-            return
-        error = msg.body.get("error")
-        if error is not None:
-            self.ledger.fail(life.req, span, error)
-            self.ledger.fence(life.req, span)  # the writer reported it and stopped
-        else:
-            landing = time.perf_counter()
-            error = self.ledger.land(life.req, span, *self._payload(msg))
-            self._stage(life, msg, "gather", *msg.body["gather"], span=span)
-            self._stage(life, msg, "link", *self._crossed(msg, landing), span=span)
-        if error is not None:
-            self.recovery.fail_life(life, error)
-
-    def _payload(self, msg: Message) -> tuple:
-        """A span's tensors for `Ledger.land`: its bytes, each followed by its digests, or
-        by None when the run does not `--verify`."""
-        return tuple(t if i % 2 == 0 or self.verify else None
-                     for i, t in enumerate(msg.tensors))
-
-    def _crossed(self, msg: Message, landing: float) -> tuple[float, float]:
-        """The span's `link` stage on the producer's clock: from its gather to its send, or
-        (NIXL: the bytes crossed in `land`, READ by this process) the `land` call itself."""
-        if all(isinstance(t, torch.Tensor) for t in msg.tensors):
-            return tuple(msg.body["link"])
-        offset = self.members.offset(msg.src)
-        return landing - offset, time.perf_counter() - offset
-
-    def _on_stopped(self, life: Life, msg: Message) -> None:
-        self.recovery.on_stopped(life, msg)
-
-    def _on_reuse(self, life: Life, msg: Message) -> None:
-        """The producer gave the life's source pages back on its own (producer.give_back):
-        its `reuse`, checked now (COPY-3 while a span reads those tokens; a span issued from
-        them later is COPY-1)."""
-        if life.ended:
-            raise ServeError(f"producer p{msg.src} gave back the source pages of "
-                             f"{life.handle!r} after its life ended, before the decoder's reuse")
-        self.ledger.reuse(life.req, tuple(msg.body["tokens"]))
-
-    def _on_produced(self, life: Life, msg: Message) -> None:
-        if not life.ended:
-            self.ledger.produced(life.req, msg.body["token"])
-            self._stage(life, msg, "head", msg.body["start"], msg.body["end"])
-            life.token, life.produced_t = msg.body["token"], self.ledger.now()
-            life.logprob = msg.body.get("logprob")  # [logprob, [[token, logprob], ...]]
-
-    def _stage(self, life: Life, msg: Message, name: str, start, end, span=None) -> None:
-        offset = self.members.offset(msg.src)
-        self.ledger.stage(life.req, name, self.ledger.trace_time(start + offset),
-                          self.ledger.trace_time(end + offset), span, f"p{msg.src}")
-
-    def _settle(self, life: Life) -> None:
-        """After a message: admit a complete life, end a failed one whose writer stopped,
-        forget an ended one whose writer stopped."""
-        if life.ended:
-            if life.stopped:
-                self.recovery.forget(life)
-        elif life.failed is not None:
-            if life.stopped:
-                self.recovery.end_failed(life, source_held=True)
-        elif life.produced and self.ledger.can_admit(life.req):
-            self._admit(self.tracked[life.req])
+    # -- admission ----------------------------------------------------------------------------
 
     def _admit(self, t: Tracked) -> None:
         life = t.life
