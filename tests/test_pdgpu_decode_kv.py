@@ -163,3 +163,23 @@ def test_a_ring_wider_than_every_bucket_gets_a_mask_of_its_window():
     q, k = torch.randn(batch.size, 2, 4), torch.randn(batch.size, 1, 4)
     out = batch.attend(1, q, k, k, batch.masks(positions, torch.float32))
     assert out.shape == (batch.size, 8) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("length", [5, 8, 19, 24])
+def test_a_paged_context_lands_in_its_row_and_ring_as_a_whole_one_does(length):
+    """A context gathered from scattered pool slots (full layers around a run of sliding
+    ones, window 8) fills the request's row and ring exactly as the same context handed
+    whole: every full-layer token, a sliding layer's last window at position % window."""
+    windows = (None, 8, 8, None)
+    gen = torch.Generator().manual_seed(length)
+    pool = torch.randn(4, 2, 64, 1, 4, generator=gen)  # [L, 2, S, KVH, D]
+    slots = torch.randperm(64, generator=gen)[:length]
+    whole = DecodeCache(4, 1, 4, "cpu", torch.float32, windows=windows)
+    paged = DecodeCache(4, 1, 4, "cpu", torch.float32, windows=windows)
+    a = whole.add(pool.index_select(2, slots))
+    b = paged.add_paged(pool, slots)
+    assert torch.equal(a.bucket.kv, b.bucket.kv) and torch.equal(a.bucket.ring, b.bucket.ring)
+    ring = b.bucket.ring[:, :, b.row]  # [Ls, 2, KVH, window, D]
+    for p in range(max(0, length - 8), length):
+        assert torch.equal(ring[:, :, :, p % 8], pool[1:3, :, slots[p]])
+    assert torch.equal(b.bucket.kv[1, :, b.row, :, :length], pool[3, :, slots].transpose(1, 2))
