@@ -19,7 +19,8 @@ from pdgpu.model import Transformer
 from pdgpu.prefill import Prefill, warm_prefix
 from pdgpu.sampler import Sampler, Step
 from pdgpu.sampling import GREEDY, Sampling
-from pdgpu.source_cache import SourceCache
+from pdgpu.source_cache import SourceCache, token_slots
+from pdgpu.source_prefix import SourcePrefix, load_hit
 from pdref.plan import plan_chunks
 
 
@@ -64,15 +65,56 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
     prefill = Prefill(model, ids, prefix, chunk, kv, warm_prefix(model, ids, prefix, chunk, kv))
     for step in plan_chunks(len(tokens), prefix, chunk):
         prefill.chunk(step)
+    return _decode(model, kv, prefill.last, tokens, output_tokens, eos, sampling)
+
+
+def _decode(model: Transformer, kv, last: torch.Tensor, tokens: list[int], output_tokens: int,
+            eos: int | None, sampling: Sampling) -> list[int]:
+    """The output tokens after a prefill that left `kv` (a RequestKV of the prompt) and the
+    last prompt position's hidden state `last` [1, E]."""
+    device = model.inv_freq.device
     sampler, stops = Sampler(model.spec.vocab, device), stop_tokens(sampling, eos)
     slot = sampler.open(sampling, tokens)
 
     def pick(logits: torch.Tensor) -> torch.Tensor:
         return sampler.pick(logits, [step_at(sampling, len(out), stops, slot)])
     out: list[int] = []
-    out.append(first_token(model, prefill.last, pick))
+    out.append(first_token(model, last, pick))
     context = kv.kv.index_select(2, kv.slots)  # [L, 2, prompt, KVH, D]
     seq = DecodeCache.for_model(model).add(context, kv.read_state())
     while len(out) < output_tokens and out[-1] not in stops:
         out.append(decode_tokens(model, DecodeBatch([seq]), [out[-1]], pick, forward)[0])
     return out
+
+
+@torch.no_grad()
+def generate_cached(model: Transformer, prompts: list[list[int]], output_tokens: int,
+                    chunk: int, page_tokens: int, cache_pages: int, eos: int | None = None,
+                    sampling: Sampling = GREEDY) -> tuple[list[list[int]], int]:
+    """`generate` of each prompt in turn through one producer's automatic prefix cache of
+    `cache_pages` pages (source_prefix.py: the serving producer's): (each prompt's output
+    tokens, which the cache must not change, and the prompt tokens computed in all)."""
+    if model.state_shape is not None:
+        raise ValueError("prefix-cache: refused for a model with linear layers (the cache "
+                         "keeps no state snapshots)")
+    device = model.inv_freq.device
+    geometry = kv_geometry(handoff_geometry(model.spec, page_tokens))
+    longest = max(geometry.pages_for(len(p)) for p in prompts)
+    source = SourceCache(geometry, cache_pages + longest, device,
+                         model.model.embed_tokens.weight.dtype)
+    cache = SourcePrefix(source, cache_pages, chunk)
+    outputs, computed = [], 0
+    for tokens in prompts:
+        held, _ = cache.open(len(tokens), cache.lookup(tokens))
+        kv = source.view(token_slots(held.pages, page_tokens, len(tokens), device), held.pages)
+        load_hit(kv, held.skip)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=device)  # [prompt]
+        prefill = Prefill(model, ids, held.skip, chunk, kv)
+        for step in plan_chunks(len(tokens), held.skip, chunk):
+            prefill.chunk(step)
+        computed += len(tokens) - held.skip
+        cache.keep(tokens, held, held.skip)
+        cache.confirm(held, recorded=True)
+        outputs.append(_decode(model, kv, prefill.last, tokens, output_tokens, eos, sampling))
+        cache.release(held)
+    return outputs, computed

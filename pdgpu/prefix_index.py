@@ -162,6 +162,16 @@ class PrefixIndex:
         evicted = self.evict(max(0, len(self) + want - self.budget))
         return evicted, max(0, min(want, self.budget - len(self)))
 
+    def withdraw(self, pages: Iterable[Hashable]) -> None:
+        """Pages held only by whoever put them in leave without an eviction: their entry
+        never became part of the owner's record (a `cache` the trace did not take)."""
+        pages = tuple(pages)
+        held = [p for p in pages if self._entry(p).refs != 1]
+        if held:
+            raise ValueError(f"pages {held} are held by others than whoever put them in")
+        for page in pages:
+            del self._page_of[self._entries.pop(page).key]
+
     def holders(self, page: Hashable) -> int:
         return self._entry(page).refs
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdgpu.decode_graph import graph_problem
+from pdgpu.handoff import handoff_geometry
 from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.devices import serve_devices, use_device
 from pdgpu.serve.faults import FaultPolicy, FaultSpec, parse_kill
@@ -136,14 +137,32 @@ def serve_config(args, workload: Workload, faults: FaultSpec) -> ServeConfig:
         raise WorkloadError(problem)
     spec_pages = -(-max(r.prompt for r in workload.requests) // args.page_tokens)
     prefix_pages = workload.prefix // args.page_tokens
+    cache_pages = prefix_cache_pages(args, spec_pages)
     return ServeConfig(
         model=str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model,
         mode=args.mode, seed=args.seed, dtype=args.dtype, chunk=args.chunk,
         max_pending=args.max_pending, page_tokens=args.page_tokens,
         pool_pages=_pool_pages(args, workload), link_gbps=args.link_gbps, verify=args.verify,
         debug=args.debug, prefix_tokens=workload.prefix_tokens,
-        source_pages=prefix_pages + 2 * (spec_pages - prefix_pages), threads=args.threads,
-        faults=faults, beat_s=args.heartbeat_timeout / 4, cuda_graphs=args.cuda_graphs)
+        source_pages=prefix_pages + 2 * (spec_pages - prefix_pages) + cache_pages,
+        threads=args.threads, faults=faults, beat_s=args.heartbeat_timeout / 4,
+        cuda_graphs=args.cuda_graphs, prefix_cache_pages=cache_pages)
+
+
+def prefix_cache_pages(args, spec_pages: int) -> int:
+    """Each producer's prefix-cache budget (0: off), checked: a WorkloadError names what
+    makes no sense with it."""
+    if not args.prefix_cache:
+        if args.prefix_cache_pages is not None:
+            raise WorkloadError("prefix-cache-pages: needs --prefix-cache")
+        return 0
+    if args.prefix:
+        raise WorkloadError("prefix-cache: refused with --prefix (the cache finds shared "
+                            "prefixes itself)")
+    if handoff_geometry(model_spec(args.model, args.dtype), 1).layout is not None:
+        raise WorkloadError("prefix-cache: refused for a model with sliding or linear layers "
+                            "(a cached page of a hybrid needs its state snapshot: not built)")
+    return args.prefix_cache_pages or 4 * spec_pages
 
 
 def check_eos(eos: int | None, vocab: int) -> None:

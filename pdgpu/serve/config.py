@@ -45,6 +45,7 @@ class ServeConfig:
     faults: FaultSpec = attrs.field(factory=FaultSpec, converter=_fault_spec)
     beat_s: float = 1.0  # a producer sends a heartbeat this often
     cuda_graphs: str = "auto"  # the decoder's step: auto, on, off (decode_graph.py)
+    prefix_cache_pages: int = 0  # each producer's automatic prefix cache (0: off)
 
     @property
     def prefix(self) -> int:

@@ -169,7 +169,7 @@ class Decoder:
             self.lives[t.life.handle] = t.life
             t.status, t.reserved_t = Status.PREFILL, self.ledger.now()
             self.members.send(rank, "prefill", {
-                "handle": t.life.handle, "tokens": list(t.request.tokens),
+                "handle": t.life.handle, "req": t.req, "tokens": list(t.request.tokens),
                 "sampling": attrs.asdict(t.request.sampling), "ban": list(self._draw(t, 0).ban),
                 "state_slot": state_slot})
 

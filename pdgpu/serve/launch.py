@@ -172,8 +172,12 @@ def _header(config: ServeConfig, spec, producers: int, lanes: dict[int, str],
         extra["cuda_graphs"] = graphs
     if config.link_gbps is not None:
         extra["link_gbps"] = config.link_gbps
-    return ev.Header("pdgpu serve", config.mode, handoff_geometry(spec, config.page_tokens),
-                     config.pool_pages, config.max_pending, extra=tuple(sorted(extra.items())))
+    if config.prefix_cache_pages:
+        extra["prefix_cache_pages"] = config.prefix_cache_pages
+    geometry = handoff_geometry(spec, config.page_tokens)
+    version = {"version": ev.CACHE_VERSION} if config.prefix_cache_pages else {}
+    return ev.Header("pdgpu serve", config.mode, geometry, config.pool_pages,
+                     config.max_pending, extra=tuple(sorted(extra.items())), **version)
 
 
 def handshake(transport, config: ServeConfig, timeout_s: float, check_peers,

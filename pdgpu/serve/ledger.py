@@ -140,8 +140,17 @@ class Ledger:
         self.peak_pages = max(self.peak_pages, self.used_pages)
         return slot
 
-    def computed(self, req: str, layers, tokens) -> None:
-        self._emit(ev.Computed, req, tuple(layers), tuple(tokens))
+    def computed(self, req: str, layers, tokens, hit=None) -> None:
+        """(v4) `hit`: the producer's cached pages the region is in (nothing computed)."""
+        self._emit(ev.Computed, req, tuple(layers), tuple(tokens), hit)
+
+    def cache(self, req: str, tokens, pages, producer: str | None = None) -> None:
+        """(v4) Whole pages enter a prefix cache: the decoder's, or `producer`'s."""
+        self._emit(ev.Cache, req, tuple(tokens), tuple(pages), producer)
+
+    def evict(self, req: str, pages, producer: str | None = None) -> None:
+        """(v4) Cached pages nobody holds leave a cache; `req` is whom the room is for."""
+        self._emit(ev.Evict, req, tuple(pages), producer)
 
     def issue(self, req: str, layers, tokens, nbytes: int, state: bool = False) -> int:
         span = next(self._spans)

@@ -53,6 +53,8 @@ class Postprocess:
             self.recovery.producer_lost(msg.src, msg.body["error"])
         elif msg.op == "error":
             raise ServeError(f"producer p{msg.src}: {msg.body['message']}")
+        elif msg.op == "evict":  # its cache's room: whatever the state of the life it is for
+            self.ledger.evict(msg.body["req"], msg.body["pages"], f"p{msg.src}")
         elif msg.op != "beat":
             self._life_message(msg)
 
@@ -77,8 +79,17 @@ class Postprocess:
     def _on_computed(self, life: Life, msg: Message) -> None:
         if not life.ended:
             b = msg.body
-            self.ledger.computed(life.req, b["layers"], b["tokens"])
-            self._stage(life, msg, "compute", b["start"], b["end"])
+            self.ledger.computed(life.req, b["layers"], b["tokens"], b.get("hit"))
+            if "start" in b:  # (a cache hit computes nothing)
+                self._stage(life, msg, "compute", b["start"], b["end"])
+
+    def _on_cache(self, life: Life, msg: Message) -> None:
+        """The producer put the life's computed pages into its cache: in the trace while the
+        life is live; the producer hears whether it is (until then it hits none of them)."""
+        b = msg.body
+        if not life.ended:
+            self.ledger.cache(life.req, b["tokens"], b["pages"], f"p{msg.src}")
+        self.members.send(msg.src, "cached", {"handle": life.handle, "recorded": not life.ended})
 
     def _on_issue(self, life: Life, msg: Message) -> None:
         b = msg.body
@@ -134,6 +145,8 @@ class Postprocess:
         """The producer gave the life's source pages back on its own (producer.give_back):
         its `reuse`, checked now (COPY-3 while a span reads those tokens; a span issued from
         them later is COPY-1)."""
+        if life.ended and msg.body.get("below"):  # [0, prefix): the abort let go of them
+            return
         if life.ended:
             raise ServeError(f"producer p{msg.src} gave back the source pages of "
                              f"{life.handle!r} after its life ended, before the decoder's reuse")

@@ -49,11 +49,13 @@ from pdgpu.serve.bugs import NO_BUG, NoBug
 from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.digest import BITS, DigestingKV, row_digests, state_rows
 from pdgpu.serve.faults import Fate
+from pdgpu.serve.producer_cache import ProducerCache, plan_life, plan_with_hit
 from pdgpu.serve.transport import Transport
 from pdgpu.source_cache import SourceCache, token_slots
+from pdgpu.source_prefix import Held
 from pdgpu.state_pool import StatePool
 from pdref.events import Mode
-from pdref.plan import Region, plan_chunks, plan_spans, plan_steps
+from pdref.plan import Region
 
 DECODER = 0
 
@@ -70,6 +72,10 @@ class Job:
     steps: list  # chunk ranges (chunk-major) or layer ids (layer mode) still to compute
     ready: list  # per step still to compute: the spans ready once it is (chunk, layer mode)
     prefill: Prefill  # the compute, step by step, into `kv` (its `last` hidden state)
+    start: int  # the first token computed (the prefix, or the end of a cache hit)
+    after: list  # the spans queued after `produced` (whole mode, an empty suffix)
+    held: Held | None = None  # what it holds in the prefix cache (--prefix-cache)
+    req: str = ""  # the request's id (an `evict` names whom its room is for)
     draw: Step = Step(GREEDY, 0)  # how the first token is drawn (the request's options)
     cancelled: bool = False
     stop: threading.Event = attrs.Factory(threading.Event)  # set by the life's cancel
@@ -82,7 +88,7 @@ class Job:
 
 class Producer:
     def __init__(self, transport: Transport, config: ServeConfig, model, name: str,
-                 bugs: NoBug = NO_BUG) -> None:
+                 bugs: NoBug = NO_BUG, generation: int = 0) -> None:
         self.transport, self.config, self.model, self.name = transport, config, model, name
         self.bugs = bugs  # a hand-made bug's hooks (bugs.py); NO_BUG: none
         self.geometry = handoff_geometry(model.spec, config.page_tokens)  # what spans name
@@ -94,6 +100,9 @@ class Producer:
             self.geometry.pages_for(config.prefix))
         self.prefix_state = None  # a hybrid's state after the prefix (StatePool.read's pair)
         self.prefix_last = self._warm_prefix()
+        self.prefix_cache = None if not config.prefix_cache_pages else ProducerCache(
+            self.cache, config.prefix_cache_pages, config.chunk,
+            generation * config.source_pages, self._send)  # ids unique across restarts
         self.sampler = Sampler(model.spec.vocab, self.device)  # the first tokens' draws
         self.waiting: deque[Job | dict] = deque()
         self.active: Job | None = None
@@ -160,6 +169,10 @@ class Producer:
                 self.slots.release()
         elif msg.op == "reuse":
             self._free(body["handle"])
+        elif msg.op == "cached":  # the decoder's word on a `cache` of ours
+            job = self.jobs.get(body["handle"])
+            if job is not None and job.held is not None:
+                self.prefix_cache.confirm(job.held, body["recorded"])
         elif msg.op == "cancel":
             self._cancel(body["handle"])
         elif msg.op == "clock":  # the decoder relates our clock to its own (clock.py)
@@ -171,6 +184,8 @@ class Producer:
         if not self.waiting:
             return False
         body = self.waiting[0]
+        if self.prefix_cache is not None:
+            return self.prefix_cache.can_open(body["tokens"])
         need = self.geometry.pages_for(len(body["tokens"])) - len(self.prefix_pages)
         return need <= self.cache.pool.free_pages
 
@@ -192,22 +207,31 @@ class Producer:
 
     def _open(self, body: dict) -> Job:
         tokens = torch.tensor(body["tokens"], dtype=torch.int64, device=self.device)
-        prompt, prefix = tokens.shape[0], self.config.prefix
-        self.cache.pool, own = self.cache.pool.allocate(
-            self.geometry.pages_for(prompt) - len(self.prefix_pages))
-        pages = self.prefix_pages + own
+        prompt = tokens.shape[0]
+        prefix = body.get("prefix", self.config.prefix)  # the decoder's: not sent
+        held, last = None, self.prefix_last
+        if self.prefix_cache is None:
+            self.cache.pool, own = self.cache.pool.allocate(
+                self.geometry.pages_for(prompt) - len(self.prefix_pages))
+            pages, start = self.prefix_pages + own, prefix
+        else:  # its hit is not computed (and [prefix, hit) crosses from the hit's pages)
+            held = self.prefix_cache.open(body.get("req", body["handle"]), body["handle"],
+                                          body["tokens"])
+            own, pages, start, last = (), held.pages, held.skip, None
         slots = token_slots(pages, self.geometry.page_tokens, prompt, self.device)
         kv = DigestingKV(self.cache.view(slots, pages, self._state_slot(body)),
                          self.cache.geometry.layers, prompt, self.device)
-        chunks = plan_chunks(prompt, prefix, self.config.chunk)
-        steps = list(range(self.geometry.layers)) if self.config.mode is Mode.LAYER and chunks \
-            else chunks
-        ready = [s.spans for s in plan_steps(self.config.mode, self.geometry, prompt, prefix,
-                                             self.config.chunk)] if chunks else []
+        if held is not None:
+            self.prefix_cache.load(kv, held)
+        plan = (plan_life if held is None else plan_with_hit)(
+            self.config.mode, self.geometry, prompt, start, prefix, self.config.chunk)
         draw = Step(Sampling(**body.get("sampling", {})), 0, tuple(body.get("ban", ())))
-        prefill = Prefill(self.model, tokens, prefix, self.config.chunk, kv, self.prefix_last)
-        job = Job(body["handle"], tokens, prefix, own, kv, steps, ready, prefill, draw=draw)
+        prefill = Prefill(self.model, tokens, start, self.config.chunk, kv, last)
+        job = Job(body["handle"], tokens, prefix, own, kv, plan.steps, plan.ready, prefill,
+                  start, plan.after, held, body.get("req", body["handle"]), draw=draw)
         self.jobs[job.handle] = job
+        for region in plan.upfront:  # spans over the hit: its pages hold every layer
+            self._queue_span(job, region)
         return job
 
     def _state_slot(self, body: dict) -> int | None:
@@ -226,7 +250,7 @@ class Producer:
         self.bugs.before_compute(self, job, step)
         if self.config.mode is Mode.LAYER:
             job.prefill.layer(step)
-            layers, tokens = (step, step + 1), (job.prefix, job.prompt)
+            layers, tokens = (step, step + 1), (job.start, job.prompt)
         else:
             job.prefill.chunk(step)
             layers, tokens = (0, self.geometry.layers), step
@@ -248,14 +272,14 @@ class Producer:
             return tokens
         token = first_token(self.model, job.prefill.last, pick)
         self.sampler.close(slot)
+        if job.held is not None:  # its new whole pages into the cache, before `produced`
+            self.prefix_cache.keep(job.req, job.handle, job.tokens.tolist(), job.held,
+                                   job.prefix)
         asked = {"logprob": found[0]} if found else {}
         self._send("produced", handle=job.handle, token=token, start=start, end=self.now(),
                    **asked)
-        if self.config.mode is Mode.WHOLE or job.prefix == job.prompt:
-            # (an empty suffix has no step: still a hybrid's states, the prefix's, cross)
-            for region in plan_spans(self.config.mode, self.geometry, job.prompt, job.prefix,
-                                     self.config.chunk):
-                self._queue_span(job, region)
+        for region in job.after:  # (an empty suffix: still a hybrid's states cross)
+            self._queue_span(job, region)
         self.bugs.after_produced(self, job)
 
     def _queue_span(self, job: Job, region: Region) -> None:
@@ -303,6 +327,9 @@ class Producer:
         self._release_pages(job)
 
     def _release_pages(self, job: Job) -> None:
+        if job.held is not None:  # lets go of its cached pages; the rest go back
+            self.prefix_cache.release(job.held)
+            job.held = None
         self.cache.pool = self.cache.pool.give_back(job.pages)
         job.pages = ()
 

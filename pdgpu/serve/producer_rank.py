@@ -63,7 +63,8 @@ def run_producer(endpoint: Endpoint, rank: int, generation: int, opts: ProducerO
             return 2
         torch.set_num_threads(config.threads)
         model = load_served_model(config.model, config.seed, config.dtype, opts.device)
-        producer = Producer(transport, config, model, f"p{rank}", bug_for(config.debug))
+        producer = Producer(transport, config, model, f"p{rank}", bug_for(config.debug),
+                            generation)
         transport.send(0, "ready", {"now": producer.now()})
         producer.run()
         return 0

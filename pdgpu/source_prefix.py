@@ -1,0 +1,162 @@
+"""The producer's automatic prefix cache: whole pages of its source cache kept after their
+request, found again by a later request with the same leading tokens (contract v4,
+docs/prefix-cache.md). `pdgpu serve`'s producers and `pdgpu generate` (the reference) use it.
+
+A cached page is a page of the source pool that the index (prefix_index.py) keys by the
+chained hash of its tokens; its KV stays where its request computed it. A request:
+- `lookup`: the leading cached pages of its prompt, cut to whole chunks (`skip_tokens`), so
+  every chunk it computes starts where a run without the cache starts one and sees the same
+  bytes before it: its KV and its tokens are bit-exact;
+- `open`: holds them, allocates pool pages for the rest (evicting idle cached pages, least
+  recently used first, when the pool is short) and loads the hit into the prefill's
+  workspace (attention reads the workspace, not the pages);
+- `keep`: after its prefill, the whole pages it computed that the index lacks enter it,
+  held by the request, within the page budget (idle pages evicted to make room);
+- `release`: it lets go of what it held; its pages that did not enter the cache go back.
+Every answer is what the trace's events name: the hit's page ids (`computed.hit`), each
+kept run's tokens and ids (`cache` with `producer`), the ids evicted (`evict`). Page ids
+are pool page ids plus `id_base` (a restarted producer's ids never meet its
+predecessor's, still cached in the trace).
+
+A page may be *unconfirmed*: in the index, but its `cache` not yet recorded by whoever
+keeps the trace (the decoder drops the event of a request it already ended). No lookup
+returns it until `confirm`; a page whose `cache` was not recorded leaves again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from pdgpu.prefix_index import PrefixIndex
+from pdgpu.source_cache import RequestKV, SourceCache
+
+
+def skip_tokens(pages: int, page_tokens: int, chunk: int, prompt: int) -> int:
+    """The prompt tokens a hit of `pages` leading pages lets the prefill skip: whole pages
+    and whole chunks (chunk boundaries stay at multiples of `chunk`), and at least one
+    prompt token computed (the first output token comes from a computed chunk)."""
+    step = math.lcm(chunk, page_tokens)
+    return min(pages * page_tokens, prompt - 1) // step * step
+
+
+@attrs.frozen
+class Hit:
+    """A lookup's answer: the pool pages of the skipped tokens, and whether a longer hit
+    waits only for the confirmation of a page's `cache`."""
+
+    pages: tuple[int, ...]
+    waiting: bool = False
+
+
+@attrs.define
+class Held:
+    """What a request holds in the cache: pool pages of its hit and of the pages it put in
+    (unconfirmed ones included), and its own pages, given back at its end."""
+
+    pages: tuple[int, ...]  # its pool pages, in token order (the hit's first)
+    skip: int  # the tokens of its hit: [0, skip) is not computed
+    cached: list[int] = attrs.Factory(list)
+    own: list[int] = attrs.Factory(list)
+
+
+@attrs.frozen
+class Kept:
+    """What `keep` did: the runs of pages put in (tokens, page ids) and the ids evicted."""
+
+    runs: tuple[tuple[tuple[int, int], tuple], ...]
+    evicted: tuple
+
+
+class SourcePrefix:
+    """The prefix cache over `source`'s pool: at most `budget` pages."""
+
+    def __init__(self, source: SourceCache, budget: int, chunk: int, id_base: int = 0) -> None:
+        self.source, self.chunk, self.id_base = source, chunk, id_base
+        self.page_tokens = source.geometry.page_tokens
+        self.index = PrefixIndex(self.page_tokens, budget)
+        self.unconfirmed: set[int] = set()
+
+    def ids(self, pages) -> tuple:
+        """The trace's ids of pool pages."""
+        return tuple(self.id_base + p for p in pages)
+
+    def hit_ids(self, held: Held) -> tuple:
+        """The trace's ids of a request's hit pages, in token order."""
+        return self.ids(held.pages[:held.skip // self.page_tokens])
+
+    def lookup(self, tokens: list[int]) -> Hit:
+        """The leading confirmed cached pages of `tokens`, cut to the tokens they let the
+        prefill skip."""
+        found = self.index.lookup(tokens, limit=len(tokens) - 1)
+        usable = next((i for i, p in enumerate(found) if p in self.unconfirmed), len(found))
+        skip = skip_tokens(usable, self.page_tokens, self.chunk, len(tokens))
+        longer = skip_tokens(len(found), self.page_tokens, self.chunk, len(tokens))
+        return Hit(found[:skip // self.page_tokens], waiting=longer > skip)
+
+    def can_open(self, prompt: int, hit: Hit) -> bool:
+        """Whether the pool has, or can free by eviction, the pages the rest needs."""
+        idle = sum(1 for p in self.index.idle() if p not in hit.pages)
+        return self._need(prompt, hit) <= self.source.pool.free_pages + idle
+
+    def _need(self, prompt: int, hit: Hit) -> int:
+        return self.source.geometry.pages_for(prompt) - len(hit.pages)
+
+    def open(self, prompt: int, hit: Hit) -> tuple[Held, tuple]:
+        """Hold the hit and allocate the rest (idle pages evicted, LRU, if the pool is
+        short): (what the request holds, the ids evicted)."""
+        self.index.acquire(hit.pages)
+        short = self._need(prompt, hit) - self.source.pool.free_pages
+        evicted = self._evict(self.index.evict(short)) if short > 0 else ()
+        self.source.pool, own = self.source.pool.allocate(self._need(prompt, hit))
+        held = Held(hit.pages + own, len(hit.pages) * self.page_tokens, own=list(own))
+        return held, evicted
+
+    def _evict(self, pages) -> tuple:
+        """Evicted pages back to the pool; their ids."""
+        self.source.pool = self.source.pool.give_back(tuple(pages))
+        return self.ids(pages)
+
+    def keep(self, tokens: list[int], held: Held, start: int) -> Kept:
+        """After the prefill: the whole pages of [start, prompt) the index lacks go in,
+        held by the request, unconfirmed, within the budget."""
+        pt, runs, evicted = self.page_tokens, [], ()
+        for a, b in self.index.missing(tokens, start, len(tokens) // pt * pt):
+            gone, fit = self.index.room((b - a) // pt)
+            evicted += self._evict(gone)
+            if not fit:
+                continue
+            pages = held.pages[a // pt:a // pt + fit]
+            self.index.insert(tokens, (a, a + fit * pt), pages)
+            self.unconfirmed.update(pages)
+            held.cached += pages
+            held.own = [p for p in held.own if p not in pages]
+            runs.append(((a, a + fit * pt), self.ids(pages)))
+        return Kept(tuple(runs), evicted)
+
+    def confirm(self, held: Held, recorded: bool) -> None:
+        """The trace took (or dropped) the request's `cache`: its pages may be hit now (or
+        leave the index and go back with its own)."""
+        pages = [p for p in held.cached if p in self.unconfirmed]
+        self.unconfirmed.difference_update(pages)
+        if not recorded:
+            self.index.withdraw(pages)
+            held.cached = [p for p in held.cached if p not in pages]
+            held.own += pages
+
+    def release(self, held: Held) -> None:
+        """The request ends: it lets go of its hit and of the pages it put in; its own pages
+        go back to the pool."""
+        self.index.release(held.pages[:held.skip // self.page_tokens])  # its hit
+        self.index.release(held.cached)
+        self.source.pool = self.source.pool.give_back(tuple(held.own))
+        held.cached, held.own = [], []
+
+
+def load_hit(kv: RequestKV, skip: int) -> None:
+    """Copy the hit's KV, rows [0, skip) of the request's pages, into its workspace, where
+    the chunks after it attend to them (one gather and one copy for every layer)."""
+    if skip:
+        rows = kv.kv.index_select(2, kv.slots[:skip])  # [L, 2, skip, KVH, D]
+        kv.work[:, :, :, :skip] = rows.permute(0, 1, 3, 2, 4)  # [L, 2, KVH, skip, D]
