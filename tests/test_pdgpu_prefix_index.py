@@ -61,6 +61,10 @@ def test_bad_uses_are_refused():
         index.insert([1, 2], (0, 2), [1])
     with pytest.raises(ValueError, match="not cached"):
         index.acquire([7])
+    index.acquire([0])
+    index.acquire([0])
+    with pytest.raises(ValueError, match="held by others"):
+        index.withdraw([0])
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -137,6 +141,15 @@ class IndexMachine(RuleBasedStateMachine):
             self.pages[page][2] -= 1
             if not self.pages[page][2]:
                 self.idle.append(page)
+
+    @precondition(lambda self: any(v[2] == 1 for v in self.pages.values()))
+    @rule(data=st.data())
+    def withdraw(self, data):
+        """A page only its one holder holds may leave without an eviction."""
+        page = data.draw(st.sampled_from(sorted(p for p, v in self.pages.items() if v[2] == 1)))
+        self.index.withdraw([page])
+        del self.pages[page]
+        self.holds.remove(page)
 
     @rule(count=st.integers(0, 4))
     def evict(self, count):

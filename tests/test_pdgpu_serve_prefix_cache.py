@@ -1,0 +1,136 @@
+"""The producer's automatic prefix cache (`--prefix-cache`, contract v4): hits skip compute,
+tokens stay those of `generate` without the cache, traces are legal and leave no page held."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+from serve_helpers import (
+    drawn_prompts,
+    events_of,
+    reference,
+    serve,
+    trace_ok,
+    write_sensitive_checkpoint,
+)
+
+from pdgpu.cli import main
+from pdgpu.generate import generate, generate_cached
+from pdgpu.serve.models import load_served_model
+from pdgpu.source_prefix import skip_tokens
+
+CHUNK, PAGE = 16, 8
+SHARED = 48  # the leading tokens every drawn prompt shares
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(write_sensitive_checkpoint(tmp_path_factory.mktemp("ckpt") / "sensitive"))
+
+
+@functools.cache
+def _reference(model: str, tokens: tuple[int, ...], out: int) -> list[int]:
+    return reference(model, tokens, out, CHUNK, 0)
+
+
+def _prompts(path, count: int, out: int) -> list[dict]:
+    """Prompts sharing SHARED leading tokens, the last one repeating the first."""
+    lines = drawn_prompts(path, count - 1, [70, 90, 50, 81], 256, SHARED, out)
+    lines.append({**lines[0], "req": f"q{count - 1}"})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return lines
+
+
+def _computed_tokens(trace: list[bytes]) -> int:
+    """Prompt tokens the producers computed (a hit is not computed; layer mode: layer 0's)."""
+    return sum(e["tokens"][1] - e["tokens"][0] for e in events_of(trace, "computed")
+               if e.get("hit") is None and e["layers"][0] == 0)
+
+
+def test_a_hit_skips_whole_chunks_and_leaves_a_token_to_compute():
+    """skip_tokens: whole pages and whole chunks only, never the prompt's last token."""
+    assert skip_tokens(6, 8, 16, 100) == 48
+    assert skip_tokens(5, 8, 16, 100) == 32  # 40 tokens cached: the chunk [32, 48) is computed
+    assert skip_tokens(4, 8, 16, 32) == 16  # a whole cached prompt still computes its last chunk
+    assert skip_tokens(2, 16, 24, 200) == 0  # 32 tokens: no whole chunk and page (48)...
+    assert skip_tokens(3, 16, 24, 49) == 48  # ...until the pages reach one
+    assert skip_tokens(3, 16, 24, 48) == 0  # and the prompt goes past it
+
+
+def test_generate_through_the_cache_gives_the_same_tokens_and_computes_less(checkpoint,
+                                                                           tmp_path):
+    """Prompts sharing prefixes, some repeated, a budget that forces evictions or one that
+    keeps all: each prompt's tokens equal `generate` without the cache."""
+    lines = _prompts(tmp_path / "p.jsonl", 6, 5)
+    prompts = [x["tokens"] for x in lines] + [lines[1]["tokens"][:SHARED + 8]]
+    model = load_served_model(checkpoint, 0, None, "cpu")
+    want = [generate(model, p, 5, CHUNK, 0, PAGE) for p in prompts]
+    for budget in (4, 64):
+        got, computed = generate_cached(model, prompts, 5, CHUNK, PAGE, budget)
+        assert got == want, budget
+        assert computed < sum(map(len, prompts)) - (len(prompts) - 2) * SHARED // 2, budget
+
+
+@pytest.mark.parametrize(("mode", "producers", "extra"),
+                         [("chunk", 1, ()), ("whole", 2, ()),
+                          ("layer", 1, ("--prefix-cache-pages", "8"))])
+def test_served_hits_skip_compute_and_keep_tokens(tmp_path, capsys, checkpoint, mode,
+                                                  producers, extra):
+    """Shared prefixes served with the cache: fewer tokens computed than the prompts hold,
+    every token equal to generate's, a legal version 4 trace (a small budget evicts), and
+    no page leaked."""
+    lines = _prompts(tmp_path / "p.jsonl", 7, 4)
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--mode", mode, "--prompts", str(tmp_path / "p.jsonl"),
+        "--chunk", str(CHUNK), "--page-tokens", str(PAGE), "--prefix-cache", "--concurrency",
+        "2", "--producers", str(producers), "--json", *extra)
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and json.loads(trace[0])["version"] == 4
+    trace_ok(trace)
+    for line, r in zip(lines, results, strict=True):
+        assert r["output"] == _reference(checkpoint, tuple(line["tokens"]), 4), r["req"]
+    hits = [e for e in events_of(trace, "computed") if e.get("hit")]
+    assert hits and events_of(trace, "cache")
+    assert _computed_tokens(trace) == sum(len(x["tokens"]) for x in lines) - \
+        sum(e["tokens"][1] for e in hits)
+    if extra:
+        assert events_of(trace, "evict")
+    assert summary["leaked_pages"] == 0
+
+
+def test_faults_with_the_cache_keep_tokens_and_traces_legal(tmp_path, capsys, checkpoint):
+    """Failed, corrupted and cancelled spans and a killed, restarted producer with the cache
+    on: ok requests' tokens unchanged, the trace legal, no page leaked."""
+    lines = _prompts(tmp_path / "p.jsonl", 24, 3)
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
+        str(CHUNK), "--page-tokens", str(PAGE), "--prefix-cache", "--prefix-cache-pages", "12",
+        "--producers", "2", "--concurrency", "4", "--fail-rate", "0.1", "--corrupt-rate", "0.1",
+        "--cancel-rate", "0.1", "--kill-producer", "0@0.3", "--restart-producers",
+        "--link-gbps", "0.001", "--json")
+    summary = json.loads(capsys.readouterr().out)
+    trace_ok(trace)
+    assert summary["leaked_pages"] == 0
+    assert events_of(trace, "fail") and events_of(trace, "evict") and summary["cancelled"]
+    assert summary["producer_restarts"] == summary["producer_deaths"] == 1
+    hits = {e["req"] for e in events_of(trace, "computed") if e.get("hit")}
+    assert len(hits) > len(lines) // 2
+    for line, r in zip(lines, results, strict=True):
+        if r["status"] == "ok":
+            assert r["output"] == _reference(checkpoint, tuple(line["tokens"]), 3), r["req"]
+    assert code == (1 if summary["failed"] else 0)
+
+
+@pytest.mark.parametrize(("args", "word"), [
+    (["--prefix-cache-pages", "4"], "prefix-cache-pages: needs --prefix-cache"),
+    (["--prefix-cache", "--prefix", "16"], "prefix-cache: refused with --prefix"),
+    (["--prefix-cache", "--model", "tiny-qwen3.5"], "prefix-cache: refused for a model with"),
+    (["--prefix-cache", "--prefix-cache-pages", "0"], "--prefix-cache-pages"),
+])
+def test_prefix_cache_options_that_make_no_sense_are_refused(tmp_path, capsys, args, word):
+    """One line naming the option, exit 2, nothing started."""
+    assert main(["serve", "--requests", "2", "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert word in err and "Traceback" not in err
