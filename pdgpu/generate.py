@@ -65,11 +65,11 @@ def generate(model: Transformer, tokens: list[int], output_tokens: int, chunk: i
     prefill = Prefill(model, ids, prefix, chunk, kv, warm_prefix(model, ids, prefix, chunk, kv))
     for step in plan_chunks(len(tokens), prefix, chunk):
         prefill.chunk(step)
-    return _decode(model, kv, prefill.last, tokens, output_tokens, eos, sampling)
+    return _decode(model, kv, prefill.last, tokens, output_tokens, eos, sampling, forward)
 
 
 def _decode(model: Transformer, kv, last: torch.Tensor, tokens: list[int], output_tokens: int,
-            eos: int | None, sampling: Sampling) -> list[int]:
+            eos: int | None, sampling: Sampling, forward: Forward = decode_logits) -> list[int]:
     """The output tokens after a prefill that left `kv` (a RequestKV of the prompt) and the
     last prompt position's hidden state `last` [1, E]."""
     device = model.inv_freq.device
