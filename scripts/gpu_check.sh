@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (issues 4, 9, 11, 24, 33 and 34), about 6 minutes on one GPU without the hybrid
 # steps of issue 33 (in 1 and 2c, not yet timed on a GPU); each step has its own time limit,
-# together 815 s (845 with NIXL):
+# together 815 s (875 with NIXL):
 #   1. the CUDA tests (pytest -m gpu): every one must run, a skipped one fails the check
 #      (the engine on CUDA, the attention kernels in bf16 and float32, and the hybrid
 #      families' tokens against transformers on CUDA, issue 33; issue 34: the decode step
@@ -41,6 +41,8 @@
 #      and nixl (VRAM to VRAM where UCX can) when its package is installed, as in step 1b.
 #   5b. with nixl: which UCX transport carried the decoder's READ (UCX_PROTO_INFO's tables,
 #      in ucx_read.txt: cuda_ipc is device to device, cuda_copy or cma went through the host)
+#   5c. with nixl: a chunk span's digests (28 layers x 256 tokens) READ into the landing
+#      buffer registered once against a VRAM tensor registered per read (bench/nixl_landing.py)
 # Results go to $OUT_DIR (default gpu_check_out/, or gpu_check_out/dry-run/), with each
 # step's seconds in timings.txt.
 # Decoder: cuda:1 with two GPUs, else the same GPU (a host-staged round trip through pinned
@@ -174,6 +176,8 @@ if [ "${#NIXL[@]}" -gt 0 ]; then
 transfer_rate; print('nixl B/s, lane:', transfer_rate('nixl', 1 << 22, 12, '$DEV', warm=2, staged=True))"
     grep -A5 "remote memory read" "$OUT/ucx_transport.txt" | grep -E "read|zero-copy|copy" \
         | sed 's/^\[[^]]*\] \[[^]]*\] *//' | sort | uniq -c | tee "$OUT/ucx_read.txt" || true
+    echo "== 5c. a span's digests READ over NIXL on $DEV: landing buffer vs a fresh registration each"
+    step 30 nixl_landing "$PY" bench/nixl_landing.py --device "$DEV" --rows 7168 --reads 400
 fi
 if [ -s "$OUT/failed.txt" ]; then
     echo "gpu_check: FAILED steps, results in $OUT/:"; cat "$OUT/failed.txt"; exit 1

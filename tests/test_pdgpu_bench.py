@@ -94,9 +94,10 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     nixl = importlib.util.find_spec("nixl_cu13") is not None
     assert steps == ["pytest_gpu", "serve_gpu", "compare", "kernels", "kernels_qwen3_5",
                      "kernels_gemma3", "op_counts", "served_itl", "engine_overlap", "export_curve",
-                     "kv_lane"] + ["ucx_transport"] * nixl
+                     "kv_lane"] + ["ucx_transport", "nixl_landing"] * nixl
     if nixl:  # which UCX transport carried the NIXL READ, from UCX's own tables
         assert "remote memory read" in (out / "ucx_read.txt").read_text()
+        assert "landing / fresh:" in (out / "nixl_landing.txt").read_text()
     collected = (out / "pytest_gpu.txt").read_text().split("test_pdgpu_gpu.py: ")[1]
     assert int(collected.split()[0]) >= 10  # the CUDA tests, collected
     served = (out / "serve_gpu.txt").read_text().split("test_pdgpu_serve_gpu.py: ")[1]
