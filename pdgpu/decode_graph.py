@@ -118,7 +118,10 @@ def capture_cuda(model, batch: DecodeBatch, pool) -> tuple[Replay, object]:
         warm_up(model, batch)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+    # thread_local: the decoder's other threads (a lane's receiving thread, NCCL's) may
+    # allocate or synchronize meanwhile; in the default global mode that fails the capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), \
+            torch.no_grad():
         logits = decode_logits(model, batch)  # [R, V], the graph's own memory
 
     def replay() -> torch.Tensor:
