@@ -30,8 +30,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-# pdsim run's flags of each cache setting the bench serves (bench/multiturn.py CACHE_FLAGS)
-SIM_FLAGS: dict[str, tuple[str, ...]] = {"off": ()}
 FIGURES = ("prefix_cache_hit_rate", "producer_prefix_cache_hits", "bytes", "ttft_p50_s",
            "ttft_p99_s", "tokens_per_s")
 
@@ -53,21 +51,22 @@ def _parse(argv):
 def trace_figures(trace: Path) -> dict:
     """The run's cache and bytes figures, read from its trace."""
     prompt = prefix = producer = handed = 0
-    page_tokens = None
     with trace.open() as f:
+        header = json.loads(f.readline())
+        page_tokens = header["geometry"]["page_tokens"]
         for line in f:
             e = json.loads(line)
             kind = e["kind"]
-            if kind == "header":
-                page_tokens, pool = e["geometry"]["page_tokens"], e["pool_pages"]
-            elif kind == "reserve":
+            if kind == "reserve":
                 prompt, prefix = prompt + e["prompt"], prefix + e["prefix"]
             elif kind == "computed":
                 producer += len(e.get("hit") or ()) * page_tokens
             elif kind == "issue":
                 handed += e["bytes"]
     return {"prefix_cache_hit_rate": prefix / prompt if prompt else 0.0,
-            "producer_prefix_cache_hits": producer, "bytes": handed, "pool_pages": pool}
+            "producer_prefix_cache_hits": producer, "bytes": handed,
+            "pool_pages": header["pool_pages"],
+            "producer_cache_pages": header.get("prefix_cache_pages", 0)}
 
 
 def measured(folder: Path) -> list[dict]:
@@ -90,6 +89,14 @@ def pdsim(*argv: str) -> str:
     return done.stdout
 
 
+def cache_flags(row: dict) -> tuple[str, ...]:
+    """pdsim's caches as the engine's trace header gave them (the decoder has none yet)."""
+    if not row["producer_cache_pages"]:
+        return ()
+    return ("--producer-cache-pages", str(row["producer_cache_pages"]),
+            "--decoder-cache-pages", "0")
+
+
 def predict(row: dict, profile: Path) -> dict:
     o = row["options"]
     a, b = o["turn_tokens"]
@@ -99,7 +106,7 @@ def predict(row: dict, profile: Path) -> dict:
                 str(o["output_tokens"]), "--think", str(o["think"]), "--rate", str(o["rate"]),
                 "--seed", str(o["seed"]), "--chunk", str(o["chunk"]), "--producers",
                 str(o["producers"]), "--pool-pages", str(row["pool_pages"]), "--sender",
-                "queued", "--json", "--no-progress", *SIM_FLAGS[row["setting"]])
+                "queued", "--json", "--no-progress", *cache_flags(row))
     sim = {"prefix_cache_hit_rate": 0.0, "producer_prefix_cache_hits": 0,  # no cache: none
            **json.loads(out)}
     return {k: sim.get(k) for k in FIGURES}

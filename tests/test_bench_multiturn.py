@@ -116,8 +116,9 @@ def test_pdsim_plays_the_same_workload_as_the_bench(tiny_run):
 
 def test_the_trace_figures_count_reserves_hits_and_spans(tmp_path):
     """Hit rate from reserve prefixes over prompts, producer hit tokens from computed hits,
-    bytes from issues (a version 4 trace's fields)."""
-    rows = [{"kind": "header", "version": 4, "pool_pages": 9, "geometry": {"page_tokens": 4}},
+    bytes from issues, the pool and the producer's cache budget from the header."""
+    rows = [{"kind": "header", "version": 4, "pool_pages": 9, "geometry": {"page_tokens": 4},
+             "prefix_cache_pages": 5},
             {"kind": "reserve", "req": "a", "prompt": 10, "prefix": 0},
             {"kind": "computed", "req": "a", "layers": [0, 2], "tokens": [0, 10]},
             {"kind": "issue", "req": "a", "bytes": 100},
@@ -129,7 +130,7 @@ def test_the_trace_figures_count_reserves_hits_and_spans(tmp_path):
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert multiturn_sim.trace_figures(trace) == {
         "prefix_cache_hit_rate": 8 / 40, "producer_prefix_cache_hits": 8, "bytes": 320,
-        "pool_pages": 9}
+        "pool_pages": 9, "producer_cache_pages": 5}
 
 
 def test_a_folder_without_a_report_is_refused(tmp_path, capsys):

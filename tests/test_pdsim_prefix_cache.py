@@ -89,6 +89,17 @@ def test_the_producer_computes_only_what_it_lacks(tmp_path, capsys):
     assert computed(cached) < computed(plain)
 
 
+def test_a_producer_hit_ends_where_a_chunk_ends(tmp_path, capsys):
+    """pdgpu's exact-tokens rule: a producer's hit ends at a multiple of the chunk (96 here,
+    six pages), so its prefill computes the chunks an uncached prefill computes."""
+    args = [*SESSIONS[:-1], "96", "--decoder-cache-pages", "0", "--producer-cache-pages",
+            "4096"]
+    out, _, events = _run(tmp_path, capsys, *args)
+    hits = [e for e in events if e.kind == "computed" and getattr(e, "hit", None)]
+    assert hits and out["producer_prefix_cache_hits"] > 0
+    assert all(e.tokens[0] == 0 and e.tokens[1] % 96 == 0 for e in hits)
+
+
 @pytest.mark.parametrize("budget", [4, 40])
 def test_each_cache_stays_within_its_budget(budget, tmp_path, capsys):
     """Counting `cache` minus `evict` pages per cache along the trace: never above the

@@ -22,6 +22,7 @@ page being written or evicted, is a Violation, not a trace.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 from pdref import events as ev
@@ -103,6 +104,7 @@ class PrefixCaches:
         cfg = sim.cfg
         self.sim, self.emit, self.monitor = sim, sim.emit, sim.monitor
         self.pt, self.layers = cfg.geometry.page_tokens, cfg.geometry.layers
+        self.hit_step = math.lcm(cfg.chunk, self.pt)  # a producer hit ends at a multiple
         self.layout = cfg.geometry.layout  # (v3 kinds) sliding windows: what a page holds
         self.decoder = PageCache(cfg.decoder_cache_pages or 0)
         self.producers = {cfg.producer_name(i): PageCache(cfg.producer_cache_pages or 0)
@@ -180,9 +182,13 @@ class PrefixCaches:
     # -- a producer ---------------------------------------------------------------------------
 
     def producer_hit(self, name: str, request, start: int) -> list:
-        """The producer's pages of the request's whole pages from `start` (one token short)."""
+        """The producer's pages of the request's whole pages from `start` (one token short),
+        up to a multiple of the chunk: pdgpu's rule for exact tokens (a hit's prefill
+        computes the chunks a prefill without it computes; pdgpu/source_prefix.py)."""
         keys = page_keys(request, self.pt, start // self.pt, (request.prompt - 1) // self.pt)
-        return self.producers[name].lookup(keys)
+        pages = self.producers[name].lookup(keys)
+        end = (start + len(pages) * self.pt) // self.hit_step * self.hit_step
+        return pages[:max(0, end - start) // self.pt]
 
     def source_hit(self, name: str, job, pages) -> None:
         """The life copies from the producer's `pages` (a `computed` with `hit`)."""
