@@ -11,6 +11,7 @@ Modules (one concept each):
                 and the gather of a span out of it
   decoder_pool  the decoder's paged pool; slabs come from pdref's allocator
   prefix_index  block-hash prefix index (chained page keys, holders, LRU, budget; no torch)
+  source_prefix  a producer's prefix cache over its source pool (serve's and generate's)
   copier        the copy path of one producer: a span's gather, d2h and h2d each on its own
                 lane, a watcher that lands spans as they complete (with streams.py and
                 copy_bandwidth.py, the only modules that know streams, events and pinned

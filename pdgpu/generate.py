@@ -88,11 +88,13 @@ def _decode(model: Transformer, kv, last: torch.Tensor, tokens: list[int], outpu
 
 
 @torch.no_grad()
-def generate_cached(model: Transformer, prompts: list[list[int]], output_tokens: int,
+def generate_cached(model: Transformer, prompts: list[list[int]], output_tokens: list[int],
                     chunk: int, page_tokens: int, cache_pages: int, eos: int | None = None,
-                    sampling: Sampling = GREEDY) -> tuple[list[list[int]], int]:
+                    sampling: Sampling = GREEDY, forward: Forward = decode_logits
+                    ) -> tuple[list[list[int]], int]:
     """`generate` of each prompt in turn through one producer's automatic prefix cache of
-    `cache_pages` pages (source_prefix.py: the serving producer's): (each prompt's output
+    `cache_pages` pages (source_prefix.py: the serving producer's), `output_tokens` each
+    (or fewer, at `eos`): (each prompt's output
     tokens, which the cache must not change, and the prompt tokens computed in all)."""
     if model.state_shape is not None:
         raise ValueError("prefix-cache: refused for a model with linear layers (the cache "
@@ -104,7 +106,7 @@ def generate_cached(model: Transformer, prompts: list[list[int]], output_tokens:
                          model.model.embed_tokens.weight.dtype)
     cache = SourcePrefix(source, cache_pages, chunk)
     outputs, computed = [], 0
-    for tokens in prompts:
+    for tokens, out in zip(prompts, output_tokens, strict=True):
         held, _ = cache.open(len(tokens), cache.lookup(tokens))
         kv = source.view(token_slots(held.pages, page_tokens, len(tokens), device), held.pages)
         load_hit(kv, held.skip)
@@ -115,6 +117,6 @@ def generate_cached(model: Transformer, prompts: list[list[int]], output_tokens:
         computed += len(tokens) - held.skip
         cache.keep(tokens, held, held.skip)
         cache.confirm(held, recorded=True)
-        outputs.append(_decode(model, kv, prefill.last, tokens, output_tokens, eos, sampling))
+        outputs.append(_decode(model, kv, prefill.last, tokens, out, eos, sampling, forward))
         cache.release(held)
     return outputs, computed

@@ -84,6 +84,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    if args.prompts is not None:
+        return _generate_prompts(args)
+    if args.prefix_cache or args.prefix_cache_pages is not None:
+        raise WorkloadError("prefix-cache: needs --prompts (one prompt shares nothing)")
     try:
         tokens = [int(t) for t in args.tokens.replace(",", " ").split()]
     except ValueError:
@@ -122,6 +126,28 @@ def cmd_generate(args) -> int:
                           "wall_s": wall}))
     else:
         print("output: " + " ".join(map(str, output)))
+    return 0
+
+
+def _generate_prompts(args) -> int:
+    """`pdgpu generate --prompts` (generate_many.py)."""
+    from pdgpu.serve import generate_many
+    spec = model_spec(args.model, args.dtype)
+    requests = generate_many.checked_prompts(args, spec)
+    budget = generate_many.cache_budget(args, requests)
+    if spec.arch not in ENGINE_ARCHS:
+        raise WorkloadError(f"model: arch {spec.arch!r} has no engine implementation")
+    check_eos(args.eos_token, spec.vocab)
+    sampling, device = _sampling(args), check_device(args.device)
+    problem = graph_problem(args.cuda_graphs, device)
+    if problem is not None:
+        raise WorkloadError(problem)
+    use_device(device)
+    with compute_threads("cpu", args.threads):
+        model = load_served_model(args.model, args.seed, args.dtype, device)
+        values = generate_many.generate_all(model, requests, args, budget, sampling,
+                                            decode_forward(args.cuda_graphs, device))
+    generate_many.print_all({**values, "model": spec.name}, args.json)
     return 0
 
 

@@ -13,6 +13,7 @@ from serve_helpers import (
     reference,
     serve,
     trace_ok,
+    watch_decoder,
     write_sensitive_checkpoint,
 )
 
@@ -68,7 +69,7 @@ def test_generate_through_the_cache_gives_the_same_tokens_and_computes_less(chec
     model = load_served_model(checkpoint, 0, None, "cpu")
     want = [generate(model, p, 5, CHUNK, 0, PAGE) for p in prompts]
     for budget in (4, 64):
-        got, computed = generate_cached(model, prompts, 5, CHUNK, PAGE, budget)
+        got, computed = generate_cached(model, prompts, [5] * len(prompts), CHUNK, PAGE, budget)
         assert got == want, budget
         assert computed < sum(map(len, prompts)) - (len(prompts) - 2) * SHARED // 2, budget
 
@@ -76,11 +77,12 @@ def test_generate_through_the_cache_gives_the_same_tokens_and_computes_less(chec
 @pytest.mark.parametrize(("mode", "producers", "extra"),
                          [("chunk", 1, ()), ("whole", 2, ()),
                           ("layer", 1, ("--prefix-cache-pages", "8"))])
-def test_served_hits_skip_compute_and_keep_tokens(tmp_path, capsys, checkpoint, mode,
-                                                  producers, extra):
+def test_served_hits_skip_compute_and_keep_tokens(tmp_path, capsys, monkeypatch, checkpoint,
+                                                  mode, producers, extra):
     """Shared prefixes served with the cache: fewer tokens computed than the prompts hold,
-    every token equal to generate's, a legal version 4 trace (a small budget evicts), and
-    no page leaked."""
+    every token equal to generate's, a legal version 4 trace (a small budget evicts), no
+    page leaked, and each request's hit where the decoder sees it (`producer_hit`)."""
+    box = watch_decoder(monkeypatch)
     lines = _prompts(tmp_path / "p.jsonl", 7, 4)
     code, results, trace = serve(
         tmp_path, "--model", checkpoint, "--mode", mode, "--prompts", str(tmp_path / "p.jsonl"),
@@ -97,6 +99,9 @@ def test_served_hits_skip_compute_and_keep_tokens(tmp_path, capsys, checkpoint, 
         sum(e["tokens"][1] for e in hits)
     if extra:
         assert events_of(trace, "evict")
+    seen = {t.req: t.producer_hit for t in box["decoder"].tracked.values()}
+    assert seen == {x["req"]: next((e["tokens"][1] for e in hits if e["req"] == x["req"]), 0)
+                    for x in lines}
     assert summary["leaked_pages"] == 0
 
 
@@ -134,3 +139,19 @@ def test_prefix_cache_options_that_make_no_sense_are_refused(tmp_path, capsys, a
     assert main(["serve", "--requests", "2", "--no-progress", *args]) == 2
     err = capsys.readouterr().err
     assert word in err and "Traceback" not in err
+
+
+def test_generate_prompts_prints_the_same_tokens_with_the_cache(tmp_path, capsys, checkpoint):
+    """`pdgpu generate --prompts F --prefix-cache`: the tokens of the run without the cache,
+    fewer prompt tokens computed; `--prefix-cache` with one prompt is refused (exit 2)."""
+    _prompts(tmp_path / "p.jsonl", 4, 3)
+    runs = []
+    for extra in ([], ["--prefix-cache"]):
+        assert main(["generate", "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
+                     "--chunk", str(CHUNK), "--page-tokens", str(PAGE), "--json", *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    off, on = runs
+    assert on["outputs"] == off["outputs"] and off["computed_tokens"] == off["prompt_tokens"]
+    assert on["computed_tokens"] < off["computed_tokens"]
+    assert main(["generate", "--tokens", "1,2,3", "--prefix-cache"]) == 2
+    assert "prefix-cache: needs --prompts" in capsys.readouterr().err

@@ -10,6 +10,9 @@ Modules (one concept each):
   workload   requests drawn or read from a prompts file, arrival times
   digest     compute-time row checksums of KV, checked when a span lands (--verify)
   producer   chunked prefill into the source cache, spans bounded by max_pending
+  span_sender  a producer's sender thread: slots, issue, gather, pacing, `stopped`
+  producer_cache  a producer's automatic prefix cache (--prefix-cache): hit, plan, cache,
+             evict, and the messages that make them trace events
   bugs       the hand-made copy bugs of --debug, one object a producer calls at fixed hooks
   ledger     the decoder's protocol authority: each resource operation and its pdref event
              are one call (decides and records; moves no bytes)

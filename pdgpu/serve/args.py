@@ -19,7 +19,15 @@ def add_parsers(sub) -> None:
     _serve_args(serve)
     gen = _summary(sub, "generate", "single-process reference, greedy or sampled (no handoff)")
     _model_args(gen)
-    gen.add_argument("--tokens", required=True, help="prompt token ids, comma separated")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--tokens", help="prompt token ids, comma separated")
+    prompt.add_argument("--prompts", help='JSONL: {"req", "tokens", "output_tokens"} per line, '
+                        "generated one after another")
+    gen.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
+                     help="with --prompts: through one producer's prefix cache (the tokens "
+                     "must not change; it prints the prompt tokens computed)")
+    gen.add_argument("--prefix-cache-pages", type=_int(1), metavar="N",
+                     help="the cache's budget in pages (default: four of the longest prompt's)")
     gen.add_argument("--output-tokens", type=_int(1), default=8, help="tokens to generate")
     gen.add_argument("--prefix", type=_int(0), default=0,
                      help="prefill the first P tokens as their own chunks (like a prefix cache)")

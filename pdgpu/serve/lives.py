@@ -45,6 +45,7 @@ class Life:
     token: int | None = None  # the first output token, once produced
     logprob: tuple | None = None  # its log-probabilities, when the request asks (sampler.py)
     produced_t: float | None = None
+    producer_hit: int = 0  # leading prompt tokens its producer took from its prefix cache
     spans: dict[int, int | None] = attrs.Factory(dict)  # sid -> pdref span id (None: ghost)
     unfenced: set[int] = attrs.Factory(set)  # pdref span ids whose writer may still write
 
@@ -79,6 +80,7 @@ class Tracked:
     stop: frozenset[int] = frozenset()  # it also ends after any of these tokens (HTTP `stop`)
     reserved_t: float | None = None  # its current life's slab reserved (run clock)
     admitted_t: float | None = None  # admitted into the decode batch (run clock)
+    producer_hit: int = 0  # its producing life's `producer_hit`: prompt tokens not computed
 
     @property
     def req(self) -> str:

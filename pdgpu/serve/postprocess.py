@@ -1,7 +1,9 @@
 """The decoder loop's postprocess: every message of every producer becomes its pdref event
 through the Ledger (the authority): computed, issue, a span's bytes into its slab (land or
-fail), reuse, produced; a complete life is handed to the decoder's admission once pdref says
-so; faults are the Recovery part's (recovery.py): failed lives, cancels, dead producers.
+fail), reuse, produced, and (v4, `--prefix-cache`) a producer's `computed` hit, its `cache`
+(answered `cached`: whether the trace took it) and `evict`; a complete life is handed to
+the decoder's admission once pdref says so; faults are the Recovery part's (recovery.py):
+failed lives, cancels, dead producers.
 
 A part of the Decoder (decoder.py) that owns its own state (when a message last came) and is
 handed the rest: the ledger, the members, recovery, the decoder's requests and lives, and
@@ -82,6 +84,8 @@ class Postprocess:
             self.ledger.computed(life.req, b["layers"], b["tokens"], b.get("hit"))
             if "start" in b:  # (a cache hit computes nothing)
                 self._stage(life, msg, "compute", b["start"], b["end"])
+            if b.get("hit"):
+                life.producer_hit = b["tokens"][1]
 
     def _on_cache(self, life: Life, msg: Message) -> None:
         """The producer put the life's computed pages into its cache: in the trace while the
@@ -157,6 +161,7 @@ class Postprocess:
             self.ledger.produced(life.req, msg.body["token"])
             self._stage(life, msg, "head", msg.body["start"], msg.body["end"])
             life.token, life.produced_t = msg.body["token"], self.ledger.now()
+            self.tracked[life.req].producer_hit = life.producer_hit
             life.logprob = msg.body.get("logprob")  # [logprob, [[token, logprob], ...]]
 
     def _stage(self, life: Life, msg: Message, name: str, start, end, span=None) -> None:

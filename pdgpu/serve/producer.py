@@ -18,7 +18,7 @@ the sender says `stopped` between two spans (never between a span's issue and it
 and before any later span of the life, which it then drops unissued), so the decoder knows
 nothing more of that life can arrive. Every issued span keeps its slot until the decoder
 acknowledges it: its bytes arrived, or (a span dropped after its issue) the life stopped.
-Injected faults (faults.py) are asked once per span, in `_send_span`. A hand-made bug
+The sender thread is span_sender.py; injected faults are asked there. A hand-made bug
 (`--debug`, bugs.py) is one object given at construction and called at fixed hooks; the
 default, `NO_BUG`, changes nothing, so no debug switch lives in the compute or copy path.
 A heartbeat thread sends `beat` every `beat_s` seconds.
@@ -27,12 +27,13 @@ K/V layers only; a sliding layer's rows cross for its window only; each life com
 linear layers' state into the state slot the decoder's `reserve` named (zeroed, or the
 prefix's snapshot), and once they have the whole prompt a state span per run of linear
 layers carries it, digested then (`--verify`), gathered by the sender like K/V.
+With `--prefix-cache` (producer_cache.py) a life skips the whole chunks its producer's cache
+holds, and the pages it computed enter that cache; it lets go of them at the decoder's
+`reuse`, like its own pages.
 """
 
 from __future__ import annotations
 
-import itertools
-import queue
 import threading
 import time
 from collections import deque
@@ -41,15 +42,15 @@ import attrs
 import torch
 
 from pdgpu.generate import first_token
-from pdgpu.handoff import handoff_geometry, kv_geometry, kv_groups, state_range
+from pdgpu.handoff import handoff_geometry, kv_geometry
 from pdgpu.prefill import Prefill, warm_prefix
 from pdgpu.sampler import Sampler, Step
 from pdgpu.sampling import GREEDY, Sampling
 from pdgpu.serve.bugs import NO_BUG, NoBug
 from pdgpu.serve.config import ServeConfig
-from pdgpu.serve.digest import BITS, DigestingKV, row_digests, state_rows
-from pdgpu.serve.faults import Fate
+from pdgpu.serve.digest import DigestingKV, row_digests, state_rows
 from pdgpu.serve.producer_cache import ProducerCache, plan_life, plan_with_hit
+from pdgpu.serve.span_sender import SpanSender
 from pdgpu.serve.transport import Transport
 from pdgpu.source_cache import SourceCache, token_slots
 from pdgpu.source_prefix import Held
@@ -107,14 +108,9 @@ class Producer:
         self.waiting: deque[Job | dict] = deque()
         self.active: Job | None = None
         self.jobs: dict[str, Job] = {}
-        self.slots = threading.Semaphore(config.max_pending)
-        self.outbox: queue.Queue = queue.Queue()
-        self.stopping: deque[str] = deque()  # cancelled lives the sender must say `stopped`
-        self.sids = itertools.count()
         self.clock0 = time.perf_counter()
-        self.sender = threading.Thread(target=self._send_loop, daemon=True, name="pdgpu-sender")
-        self.sender_error: Exception | None = None
-        self.sender.start()
+        self.sender = SpanSender(self)  # its thread: spans out, `stopped` between them
+        self.sids, self.outbox = self.sender.sids, self.sender.outbox  # (the bugs' hooks)
         self.closing = threading.Event()
         self.beater = threading.Thread(target=self._beat_loop, daemon=True, name="pdgpu-beat")
         self.beater.start()
@@ -145,8 +141,8 @@ class Producer:
     def run(self) -> None:
         """Serve until the decoder says `shutdown`."""
         while True:
-            if self.sender_error is not None:
-                raise self.sender_error
+            if self.sender.error is not None:
+                raise self.sender.error
             msg = self.transport.get(timeout=0 if self._busy() else 0.05)
             if msg is not None:
                 if msg.op == "shutdown":
@@ -166,7 +162,7 @@ class Producer:
             self.waiting.append(body)
         elif msg.op == "ack":
             for _ in range(body.get("slots", 1)):
-                self.slots.release()
+                self.sender.slots.release()
         elif msg.op == "reuse":
             self._free(body["handle"])
         elif msg.op == "cached":  # the decoder's word on a `cache` of ours
@@ -284,17 +280,10 @@ class Producer:
 
     def _queue_span(self, job: Job, region: Region) -> None:
         if region.state:  # its digests now: the state is final once its layers computed
-            conv, recurrent = self._state_of(job, region)
+            conv, recurrent = self.sender.state_of(job, region)
             job.state_sums[region.layers] = (row_digests(state_rows(conv)),
                                              row_digests(state_rows(recurrent)))
         self.bugs.queue(self.outbox, (job, region))
-
-    def _state_of(self, job: Job, region: Region) -> tuple[torch.Tensor, torch.Tensor]:
-        """A state span's states in the life's slot (views): conv [ns, C, K-1], recurrent
-        [ns, Hv, Dk, Dv]."""
-        s0, s1 = state_range(self.geometry, region.layers)
-        pool, slot = self.cache.states, job.kv.inner.state_slot
-        return pool.conv[s0:s1, slot], pool.recurrent[s0:s1, slot]
 
     def _flush_deferred(self) -> None:
         self.bugs.flush(self.outbox)
@@ -310,7 +299,7 @@ class Producer:
                 self.active = None
         self.waiting = deque(b for b in self.waiting if b["handle"] != handle)
         self._flush_deferred()
-        self.stopping.append(handle)
+        self.sender.stopping.append(handle)
 
     def _free(self, handle: str) -> None:
         """The decoder granted `reuse` (its event already checked): the pages go back."""
@@ -336,96 +325,6 @@ class Producer:
     def _send(self, op: str, tensors=(), **body) -> None:
         self.transport.send(DECODER, op, body, tensors)
 
-    # -- the sender thread --------------------------------------------------------------------
-
-    def _send_loop(self) -> None:
-        try:
-            while True:
-                self._send_stops()
-                try:
-                    item = self.outbox.get(timeout=0.02)
-                except queue.Empty:
-                    continue
-                if item is None:
-                    return
-                self._send_span(*item)
-        except Exception as e:  # noqa: BLE001 - reported by the main thread
-            self.sender_error = e
-
-    def _send_stops(self) -> None:
-        """`stopped` for each cancelled life (called between spans only)."""
-        while self.stopping:
-            self._send("stopped", handle=self.stopping.popleft())
-
-    def _send_span(self, job: Job, region: Region) -> None:
-        while not self.slots.acquire(timeout=0.02):  # a slot may wait for a `stopped`
-            self._send_stops()
-        if job.cancelled:
-            self.slots.release()
-            return
-        sid, nbytes = next(self.sids), region.span_bytes(self.geometry, job.prompt, job.prefix)
-        fate = self.config.faults.span_fate(job.handle, region.layers, region.tokens)
-        start = self.now()
-        state = {"state": True} if region.state else {}
-        self._send("issue", handle=job.handle, sid=sid, layers=region.layers,
-                   tokens=region.tokens, bytes=nbytes, **state)
-        if fate is Fate.STALL:  # the writer hangs until the decoder cancels the life
-            job.stop.wait()
-            return  # nothing sent: its slot comes back when the life's `stopped` is acked
-        if fate is Fate.FAIL:
-            self._send("span", handle=job.handle, sid=sid, error="copy failed (injected)")
-            return
-        tensors = (self._gather_state if region.state else self._gather_kv)(job, region)
-        if tensors:
-            self.bugs.after_gather(tensors[0])  # [nl, 2, nt, KVH, D] (a state: its conv)
-        if fate is Fate.CORRUPT and tensors and tensors[0].numel():
-            data = tensors[0]  # one bit of one element, in transit
-            data.view(BITS[data.dtype]).view(-1)[0] ^= 1
-        gathered = self.now()
-        self._pace(start, nbytes)
-        self._send("span", tensors=tensors,
-                   handle=job.handle, sid=sid, gather=[start, gathered],
-                   link=[gathered, self.now()])
-
-    def _gather_kv(self, job: Job, region: Region) -> tuple:
-        """A KV span's rows out of the source pages, group by group (handoff.kv_groups: a
-        sliding layer's window only): kv [n, 2, nt, KVH, D] then its digests [n, 2, nt]."""
-        groups = kv_groups(self.geometry, region.layers, region.tokens, job.prompt, job.prefix)
-        specs, parts = [], []
-        for (l0, l1), (a, b) in groups:
-            index = job.kv.inner.slots[a:b]  # [nt]
-            source = self.cache.kv[l0:l1]  # [n, 2, S, KVH, D]
-            digests = job.kv.region((l0, l1), (a, b))  # [n, 2, nt]
-            specs += [((*source.shape[:2], len(index), *source.shape[3:]), source.dtype),
-                      (digests.shape, digests.dtype)]
-            parts.append((source, index, digests))
-        staged = self.transport.staging(DECODER, specs, self.device) if specs else []
-        for (source, index, digests), kv, sums in zip(parts, staged[0::2], staged[1::2],
-                                                      strict=True):
-            torch.index_select(source, 2, index, out=kv)  # shared memory: gathered in
-            sums.copy_(digests)
-        return tuple(staged)
-
-    def _gather_state(self, job: Job, region: Region) -> tuple:
-        """A state span's states out of the life's slot: conv [ns, C, K-1], its digests,
-        recurrent [ns, Hv, Dk, Dv], its digests (taken when it was queued)."""
-        held = self._state_of(job, region)
-        sums = job.state_sums[region.layers]
-        specs = [spec for t, d in zip(held, sums, strict=True)
-                 for spec in ((t.shape, t.dtype), (d.shape, d.dtype))]
-        staged = self.transport.staging(DECODER, specs, self.device)
-        for into, t in zip(staged, (held[0], sums[0], held[1], sums[1]), strict=True):
-            into.copy_(t)
-        return tuple(staged)
-
-    def _pace(self, start: float, nbytes: int) -> None:
-        """Hold the span until `nbytes` could have crossed a `link_gbps` link."""
-        if self.config.link_gbps is None:
-            return
-        remaining = start + nbytes / (self.config.link_gbps * 1e9) - self.now()
-        if remaining > 0:
-            time.sleep(remaining)
-
     def _beat_loop(self) -> None:
         try:
             while not self.closing.wait(self.config.beat_s):
@@ -435,5 +334,4 @@ class Producer:
 
     def close(self) -> None:
         self.closing.set()
-        self.outbox.put(None)
-        self.sender.join(timeout=1)
+        self.sender.close()
