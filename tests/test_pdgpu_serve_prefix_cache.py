@@ -155,3 +155,27 @@ def test_generate_prompts_prints_the_same_tokens_with_the_cache(tmp_path, capsys
     assert on["computed_tokens"] < off["computed_tokens"]
     assert main(["generate", "--tokens", "1,2,3", "--prefix-cache"]) == 2
     assert "prefix-cache: needs --prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+@pytest.mark.parametrize(("prompt", "start", "prefix"),
+                         [(70, 48, 0), (70, 48, 16), (70, 16, 48), (33, 32, 32), (40, 0, 8)])
+def test_a_plan_with_a_hit_computes_from_the_hit_and_sends_from_the_prefix(mode, prompt, start,
+                                                                            prefix):
+    """plan_with_hit: chunks from the hit's end at multiples of the chunk, and every layer's
+    [prefix, prompt) sent exactly once (the hit's part at once in chunk mode), whichever of
+    the decoder's prefix and the producer's hit is longer."""
+    from pdgpu.serve.producer_cache import plan_with_hit
+    from pdref.events import Mode
+    from pdref.geometry import Geometry
+    geometry = Geometry(layers=3, kv_heads=1, head_dim=2, dtype_bytes=4, page_tokens=PAGE)
+    plan = plan_with_hit(Mode(mode), geometry, prompt, start, prefix, CHUNK)
+    if mode != "layer":
+        assert plan.steps[0][0] == start and all(a % CHUNK == 0 for a, _ in plan.steps)
+        assert plan.steps[-1][1] == prompt
+    sent = [r for r in plan.upfront + [r for rs in plan.ready for r in rs] + plan.after
+            if r.tokens[0] < r.tokens[1]]
+    for layer in range(3):
+        rows = sorted(r.tokens for r in sent if r.layers[0] <= layer < r.layers[1])
+        assert rows[0][0] == prefix and rows[-1][1] == prompt
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
