@@ -403,3 +403,25 @@ def test_the_served_bytes_bench_counts_each_kind(capsys):
     # window 256 of a 320-token prompt: tokens [64, 320) (page 16)
     assert rows["gemma3"]["kv_bytes"] == (2 * 320 + 10 * 256) * per_token_layer
     assert rows["gemma3 dense twin"]["ratio"] == 1.0 and rows["gemma3"]["ratio"] < 0.9
+
+
+@pytest.mark.parametrize("mode", ["chunk", "layer"])
+def test_gemma3_with_the_producer_prefix_cache_keeps_tokens(tmp_path, models, mode):
+    """--prefix-cache on Gemma 3 (sliding windows, no linear layer): prompts sharing 96
+    tokens, one repeated, skip their cached chunks; tokens equal generate's without the
+    cache; a legal version 4 trace whose spans carry the windows' bytes."""
+    folder = models("gemma3")
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 3, [150, 200, 110], 256, 96, 5)
+    prompts.append({**prompts[1], "req": "again"})
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in prompts))
+    code, results, trace = serve(
+        tmp_path, "--model", folder, "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
+        str(CHUNK), "--mode", mode, "--prefix-cache", "--concurrency", "1", "--verify")
+    assert code == 0 and json.loads(trace[0])["version"] == 4
+    trace_ok(trace)
+    for line, result in zip(prompts, results, strict=True):
+        want = reference(folder, line["tokens"], line["output_tokens"], CHUNK, 0)
+        assert result["output"] == want, line["req"]
+    hits = {e["req"]: e["tokens"][1] for e in events_of(trace, "computed") if e.get("hit")}
+    assert hits["again"] >= 192 and len(hits) == 3
+    _assert_v3_bytes(trace)

@@ -116,7 +116,7 @@ def _serve_args(p) -> None:
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
                    help="each producer caches whole pages of the prompts it computed and skips "
                    "computing them for a later request with the same leading tokens (default: "
-                   "off; not with --prefix or a hybrid model)")
+                   "off; not with --prefix or a model with linear layers)")
     p.add_argument("--prefix-cache-pages", type=_int(1), metavar="N", help="each producer's "
                    "cache budget in pages (default: four of the longest prompt's pages)")
     p.add_argument("--prompts", help='JSONL: {"req", "tokens", "output_tokens"} per line')

@@ -41,6 +41,7 @@ from pdgpu.serve.workload import (
 )
 from pdgpu.workload import WorkloadError
 from pdref.cli_format import format_metrics
+from pdref.kinds import LINEAR
 
 LOCALHOST = "127.0.0.1"
 
@@ -159,9 +160,10 @@ def prefix_cache_pages(args, spec_pages: int) -> int:
     if args.prefix:
         raise WorkloadError("prefix-cache: refused with --prefix (the cache finds shared "
                             "prefixes itself)")
-    if handoff_geometry(model_spec(args.model, args.dtype), 1).layout is not None:
-        raise WorkloadError("prefix-cache: refused for a model with sliding or linear layers "
-                            "(a cached page of a hybrid needs its state snapshot: not built)")
+    kinds = handoff_geometry(model_spec(args.model, args.dtype), 1).kinds or ()
+    if any(k.kind == LINEAR for k in kinds):
+        raise WorkloadError("prefix-cache: refused for a model with linear layers (a cached "
+                            "page would need their state snapshot at its end: not built)")
     return args.prefix_cache_pages or 4 * spec_pages
 
 

@@ -64,19 +64,20 @@ def plan_life(mode: Mode, geometry: Geometry, prompt: int, start: int, prefix: i
 def plan_with_hit(mode: Mode, geometry: Geometry, prompt: int, start: int, prefix: int,
                   chunk: int) -> Plan:
     """Compute [start, prompt) (chunks at multiples of `chunk` from `start`), send
-    [prefix, prompt) in the mode's spans: a geometry without layer kinds."""
+    [prefix, prompt) in the mode's spans (pdref's, a sliding layer's window in layer mode);
+    a geometry without linear layers (their state would need a snapshot at the hit)."""
     chunks = plan_chunks(prompt, start, chunk)
-    every = (0, geometry.layers)
-    if mode is Mode.LAYER:
-        return Plan(list(range(geometry.layers)),
-                    [[Region((n, n + 1), (prefix, prompt))] for n in range(geometry.layers)],
-                    [], [])
+    layers = geometry.layers
     if mode is Mode.CHUNK:
+        every = (0, layers)
         ready = [[Region(every, (max(a, prefix), b))] if b > prefix else [] for a, b in chunks]
         upfront = [Region(every, (prefix, start))] if start > prefix else []
         return Plan(chunks, ready, upfront, [])
-    return Plan(chunks, [[] for _ in chunks], [],
-                plan_spans(mode, geometry, prompt, prefix, chunk))
+    spans = plan_spans(mode, geometry, prompt, prefix, chunk)
+    if mode is Mode.LAYER:
+        return Plan(list(range(layers)),
+                    [[s for s in spans if s.layers == (n, n + 1)] for n in range(layers)], [], [])
+    return Plan(chunks, [[] for _ in chunks], [], spans)
 
 
 class ProducerCache:
