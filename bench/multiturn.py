@@ -10,15 +10,16 @@ think times and starts are pdsim's `SessionSpec` for the same options and `--see
 (pdsim/core/sessions.py), so `pdsim run --sessions ...` plays this very workload; the token
 ids are drawn here from the same seed.
 
-Each `--cache` setting gets its own server (`pdgpu serve --http 127.0.0.1:0`, a port of its
-own) and the same sessions. Per setting: TTFT p50/p99 (send to first token), output tokens/s
-(from the first session's start to the last token), bytes handed off (the KV its spans
-carried: the trace's `issue` events), the prefix cache's hit rate (/metrics:
-vllm:prefix_cache_hits / vllm:prefix_cache_queries, in tokens) and the server's leaked pages;
-and whether every answer equals the first setting's (greedy: a cache hit must not change a
-token).
+Each `--cache` setting (off; on: `--prefix-cache`) gets its own server (`pdgpu serve --http
+127.0.0.1:0`, a port of its own) and the same sessions, in the order given. Per setting:
+TTFT p50/p99 (send to first token), output tokens/s (from the first session's start to the
+last token), bytes handed off (the KV its spans carried: the trace's `issue` events), the
+prefix cache's hit rate (/metrics: vllm:prefix_cache_hits / vllm:prefix_cache_queries, in
+tokens: prompt tokens the producers did not compute), the usages' cached_tokens summed, and
+the server's leaked pages; and whether every answer equals the first setting's (greedy: a
+cache hit must not change a token).
 
-    python bench/multiturn.py                               # small, 8 sessions x 3 turns
+    python bench/multiturn.py                               # small, 8 sessions x 3 turns, off,on
     python bench/multiturn.py --sessions 32 --turns 4 --system-prompt 1024 \\
         --turn-tokens 64:256 --output-tokens 128 --think 2 --rate 2 --json
 """
@@ -46,9 +47,9 @@ from pdsim.arg_types import int_range
 from pdsim.core.sessions import SessionSpec, SessionWorkload
 from pdsim.core.workload_rules import WorkloadError
 
-# `pdgpu serve` flags of each cache setting. The engine's prefix cache (issue 35 item 2) is
-# not on main yet: only "off" (today's server) can be served.
-CACHE_FLAGS: dict[str, tuple[str, ...]] = {"off": ()}
+# `pdgpu serve` flags of each cache setting: "on" is each producer's prefix cache at its
+# default budget (the decoder keeps no cache of its own yet: every prompt token crosses).
+CACHE_FLAGS: dict[str, tuple[str, ...]] = {"off": (), "on": ("--prefix-cache",)}
 HITS, QUERIES = "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"
 NAMES = ("requests", "ok", "errors", "ttft_p50_s", "ttft_p99_s", "tokens_per_s",
          "bytes_handed_off", "prefix_cache_hit_rate", "cached_tokens", "leaked_pages")
@@ -106,7 +107,7 @@ def _check(p, args) -> None:
     unknown = [s for s in settings if s not in CACHE_FLAGS]
     if unknown or len(set(settings)) != len(settings):
         p.error(f"--cache must be distinct settings of {', '.join(CACHE_FLAGS)}, got "
-                f"{args.cache!r} (pdgpu serve has no prefix cache yet: off only)")
+                f"{args.cache!r}")
     args.cache = settings
 
 
@@ -306,9 +307,7 @@ def main(argv=None) -> int:
         folder = args.trace_dir or Path(tmp)
         runs = [serve_setting(args, setting, system, sessions, folder) for setting in args.cache]
     options = {k: v for k, v in vars(args).items() if k not in ("cache", "trace_dir", "json")}
-    report = {"options": options, "runs": runs, "same_answers": same_answers(runs),
-              "note": "pdgpu serve has no prefix cache yet (issue 35 item 2): off only"
-              if "on" not in CACHE_FLAGS else None}
+    report = {"options": options, "runs": runs, "same_answers": same_answers(runs)}
     _print(args, report)
     return 1 if any(r["errors"] or r["server_failed"] or r["leaked_pages"] for r in runs) \
         or not report["same_answers"] else 0
@@ -326,8 +325,6 @@ def _print(args, report: dict) -> None:
         cells = [_cell(run.get(n)) for n in NAMES]
         print(f"{run['setting']:>6} " + " ".join(f"{c:>12}" for c in cells))
     print(f"answers equal across settings: {report['same_answers']}")
-    if report["note"]:
-        print(report["note"])
 
 
 def _cell(value) -> str:

@@ -13,8 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import multiturn, multiturn_sim  # noqa: E402
 from pdsim.core.sessions import SessionSpec, SessionWorkload  # noqa: E402
 
-TINY = ["--model", "tiny", "--sessions", "3", "--turns", "2", "--system-prompt", "40",
-        "--turn-tokens", "8:20", "--output-tokens", "3", "--think", "0.2", "--rate", "20"]
+TINY = ["--model", "tiny", "--sessions", "3", "--turns", "2", "--system-prompt", "80",
+        "--turn-tokens", "8:20", "--output-tokens", "3", "--think", "0.2", "--rate", "20",
+        "--chunk", "32"]
 
 
 @pytest.mark.parametrize("option, value, says", [
@@ -99,6 +100,22 @@ def test_a_tiny_run_keeps_think_times_and_consistent_figures(tiny_run):
                 assert turn["prompt"] > before["prompt"] + len(before["tokens"])
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
         assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
+
+
+def test_the_cache_changes_no_answer_and_counts_what_it_skipped(tiny_run):
+    """With the cache the answers are the uncached run's; its hit rate is the cached tokens
+    over the prompt tokens, the usages' cached tokens sum to the hits, the trace's producer
+    hits are the same tokens, and no more bytes cross than without it."""
+    _, report, folder = tiny_run
+    off, on = (next(r for r in report["runs"] if r["setting"] == s) for s in ("off", "on"))
+    assert report["same_answers"]
+    assert on["prefix_cache_queries"] == sum(t["prompt"] for t in on["turns"])
+    assert 0 < on["prefix_cache_hits"] == on["cached_tokens"] < on["prefix_cache_queries"]
+    assert on["prefix_cache_hit_rate"] == on["prefix_cache_hits"] / on["prefix_cache_queries"]
+    hits = multiturn_sim.trace_figures(folder / "on.jsonl")["producer_prefix_cache_hits"]
+    assert hits == on["cached_tokens"]
+    assert off["cached_tokens"] == off["prefix_cache_hits"] == 0
+    assert on["bytes_handed_off"] <= off["bytes_handed_off"]
 
 
 def test_pdsim_plays_the_same_workload_as_the_bench(tiny_run):

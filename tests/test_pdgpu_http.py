@@ -470,6 +470,17 @@ def test_models_health_and_metrics(server):
     assert m['pdgpu_requests_total{"outcome": "rejected"}'] >= 0
 
 
+def test_without_the_cache_nothing_is_cached_or_counted(server):
+    """Without --prefix-cache a repeated prompt reports 0 cached tokens and vLLM's prefix
+    cache counters (shown, as vLLM shows them) count nothing."""
+    for _ in range(2):
+        got = server.client().completions.create(model=server.model_id, prompt=PROMPTS[1],
+                                                 max_tokens=2)
+        assert got.usage.prompt_tokens_details.cached_tokens == 0
+    m = server.metrics()
+    assert m["vllm:prefix_cache_queries_total{}"] == m["vllm:prefix_cache_hits_total{}"] == 0
+
+
 def test_preset_token_ids_only_and_sigterm_drains(tmp_path):
     """`tiny` (no tokenizer) refuses text with 400; SIGTERM lets the stream in flight finish,
     refuses new requests (503), and the trace closes legal with no page leaked."""

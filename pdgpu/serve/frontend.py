@@ -48,6 +48,7 @@ class Event:
     status: str | None = None
     reason: str | None = None
     logprobs: tuple = ()  # per token, when the request asks: (logprob, ((token, logprob), ...))
+    cached: int = 0  # with the end: prompt tokens its producer found in its prefix cache
 
 
 @attrs.define(eq=False)
@@ -157,7 +158,7 @@ class Frontend:
             self.ended += 1
             if self.metrics is not None:
                 self.metrics.ended(t)
-            handle.sink(Event(new, str(t.status), t.reason, logprobs))
+            handle.sink(Event(new, str(t.status), t.reason, logprobs, t.producer_hit))
         elif new:
             handle.sink(Event(new, logprobs=logprobs))
 
@@ -167,6 +168,7 @@ class Frontend:
         if t.admitted_t is not None and not handle.admitted:
             handle.admitted = True
             self.metrics.admitted(t)
+            self.metrics.prefix_cache(len(t.request.tokens), t.producer_hit)
         self.metrics.later_tokens(t, handle.sent, handle.sent + new)
 
     def abandon(self, reason: str) -> None:

@@ -84,6 +84,7 @@ async def _tokens(service: Service, handle, events: asyncio.Queue, out: Output):
                 service.frontend.finish(handle)  # a stop string: no more tokens needed
             yield text, token
         if event.status is not None:
+            out.cached = event.cached
             if event.status != "ok" and not out.stopped:
                 raise ApiError(500, f"the request ended {event.status}: {event.reason}",
                                None, "server_error", event.status)

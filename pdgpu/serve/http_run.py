@@ -151,7 +151,8 @@ def serve_http(args) -> int:
     check_packages()
     host, port = parse_address(args.http)
     config, policy, workload, producers, endpoint, spec = prepare_http(args)
-    frontend = Frontend(args.http_queue, args.http_drain, ServeMetrics())
+    frontend = Frontend(args.http_queue, args.http_drain,
+                        ServeMetrics(prefix_cache=config.prefix_cache_pages > 0))
     service = _service(args, spec, frontend)
     sock = listen(host, port)
     server = ServerThread(build_app(service), sock)

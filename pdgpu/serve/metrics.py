@@ -17,7 +17,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class ServeMetrics:
-    def __init__(self) -> None:
+    def __init__(self, prefix_cache: bool = False) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("pdgpu_requests", "Requests by outcome (ok, cancelled, "
                                 "failed; rejected: refused at the door: 400, 429, 503)",
@@ -38,6 +38,14 @@ class ServeMetrics:
         self.deaths = Counter("pdgpu_producer_deaths", "Producers declared dead", registry=r)
         self.violations = Counter("pdgpu_live_check_violations", "Events the live check "
                                   "refused (each one stops the run)", registry=r)
+        # vLLM's names and help (vllm/v1/metrics/loggers.py), in tokens: each request's prompt
+        # as looked up in its producer's cache, and the leading tokens found there (counted
+        # with --prefix-cache only, as vLLM counts with prefix caching enabled only)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in "
+                                      "terms of number of queried tokens.", registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of "
+                                   "number of cached tokens.", registry=r)
+        self.prefix_cache_on = prefix_cache
         for outcome in ("ok", "cancelled", "failed", "rejected"):
             self.requests.labels(outcome)  # shown at 0 from the start
         self._deaths_seen = 0
@@ -51,6 +59,12 @@ class ServeMetrics:
         """TTFT: arrival to `produced` (the first token's time, before or at admission)."""
         first = t.token_t[0] if t.token_t else t.life.produced_t
         self.ttft.observe(first - t.arrival)
+
+    def prefix_cache(self, prompt: int, cached: int) -> None:
+        """An admitted request's prompt, as its producer looked it up in its cache."""
+        if self.prefix_cache_on:
+            self.prefix_queries.inc(prompt)
+            self.prefix_hits.inc(cached)
 
     def admitted(self, t) -> None:
         if t.reserved_t is not None:

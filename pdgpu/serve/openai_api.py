@@ -254,6 +254,7 @@ class Output:
         self.text = ""
         self.stopped = False  # by a stop token or string
         self.hold = max((len(s) for s in ask.stop_texts), default=1) - 1
+        self.cached = 0  # prompt tokens found in the prefix cache, told at the request's end
 
     def add(self, token: int, logprob=None) -> str:
         if self.stopped:  # tokens the decoder made before it heard of the stop: not output
@@ -321,4 +322,5 @@ class Output:
     def usage(self) -> dict:
         n = len(self.tokens)
         return {"prompt_tokens": len(self.ask.tokens), "completion_tokens": n,
-                "total_tokens": len(self.ask.tokens) + n}
+                "total_tokens": len(self.ask.tokens) + n,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
