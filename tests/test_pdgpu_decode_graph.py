@@ -15,14 +15,29 @@ TINY = load_model("tiny")
 
 def _cache(model, lengths, seed=0):
     """A padded decode cache (as on CUDA) holding requests of `lengths` tokens of seeded K/V
-    (each length draws the same values whatever the others)."""
+    (each length draws the same values whatever the others; a hybrid's states too)."""
     gen = torch.Generator().manual_seed(seed)
     cache = DecodeCache.for_model(model, padded=True)
-    spec = model.spec
-    seqs = [cache.add(torch.randn(spec.layers, 2, n, spec.kv_heads, spec.head_dim,
-                                  generator=gen.manual_seed(seed + n))
-                      .to(cache.device, cache.dtype)) for n in lengths]
+    seqs = [cache.add(_context(model, n, gen.manual_seed(seed + n)).to(cache.device,
+                                                                       cache.dtype),
+                      _state(model, gen)) for n in lengths]
     return cache, seqs
+
+
+def _context(model, n, gen=None):
+    """Seeded K/V [L, 2, n, KVH, D] of every K/V layer (zeros without a generator)."""
+    spec = model.spec
+    shape = (len(model.arch.kv_layers), 2, n, spec.kv_heads, spec.head_dim)
+    return torch.zeros(shape) if gen is None else torch.randn(shape, generator=gen)
+
+
+def _state(model, gen):
+    """A hybrid's seeded linear-layer state (StatePool.read's pair), or None."""
+    state = model.state_shape
+    if state is None:
+        return None
+    return (torch.randn(state.layers, *state.conv, generator=gen),
+            torch.randn(state.layers, *state.recurrent, generator=gen))
 
 
 def _sensitive(device="cpu"):
@@ -125,8 +140,8 @@ def _steps(model, forward):
     tokens, out, keys = [1, 2, 3], [], []
     for i in range(14):
         if i in (2, 4):  # 4 rows then 5: the bucket's rows double, 4 -> 8
-            seqs.append(cache.add(torch.zeros(TINY.layers, 2, 20 + i, TINY.kv_heads,
-                                              TINY.head_dim)))
+            seqs.append(cache.add(_context(model, 20 + i),
+                                  _state(model, torch.Generator().manual_seed(i))))
             tokens.append(4 + i)
         if i in (6, 12):  # 4 rows padded to 4 again; at 12 the rows halve
             cache.remove(seqs.pop(1))
@@ -138,15 +153,18 @@ def _steps(model, forward):
     return out, keys
 
 
-@pytest.mark.parametrize("most", [1, 2, 16])
-def test_graphed_steps_replay_eagers_tokens_with_few_graphs_held(most):
-    """Replayed through a captured batch (the CPU stand-in for a graph), steps give the eager
-    steps' tokens while the layout changes; a layout is captured once while it is held, at
-    most `most` are held, and one whose generation passed is dropped."""
+@pytest.mark.parametrize(("most", "family"), [(1, "dense"), (2, "dense"), (16, "dense"),
+                                              (2, "qwen3.5")])
+def test_graphed_steps_replay_eagers_tokens_with_few_graphs_held(most, family):
+    """Replayed through a captured batch (the CPU stand-in for a graph, which fails a replay
+    over a tensor the cache replaced), steps give the eager steps' tokens while the layout
+    changes (and a hybrid's state pool doubles); a layout is captured once while it is held,
+    at most `most` are held, and one whose generation passed is dropped."""
     from graph_helpers import replay_eagerly
 
     from pdgpu.decode_graph import GraphedStep
-    model = _sensitive()
+    model = _sensitive() if family == "dense" else build_model(load_model("tiny-qwen3.5"),
+                                                               seed=0)
     eager, keys = _steps(model, decode_logits)
     held = []
 
@@ -169,13 +187,7 @@ def test_warm_up_leaves_a_hybrids_linear_states_as_they_were():
     state) and puts the batch's states back: a replay then advances them once."""
     from pdgpu.decode_graph import warm_up
     model = build_model(load_model("tiny-qwen3.5"), seed=0)
-    cache = DecodeCache.for_model(model, padded=True)
-    spec, state = model.spec, model.state_shape
-    seqs = [cache.add(torch.randn(len(model.arch.kv_layers), 2, n, spec.kv_heads,
-                                  spec.head_dim),
-                      (torch.randn(state.layers, *state.conv),
-                       torch.randn(state.layers, *state.recurrent)))
-            for n in (30, 50)]
+    cache, seqs = _cache(model, [30, 50])
     batch = DecodeBatch(seqs)
     batch.feed([3, 4])
     before = cache.states.conv.clone(), cache.states.recurrent.clone()

@@ -31,6 +31,15 @@ def checkpoint(tmp_path_factory):
     return str(write_sensitive_checkpoint(tmp_path_factory.mktemp("ckpt") / "sensitive"))
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, checkpoint):
+    """family -> a checkpoint whose tokens depend on their context (a Qwen3.5's on its gated
+    DeltaNet states too: a capture's warm-up that left them advanced would change them)."""
+    from test_pdgpu_serve_hybrid import save_sensitive
+    folder = tmp_path_factory.mktemp("hybrid") / "qwen3_5"
+    return {"dense": checkpoint, "qwen3_5": save_sensitive(folder, "qwen3_5")}
+
+
 def test_the_mode_picks_the_step_by_the_decoders_device():
     """auto replays graphs on CUDA only, off never, on refuses a CPU decoder (one line)."""
     assert isinstance(decode_forward("auto", "cuda:0"), GraphedStep)
@@ -43,12 +52,15 @@ def test_the_mode_picks_the_step_by_the_decoders_device():
         decode_forward("on", "cpu")
 
 
-def test_served_tokens_through_a_replayed_step_equal_generate(tmp_path, checkpoint, capsys,
-                                                              monkeypatch):
+@pytest.mark.parametrize("family", ["dense", "qwen3_5"])
+def test_served_tokens_through_a_replayed_step_equal_generate(tmp_path, checkpoints, capsys,
+                                                              monkeypatch, family):
     """The decoder's every step goes through the forward it is given (here GraphedStep with
     the CPU stand-in capture, at most 2 graphs): as requests join, leave and cross into a
     wider bucket, new layouts are captured, at most 2 held, and every request's tokens equal
-    generate's; the summary counts the captures."""
+    generate's (a hybrid's too: each capture's warm-up put its states back); the summary
+    counts the captures."""
+    checkpoint = checkpoints[family]
     seen = {"held": 0, "replays": 0, "keys": set()}
 
     def capture(model, batch, pool):
@@ -73,7 +85,8 @@ def test_served_tokens_through_a_replayed_step_equal_generate(tmp_path, checkpoi
     decodes = [e for e in events_of(trace, "stage") if e["name"] == "decode"]
     assert seen["replays"] == len(decodes)  # every step through the given forward
     assert step.captures >= len(seen["keys"]) >= 4  # joins, leaves, a wider bucket
-    assert seen["held"] <= 2 and len(step.graphs) <= 2 and step.dropped == step.captures - 2
+    assert seen["held"] <= 2 and len(step.graphs) <= 2
+    assert step.dropped == step.captures - len(step.graphs)  # every other one was dropped
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["decode_graph_captures"] == step.captures
     assert json.loads(trace[0])["cuda_graphs"] is False  # the stand-in is not a CUDA graph
