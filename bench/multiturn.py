@@ -46,6 +46,7 @@ from pdgpu.serve.report import percentile
 from pdsim.arg_types import int_range
 from pdsim.core.sessions import SessionSpec, SessionWorkload
 from pdsim.core.workload_rules import WorkloadError
+from pdsim.fit.host_load import HostLoadMonitor, host_load_measurable
 
 # `pdgpu serve` flags of each cache setting: "on" is each producer's prefix cache at its
 # default budget (the decoder keeps no cache of its own yet: every prompt token crosses).
@@ -255,17 +256,29 @@ class Server:
 # -- one setting, and the report -----------------------------------------------------------
 
 def serve_setting(args, setting: str, system, sessions: list[Session], folder: Path) -> dict:
+    """One server for `setting`, every session against it; the setting's figures, each
+    turn's, and the host load other work put on this machine while the sessions ran."""
     longest = max(t.prompt for s in sessions for t in s.turns)
     trace = folder / f"{setting}.jsonl"
-    server = Server(args, setting, longest, trace)
+    monitor = HostLoadMonitor().start() if host_load_measurable() else None
     try:
-        model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-        results, t0 = asyncio.run(drive(server.url, model, system, sessions))
-        counters = server.counters()
+        server = Server(args, setting, longest, trace)
+        if monitor is not None:
+            monitor.root = server.proc.pid  # its tree is the run's, not "other work"
+        try:
+            model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+            start = time.time()
+            results, t0 = asyncio.run(drive(server.url, model, system, sessions))
+            end = time.time()
+            counters = server.counters()
+        finally:
+            summary = server.stop()
     finally:
-        summary = server.stop()
+        if monitor is not None:
+            monitor.stop()
+    load = monitor.window(start, end).to_json() if monitor is not None else None
     return {"setting": setting, **summarize(results, t0, counters, summary),
-            "bytes_handed_off": handed_off(trace),
+            "bytes_handed_off": handed_off(trace), "host_load": load,
             "turns": sorted(results, key=lambda r: r["sent"])}
 
 

@@ -10,9 +10,12 @@ figures) and each setting's trace (`<setting>.jsonl`). `pdsim calibrate` fits a 
 every trace of the `--train` folders (`--host-cores`: this machine's cores); `pdsim run`
 then plays each run's workload (the same `--sessions ... --seed`: pdsim's SessionSpec is
 what the bench drew its lengths, think times and starts from) with that profile, the run's
-pool (its trace header) and cache setting. Per run and figure: measured, predicted, error.
+pool and cache budgets (its trace header). Per run and figure: measured, predicted, error.
 Rows of `--train` folders are calibration (the profile saw their traces), rows of `--test`
-folders validation (held out).
+folders validation (held out). When the bench measured the host load of every run (the
+cores other work took while its sessions ran, pdsim/fit/host_load.py), it is an input as in
+`pdsim validate --serving`: the fit takes each training run's share out, each prediction
+puts its run's own back in (rows `load in`); the rows without it follow.
 
 Measured figures: the decoder's hit rate (prompt tokens its reserves found cached, `reserve`
 `prefix`, over all prompt tokens: pdsim's `prefix_cache_hit_rate`), the producer's hit
@@ -25,10 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import attrs
+
+from pdref.outfile import write_atomic
+from pdsim.core.metrics import workload_metrics
+from pdsim.core.play import simulate
+from pdsim.core.profiles import load_hw
+from pdsim.fit.calibrate import calibrate, profile_toml
+from pdsim.fit.validate_serving import under_load
+from pdsim.options import add_run_options, run_setup
 
 FIGURES = ("prefix_cache_hit_rate", "producer_prefix_cache_hits", "bytes", "ttft_p50_s",
            "ttft_p99_s", "tokens_per_s")
@@ -66,7 +78,8 @@ def trace_figures(trace: Path) -> dict:
     return {"prefix_cache_hit_rate": prefix / prompt if prompt else 0.0,
             "producer_prefix_cache_hits": producer, "bytes": handed,
             "pool_pages": header["pool_pages"],
-            "producer_cache_pages": header.get("prefix_cache_pages", 0)}
+            "producer_cache_pages": header.get("prefix_cache_pages", 0),
+            "decoder_cache_pages": header.get("decoder_cache_pages", 0)}
 
 
 def measured(folder: Path) -> list[dict]:
@@ -77,55 +90,77 @@ def measured(folder: Path) -> list[dict]:
         trace = folder / f"{run['setting']}.jsonl"
         rows.append({"folder": str(folder), "setting": run["setting"], "trace": trace,
                      "options": report["options"], **trace_figures(trace),
+                     "host_load": run.get("host_load"),
                      **{k: run[k] for k in ("ttft_p50_s", "ttft_p99_s", "tokens_per_s")}})
     return rows
 
 
-def pdsim(*argv: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "pdsim", *argv], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"pdsim {argv[0]} exited {done.returncode}: {done.stderr.strip()}")
-    return done.stdout
-
-
 def cache_flags(row: dict) -> tuple[str, ...]:
-    """pdsim's caches as the engine's trace header gave them (the decoder has none yet)."""
-    if not row["producer_cache_pages"]:
+    """pdsim's caches with the budgets the engine's trace header gives (none: no cache)."""
+    if not (row["producer_cache_pages"] or row["decoder_cache_pages"]):
         return ()
     return ("--producer-cache-pages", str(row["producer_cache_pages"]),
-            "--decoder-cache-pages", "0")
+            "--decoder-cache-pages", str(row["decoder_cache_pages"]))
 
 
-def predict(row: dict, profile: Path) -> dict:
+def free_share(row: dict) -> float:
+    """The share of the host's cores other work left the run while its sessions ran
+    (measured by the bench; 1: not measured)."""
+    load = row["host_load"]
+    return 1.0 if load is None else 1.0 - load["taken_cores"] / load["cores"]
+
+
+def sim_args(row: dict, profile: Path) -> argparse.Namespace:
+    """`pdsim run`'s options for the run's workload, pool and caches."""
     o = row["options"]
     a, b = o["turn_tokens"]
-    out = pdsim("run", "--model", o["model"], "--hw", str(profile), "--sessions",
-                str(o["sessions"]), "--turns", str(o["turns"]), "--system-prompt",
-                str(o["system_prompt"]), "--turn-tokens", f"{a}:{b}", "--output-tokens",
-                str(o["output_tokens"]), "--think", str(o["think"]), "--rate", str(o["rate"]),
-                "--seed", str(o["seed"]), "--chunk", str(o["chunk"]), "--producers",
-                str(o["producers"]), "--pool-pages", str(row["pool_pages"]), "--sender",
-                "queued", "--json", "--no-progress", *cache_flags(row))
+    p = argparse.ArgumentParser()
+    add_run_options(p)
+    return p.parse_args([
+        "--model", o["model"], "--hw", str(profile), "--sessions", str(o["sessions"]),
+        "--turns", str(o["turns"]), "--system-prompt", str(o["system_prompt"]),
+        "--turn-tokens", f"{a}:{b}", "--output-tokens", str(o["output_tokens"]), "--think",
+        str(o["think"]), "--rate", str(o["rate"]), "--seed", str(o["seed"]), "--chunk",
+        str(o["chunk"]), "--producers", str(o["producers"]), "--pool-pages",
+        str(row["pool_pages"]), "--sender", "queued", *cache_flags(row)])
+
+
+def predict(row: dict, profile: Path, slowdown: float | None) -> dict:
+    """pdsim's figures for the run (`slowdown`: calibrate's, with the run's measured host
+    load an input, as `pdsim validate --serving` takes it; None: not an input)."""
+    cfg, requests = run_setup(sim_args(row, profile))
+    if slowdown is not None:
+        cfg = attrs.evolve(cfg, costs=under_load(cfg.costs, free_share(row), slowdown))
     sim = {"prefix_cache_hit_rate": 0.0, "producer_prefix_cache_hits": 0,  # no cache: none
-           **json.loads(out)}
+           **workload_metrics(simulate(cfg, requests))}
     return {k: sim.get(k) for k in FIGURES}
 
 
+def fit(train: list[dict], folder: Path, host_cores: int, host_load: bool) -> tuple:
+    """The profile calibrated on the training runs' traces, and its load slowdown."""
+    free = [free_share(r) if host_load else 1.0 for r in train]
+    cal = calibrate([str(r["trace"]) for r in train], host_cores=host_cores, free=free)
+    path = folder / ("multiturn-load.toml" if host_load else "multiturn.toml")
+    write_atomic(path, profile_toml(cal, load_hw("a100-pcie"), path.stem))
+    return path, cal.load_slowdown if host_load else None
+
+
 def compare(args) -> list[dict]:
+    """Per run, role and host-load use: measured, predicted, error (percent)."""
     train = [r for f in args.train for r in measured(f)]
     test = [r for f in args.test for r in measured(f)]
+    host_load = all(r["host_load"] is not None for r in train + test)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        profile = Path(tmp) / "multiturn.toml"
-        pdsim("calibrate", *(str(r["trace"]) for r in train), "-o", str(profile),
-              "--host-cores", str(args.host_cores))
-        rows = []
-        for role, runs in (("calibration", train), ("held-out", test)):
-            for row in runs:
-                got = predict(row, profile)
-                rows.append({"role": role, "folder": row["folder"], "setting": row["setting"],
-                             "measured": {k: row[k] for k in FIGURES}, "predicted": got,
-                             "error_pct": {k: _err(got[k], row[k]) for k in FIGURES}})
+        for load in (True, False) if host_load else (False,):
+            profile, slowdown = fit(train, Path(tmp), args.host_cores, load)
+            for role, runs in (("calibration", train), ("held-out", test)):
+                for row in runs:
+                    got = predict(row, profile, slowdown)
+                    rows.append({"role": role, "host_load": load, "folder": row["folder"],
+                                 "setting": row["setting"],
+                                 "measured": {k: row[k] for k in FIGURES}, "predicted": got,
+                                 "error_pct": {k: _err(got[k], row[k]) for k in FIGURES}})
     return rows
 
 
@@ -141,14 +176,16 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'role':>11} {'run':>24} {'figure':>26} {'measured':>14} {'predicted':>14} "
-          f"{'error %':>8}")
+    print(f"{'role':>11} {'load':>5} {'run':>16} {'figure':>26} {'measured':>14} "
+          f"{'predicted':>14} {'error %':>8}")
     for row in rows:
         name = f"{Path(row['folder']).name}:{row['setting']}"
+        load = "in" if row["host_load"] else "-"
         for k in FIGURES:
             err = row["error_pct"][k]
-            print(f"{row['role']:>11} {name:>24} {k:>26} {_cell(row['measured'][k]):>14} "
-                  f"{_cell(row['predicted'][k]):>14} {'-' if err is None else f'{err:+.1f}':>8}")
+            print(f"{row['role']:>11} {load:>5} {name:>16} {k:>26} "
+                  f"{_cell(row['measured'][k]):>14} {_cell(row['predicted'][k]):>14} "
+                  f"{'-' if err is None else f'{err:+.1f}':>8}")
     return 0
 
 

@@ -119,12 +119,17 @@ def test_the_cache_changes_no_answer_and_counts_what_it_skipped(tiny_run):
 
 
 def test_pdsim_plays_the_same_workload_as_the_bench(tiny_run):
-    """Calibrated on the tiny run's own trace, pdsim's run of the same options hands off
-    exactly the bytes the server did (the same prompts); every figure is predicted."""
+    """Calibrated on the tiny run's own traces, pdsim's run of the same options hands off
+    exactly the bytes the server did (the same prompts), with and without the host load the
+    bench measured as an input; every figure is predicted."""
     _, report, folder = tiny_run
     (folder / "report.json").write_text(json.dumps(report))
+    for run in report["runs"]:
+        assert 0 <= run["host_load"]["taken_cores"] <= run["host_load"]["cores"]
     rows = multiturn_sim.compare(multiturn_sim._parse(["--train", str(folder)]))
-    assert [r["setting"] for r in rows] == [r["setting"] for r in report["runs"]]
+    settings = [r["setting"] for r in report["runs"]]
+    assert [(r["host_load"], r["setting"]) for r in rows] == \
+        [(True, s) for s in settings] + [(False, s) for s in settings]
     for row in rows:
         assert row["role"] == "calibration"
         assert row["predicted"]["bytes"] == row["measured"]["bytes"] > 0
@@ -147,7 +152,7 @@ def test_the_trace_figures_count_reserves_hits_and_spans(tmp_path):
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert multiturn_sim.trace_figures(trace) == {
         "prefix_cache_hit_rate": 8 / 40, "producer_prefix_cache_hits": 8, "bytes": 320,
-        "pool_pages": 9, "producer_cache_pages": 5}
+        "pool_pages": 9, "producer_cache_pages": 5, "decoder_cache_pages": 0}
 
 
 def test_a_folder_without_a_report_is_refused(tmp_path, capsys):
