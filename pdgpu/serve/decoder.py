@@ -25,6 +25,7 @@ from pdgpu.decode_batch import DecodeBatch, Forward, decode_logits, decode_token
 from pdgpu.decode_kv import DecodeCache
 from pdgpu.generate import step_at, stop_tokens
 from pdgpu.sampler import Sampler
+from pdgpu.serve.decoder_prefix import DecoderPrefix
 from pdgpu.serve.faults import FaultPolicy, FaultSpec
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.lives import Life, Status, Tracked
@@ -40,9 +41,11 @@ class Decoder:
     def __init__(self, ledger: Ledger, model, workload: Workload, members: Members,
                  policy: FaultPolicy, faults: FaultSpec, verify: bool,
                  progress=None, stall_s: float = 300.0, eos: int | None = None,
-                 inbox=None, forward: Forward = decode_logits) -> None:
+                 inbox=None, forward: Forward = decode_logits,
+                 prefix_cache: DecoderPrefix | None = None) -> None:
         self.ledger, self.model, self.members = ledger, model, members
         self.forward = forward  # the decode step: eager, or replayed (decode_graph.py)
+        self.prefix_cache = prefix_cache  # the automatic prefix cache over the pool, or None
         self.workload = workload
         self.progress, self.stall_s, self.eos = progress, stall_s, eos
         self.tracked = {r.req: Tracked(r) for r in workload.requests}
@@ -56,7 +59,7 @@ class Decoder:
         self.decode_cache = DecodeCache.for_model(model, states=ledger.kv_landing.states)
         self.sampler = Sampler(model.spec.vocab, self.decode_cache.device)
         self.lives: dict[str, Life] = {}  # handle -> a life its producer may still send for
-        self.recovery = Recovery(ledger, members, policy, workload.prefix, self.tracked,
+        self.recovery = Recovery(ledger, members, policy, self.tracked,
                                  self.waiting, self.lives, self._finish, self._leave_batch)
         self.postprocess = Postprocess(ledger, members, self.recovery, self.tracked, self.lives,
                                        verify, self._admit)
@@ -80,6 +83,8 @@ class Decoder:
                 self._decode_step()
             else:
                 self._idle()
+        if self.prefix_cache is not None:  # every page of the pool free at the end
+            self.prefix_cache.drain()
 
     def _writers_busy(self) -> bool:
         """An ended life still has spans whose writer may write (unfenced): the loop waits
@@ -156,31 +161,52 @@ class Decoder:
                    if life.producer == rank and life.prefilling)
 
     def _schedule(self) -> None:
-        prefix = self.workload.prefix
-        while self.waiting and self.ledger.can_reserve(self.waiting[0].request.prompt, prefix):
-            ready = self.members.ready()
+        while self.waiting:
+            t = self.waiting[0]
+            hit = () if self.prefix_cache is None else self.prefix_cache.lookup(
+                t.request.tokens)
+            prefix = len(hit) * self.ledger.geometry.page_tokens if hit else \
+                self.workload.prefix
+            ready = self._room(t, prefix, hit) and self.members.ready()
             if not ready:
                 return
             rank = min(ready, key=lambda r: (self._load(r), r))
-            t = self.waiting.popleft()
-            t.attempts += 1
-            t.life = Life(f"{t.req}#{t.attempts}", t.req, rank, t.request.prompt - prefix)
-            state_slot = self.ledger.reserve(t.req, t.request.prompt, prefix, f"p{rank}")
-            self.lives[t.life.handle] = t.life
-            t.status, t.reserved_t = Status.PREFILL, self.ledger.now()
-            self.members.send(rank, "prefill", {
-                "handle": t.life.handle, "req": t.req, "tokens": list(t.request.tokens),
-                "sampling": attrs.asdict(t.request.sampling), "ban": list(self._draw(t, 0).ban),
-                "state_slot": state_slot})
+            self.waiting.popleft()
+            self._reserve(t, rank, prefix, hit)
+
+    def _room(self, t: Tracked, prefix: int, hit: tuple[int, ...]) -> bool:
+        """The pool has the slab's pages, or frees them by evicting idle cached pages."""
+        prompt = t.request.prompt
+        return self.ledger.can_reserve(prompt, prefix) or (
+            self.prefix_cache is not None and self.prefix_cache.room(
+                t.req, self.ledger.geometry.pages_for(prompt - prefix), hit))
+
+    def _reserve(self, t: Tracked, rank: int, prefix: int, hit: tuple[int, ...]) -> None:
+        """`t`'s next life: its slab (after its cache hit), then its producer told."""
+        t.attempts += 1
+        t.life = Life(f"{t.req}#{t.attempts}", t.req, rank, t.request.prompt - prefix, prefix)
+        state_slot = self.ledger.reserve(t.req, t.request.prompt, prefix, f"p{rank}",
+                                         hit or None)
+        if self.prefix_cache is not None:
+            self.prefix_cache.reserved(t.req, t.request.prompt, hit)
+        self.lives[t.life.handle] = t.life
+        t.status, t.reserved_t = Status.PREFILL, self.ledger.now()
+        self.members.send(rank, "prefill", {
+            "handle": t.life.handle, "req": t.req, "tokens": list(t.request.tokens),
+            "prefix": prefix, "sampling": attrs.asdict(t.request.sampling),
+            "ban": list(self._draw(t, 0).ban), "state_slot": state_slot})
 
     # -- admission ----------------------------------------------------------------------------
 
     def _admit(self, t: Tracked) -> None:
         life = t.life
-        self.ledger.reuse(t.req, (self.workload.prefix, t.request.prompt))
+        self.ledger.reuse(t.req, (life.prefix, t.request.prompt))
         del self.lives[life.handle]
         self.members.send(life.producer, "reuse", {"handle": life.handle})
         t.seq = self.decode_cache.add_paged(*self.ledger.admit(t.req))  # the one copy
+        if self.prefix_cache is not None:  # its slab's new whole pages, for later requests
+            self.prefix_cache.publish(t.req, t.request.tokens, life.prefix,
+                                      self.ledger.slabs[t.req])
         t.slot = self.sampler.open(t.request.sampling, t.request.tokens, [life.token])
         t.output = [life.token]
         t.logprobs = [] if life.logprob is None else [life.logprob]

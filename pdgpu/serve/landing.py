@@ -73,14 +73,17 @@ class KVLanding:
         """The model has linear layers: each request lands a state too."""
         return self.states is not None
 
-    def open(self, req: str, pages, prompt: int, prefix: int) -> None:
+    def open(self, req: str, pages, prompt: int, prefix: int, hit=()) -> None:
         """A slab was reserved on `pages` for tokens [prefix, prompt): the request's token
-        slots, the fixed prefix's then the slab's (and a state landing slot)."""
-        if prefix > self.prefix_slots.shape[0]:
+        slots, its prefix's (the cached pages `hit`, else the fixed prefix) then the slab's
+        (and a state landing slot)."""
+        pt, device = self.geometry.page_tokens, self.kv.device
+        before = token_slots(hit, pt, prefix, device) if hit else self.prefix_slots
+        if prefix > before.shape[0]:
             raise ValueError(f"landing: prefix {prefix} is longer than the decoder's prefix "
-                             f"cache ({self.prefix_slots.shape[0]} tokens)")
-        slab = token_slots(pages, self.geometry.page_tokens, prompt - prefix, self.kv.device)
-        self.slots[req] = torch.cat((self.prefix_slots[:prefix], slab))  # [prompt]
+                             f"cache ({before.shape[0]} tokens)")
+        slab = token_slots(pages, pt, prompt - prefix, device)
+        self.slots[req] = torch.cat((before[:prefix], slab))  # [prompt]
         self.prefixes[req] = prefix
         if self.states is not None:
             self.state_slots[req] = self.states.take()

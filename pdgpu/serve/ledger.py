@@ -62,6 +62,8 @@ class Ledger:
         self.live = LiveCheck(header, self._accepted.append, audit_monitor=audit_monitor,
                               audit_bound=audit_bound)
         self.peak_pages = 0
+        self.slabs: dict[str, tuple[int, ...]] = {}  # req -> its live life's slab pages
+        self.on_end = None  # called with a req whose life ended (released or aborted)
         self._spans = itertools.count()
         self.t0 = time.perf_counter()
 
@@ -114,6 +116,10 @@ class Ledger:
     def can_admit(self, req: str) -> bool:
         return self._check("can_admit", req, audited=True)
 
+    def free_pages(self) -> int:
+        """Pages of the pool no slab, quarantine or cache holds."""
+        return len(self._check("free_page_ids", audited=True))
+
     def unfenced(self, req: str) -> tuple:
         """Span ids of `req` whose writer has not been fenced yet."""
         return self._check("unfenced", req, audited=True)
@@ -129,14 +135,17 @@ class Ledger:
 
     # -- operations ---------------------------------------------------------------------------
 
-    def reserve(self, req: str, prompt: int, prefix: int, producer: str) -> int | None:
-        """Reserve a slab; the producer's state slot the life computes into (a model with
-        linear layers: the lowest that pdref has free for `producer`), or None."""
+    def reserve(self, req: str, prompt: int, prefix: int, producer: str,
+                hit: tuple[int, ...] | None = None) -> int | None:
+        """Reserve a slab (its pages: `slabs`); the producer's state slot the life computes
+        into (a model with linear layers: the lowest that pdref has free for `producer`), or
+        None. `hit` (v4): the decoder's cached pages that hold [0, prefix)."""
         slot = None
         if self.kv_landing.keeps_state:
             slot = self._check("free_state_slot", producer, audited=True)
-        pages = self._check("reserve", self.now(), req, prompt, prefix, producer, slot)
-        self.kv_landing.open(req, pages, prompt, prefix)
+        pages = self._check("reserve", self.now(), req, prompt, prefix, producer, slot, hit)
+        self.slabs[req] = pages
+        self.kv_landing.open(req, pages, prompt, prefix, hit or ())
         self.peak_pages = max(self.peak_pages, self.used_pages)
         return slot
 
@@ -213,11 +222,17 @@ class Ledger:
 
     def release(self, req: str) -> None:
         self._emit(ev.Release, req)
-        self.kv_landing.forget(req)
+        self._ended(req)
 
     def abort(self, req: str, reason: str) -> None:
         self._emit(ev.Abort, req, reason)
+        self._ended(req)
+
+    def _ended(self, req: str) -> None:
         self.kv_landing.forget(req)
+        self.slabs.pop(req, None)
+        if self.on_end is not None:
+            self.on_end(req)
 
     def stage(self, req: str, name: str, start: float, end: float, span=None, resource=None,
               batch: int | None = None, kv_tokens: int | None = None):

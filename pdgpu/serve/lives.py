@@ -38,6 +38,7 @@ class Life:
     req: str
     producer: int  # rank
     suffix: int  # prompt - prefix tokens this life's producer prefills
+    prefix: int = 0  # the tokens its reserve covers already (the fixed prefix, or a cache hit)
     failed: str | None = None  # the first failure; the life is never admitted
     ended: bool = False  # aborted in pdref (failed after its writer stopped, or cancelled)
     stopped: bool = False  # the producer confirmed it sends nothing more for this life

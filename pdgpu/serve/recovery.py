@@ -44,9 +44,9 @@ def expected_steps(header, request, prefix: int) -> int:
 
 
 class Recovery:
-    def __init__(self, ledger, members, policy, prefix: int, tracked: dict[str, Tracked],
+    def __init__(self, ledger, members, policy, tracked: dict[str, Tracked],
                  waiting: deque, lives: dict[str, Life], finish, leave_batch) -> None:
-        self.ledger, self.members, self.policy, self.prefix = ledger, members, policy, prefix
+        self.ledger, self.members, self.policy = ledger, members, policy
         self.tracked, self.waiting, self.lives = tracked, waiting, lives  # the decoder's
         self.finish, self.leave_batch = finish, leave_batch  # Decoder._finish, _leave_batch
         self.deadlines: dict[int, tuple[float, Life]] = {}  # span -> (deadline, its life)
@@ -150,7 +150,7 @@ class Recovery:
         """A failed life whose writers all stopped: source back, abort, retry or fail."""
         t = self.tracked[life.req]
         if source_held:
-            self.ledger.reuse(t.req, (self.prefix, t.request.prompt))
+            self.ledger.reuse(t.req, (life.prefix, t.request.prompt))
         self._abort_life(life, life.failed)
         t.life = None
         if t.attempts >= self.policy.max_attempts:
