@@ -10,6 +10,7 @@ from import_helpers import import_graph
 
 import pdgpu
 from pdgpu.serve.decoder import Decoder
+from pdgpu.serve.decoder_prefix import DecoderPrefix
 from pdgpu.serve.landing import KVLanding
 from pdgpu.serve.ledger import Ledger
 from pdgpu.serve.postprocess import Postprocess
@@ -50,9 +51,9 @@ def _attributes_read_but_not_owned(cls) -> set[str]:
 
 
 def test_each_part_of_the_decoder_reads_only_what_it_owns_or_is_given():
-    """Recovery, the KV landing, the ledger, the postprocess and the decoder loop each read
-    no attribute that another class creates on them (recovery.py once read what
+    """Recovery, the KV landing, the ledger, the postprocess, the decoder's prefix cache and
+    the decoder loop each read no attribute that another class creates on them (recovery.py once read what
     decoder.py's __init__ made)."""
-    for cls in (Recovery, KVLanding, Ledger, Decoder, Postprocess):
+    for cls in (Recovery, KVLanding, Ledger, Decoder, Postprocess, DecoderPrefix):
         assert _attributes_read_but_not_owned(cls) == set(), cls.__name__
     assert Recovery not in Decoder.__mro__

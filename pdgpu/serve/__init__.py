@@ -20,6 +20,8 @@ Modules (one concept each):
              bytes written and checked, where an admitted context lies
   decoder    schedule -> run -> postprocess, the continuous decode batch, admission
   postprocess  the decoder's part turning every producer message into its pdref event
+  decoder_prefix  the decoder's automatic prefix cache over its pool (--prefix-cache):
+             hits at reserve, pages cached after admission, idle pages evicted LRU
   recovery   the decoder's part for faults: failed lives, cancels, deadlines, lost producers
   launch     processes, handshake, shutdown
   command    what `pdgpu serve` and `--http` share: checks, the run, its outputs

@@ -115,10 +115,13 @@ def _serve_args(p) -> None:
     p.add_argument("--prefix", type=_int(0), default=0, help="shared prompt prefix tokens")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
                    help="each producer caches whole pages of the prompts it computed and skips "
-                   "computing them for a later request with the same leading tokens (default: "
+                   "computing them for a later request with the same leading tokens, and the "
+                   "decoder keeps whole pages of its pool that need not cross again (default: "
                    "off; not with --prefix or a model with linear layers)")
     p.add_argument("--prefix-cache-pages", type=_int(1), metavar="N", help="each producer's "
                    "cache budget in pages (default: four of the longest prompt's pages)")
+    p.add_argument("--decoder-cache-pages", type=_int(1), metavar="N", help="the decoder's "
+                   "cache budget in pages of its pool (default: the pool's pages)")
     p.add_argument("--prompts", help='JSONL: {"req", "tokens", "output_tokens"} per line')
     p.add_argument("--results", help="write one JSON line per request here")
     p.add_argument("--trace", help="write the run's version-2 trace here")

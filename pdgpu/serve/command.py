@@ -139,23 +139,26 @@ def serve_config(args, workload: Workload, faults: FaultSpec) -> ServeConfig:
     spec_pages = -(-max(r.prompt for r in workload.requests) // args.page_tokens)
     prefix_pages = workload.prefix // args.page_tokens
     cache_pages = prefix_cache_pages(args, spec_pages)
+    pool_pages = _pool_pages(args, workload)
     return ServeConfig(
         model=str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model,
         mode=args.mode, seed=args.seed, dtype=args.dtype, chunk=args.chunk,
         max_pending=args.max_pending, page_tokens=args.page_tokens,
-        pool_pages=_pool_pages(args, workload), link_gbps=args.link_gbps, verify=args.verify,
+        pool_pages=pool_pages, link_gbps=args.link_gbps, verify=args.verify,
         debug=args.debug, prefix_tokens=workload.prefix_tokens,
         source_pages=prefix_pages + 2 * (spec_pages - prefix_pages) + cache_pages,
         threads=args.threads, faults=faults, beat_s=args.heartbeat_timeout / 4,
-        cuda_graphs=args.cuda_graphs, prefix_cache_pages=cache_pages)
+        cuda_graphs=args.cuda_graphs, prefix_cache_pages=cache_pages,
+        decoder_cache_pages=(args.decoder_cache_pages or pool_pages) if cache_pages else 0)
 
 
 def prefix_cache_pages(args, spec_pages: int) -> int:
     """Each producer's prefix-cache budget (0: off), checked: a WorkloadError names what
     makes no sense with it."""
     if not args.prefix_cache:
-        if args.prefix_cache_pages is not None:
-            raise WorkloadError("prefix-cache-pages: needs --prefix-cache")
+        for flag in ("prefix_cache_pages", "decoder_cache_pages"):
+            if getattr(args, flag) is not None:
+                raise WorkloadError(f"{flag.replace('_', '-')}: needs --prefix-cache")
         return 0
     if args.prefix:
         raise WorkloadError("prefix-cache: refused with --prefix (the cache finds shared "

@@ -46,6 +46,7 @@ class ServeConfig:
     beat_s: float = 1.0  # a producer sends a heartbeat this often
     cuda_graphs: str = "auto"  # the decoder's step: auto, on, off (decode_graph.py)
     prefix_cache_pages: int = 0  # each producer's automatic prefix cache (0: off)
+    decoder_cache_pages: int = 0  # the decoder's, in pages of its pool (0: off)
 
     @property
     def prefix(self) -> int:

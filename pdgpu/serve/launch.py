@@ -34,6 +34,7 @@ from pdgpu.prefill import prefix_kv
 from pdgpu.serve import clock
 from pdgpu.serve.config import Capabilities, ServeConfig, refusal
 from pdgpu.serve.decoder import Decoder, ServeError
+from pdgpu.serve.decoder_prefix import DecoderPrefix
 from pdgpu.serve.devices import use_device
 from pdgpu.serve.faults import FaultPolicy
 from pdgpu.serve.ledger import Ledger
@@ -174,6 +175,7 @@ def _header(config: ServeConfig, spec, producers: int, lanes: dict[int, str],
         extra["link_gbps"] = config.link_gbps
     if config.prefix_cache_pages:
         extra["prefix_cache_pages"] = config.prefix_cache_pages
+        extra["decoder_cache_pages"] = config.decoder_cache_pages
     geometry = handoff_geometry(spec, config.page_tokens)
     version = {"version": ev.CACHE_VERSION} if config.prefix_cache_pages else {}
     return ev.Header("pdgpu serve", config.mode, geometry, config.pool_pages,
@@ -230,6 +232,13 @@ def prefix_cache(model, config: ServeConfig) -> torch.Tensor:
     return prefix_kv(model, config.prefix_tokens, config.chunk, config.page_tokens)
 
 
+def decoder_prefix(ledger: Ledger, config: ServeConfig) -> DecoderPrefix | None:
+    """The decoder's automatic prefix cache over its pool (`--prefix-cache`), or None."""
+    if not config.decoder_cache_pages:
+        return None
+    return DecoderPrefix(ledger, config.chunk, config.decoder_cache_pages)
+
+
 def connect_producers(transport, producers: int, alive=lambda: None) -> None:
     """The first links, one per producer rank (generation 0)."""
     for rank in range(1, producers + 1):
@@ -272,7 +281,8 @@ def _run_decoder(transport, config: ServeConfig, workload: Workload, policy: Fau
                       processes, policy.restart_producers, device)
     run.decoder = Decoder(run.ledger, model, workload, members, policy,
                           config.faults, config.verify, progress, eos=eos, inbox=run.frontend,
-                          forward=decode_forward(config.cuda_graphs, device))
+                          forward=decode_forward(config.cuda_graphs, device),
+                          prefix_cache=decoder_prefix(run.ledger, config))
     if run.results is not None:
         run.decoder.on_end = run.results.add
     start = time.perf_counter()

@@ -1,0 +1,138 @@
+"""pdgpu serve's decoder-side prefix cache (`--prefix-cache`, contract v4): a request whose
+leading whole chunks the decoder's pool holds reserves them as its `hit`, only the rest of
+its prompt crosses, its tokens stay those of `generate` without any cache, the trace is
+legal (pdref check, version 4) and ends with every page free, under faults too."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+from serve_helpers import (
+    drawn_prompts,
+    events_of,
+    reference,
+    serve,
+    trace_ok,
+    write_sensitive_checkpoint,
+)
+
+from pdgpu.handoff import handoff_geometry
+from pdgpu.serve.models import model_spec
+
+CHUNK, PAGE = 16, 8
+SHARED = 48  # a system prompt every drawn prompt starts with
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(write_sensitive_checkpoint(tmp_path_factory.mktemp("ckpt") / "sensitive"))
+
+
+@functools.cache
+def _reference(model: str, tokens: tuple[int, ...], out: int) -> list[int]:
+    return reference(model, tokens, out, CHUNK, 0)
+
+
+def _prompts(path, count: int, out: int) -> list[dict]:
+    """Prompts sharing SHARED leading tokens; every third one repeats an earlier prompt."""
+    lines = drawn_prompts(path, count, [70, 90, 50, 81], 256, SHARED, out)
+    for i in range(2, count, 3):
+        lines[i] = {**lines[i - 2], "req": f"q{i}"}
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return lines
+
+
+def _serve(tmp_path, capsys, checkpoint, lines, *args):
+    code, results, trace = serve(
+        tmp_path, "--model", checkpoint, "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
+        str(CHUNK), "--page-tokens", str(PAGE), "--json", *args)
+    summary = json.loads(capsys.readouterr().out)
+    trace_ok(trace)
+    assert summary["leaked_pages"] == 0
+    return code, results, trace, summary
+
+
+def _assert_tokens(checkpoint, lines, results, out: int) -> None:
+    for line, r in zip(lines, results, strict=True):
+        if r["status"] == "ok":
+            assert r["output"] == _reference(checkpoint, tuple(line["tokens"]), out), r["req"]
+
+
+def _decoder_hits(trace) -> list[dict]:
+    return [e for e in events_of(trace, "reserve") if e.get("hit")]
+
+
+def _kv_bytes(checkpoint: str, tokens: int) -> int:
+    """Bytes of `tokens` tokens of every layer (a dense model: what a span of them carries)."""
+    geometry = handoff_geometry(model_spec(checkpoint, None), PAGE)
+    return tokens * geometry.layers * geometry.bytes_per_token_layer
+
+
+@pytest.mark.parametrize(("mode", "producers"), [("chunk", 1), ("whole", 2), ("layer", 1)])
+def test_decoder_hits_keep_tokens_and_only_the_rest_crosses(tmp_path, capsys, checkpoint,
+                                                            mode, producers):
+    """A shared system prompt and repeated prompts: later requests hit the decoder's cached
+    whole chunks (at least one prompt token left to compute), every token equals generate's
+    without a cache, and the spans carry exactly each life's [prefix, prompt): the hits'
+    bytes never cross."""
+    lines = _prompts(tmp_path / "p.jsonl", 7, 4)
+    code, results, trace, _ = _serve(tmp_path, capsys, checkpoint, lines, "--mode", mode,
+                                     "--producers", str(producers), "--concurrency", "2",
+                                     "--prefix-cache")
+    assert code == 0 and json.loads(trace[0])["version"] == 4
+    _assert_tokens(checkpoint, lines, results, 4)
+    hits = _decoder_hits(trace)
+    assert len(hits) >= 3 and all(e["prefix"] % CHUNK == 0 for e in hits)
+    assert all(e["prefix"] < e["prompt"] and len(e["hit"]) * PAGE == e["prefix"] for e in hits)
+    repeated = {e["req"]: e["prefix"] for e in hits}
+    assert repeated.get("q2", 0) >= SHARED  # a repeated prompt hits past the system prompt
+    crossed = sum(e["bytes"] for e in events_of(trace, "issue"))
+    reserves = events_of(trace, "reserve")
+    assert crossed == _kv_bytes(checkpoint, sum(e["prompt"] - e["prefix"] for e in reserves))
+    assert crossed < _kv_bytes(checkpoint, sum(len(x["tokens"]) for x in lines))
+    assert events_of(trace, "cache") and events_of(trace, "evict")  # drained at the end
+
+
+def test_a_small_pool_evicts_idle_pages_and_serves_on(tmp_path, capsys, checkpoint):
+    """A pool of 24 pages and a decoder budget of 8: idle cached pages are evicted for slabs
+    and for new pages, least recently used first; tokens unchanged, the trace legal."""
+    lines = _prompts(tmp_path / "p.jsonl", 8, 3)
+    code, results, trace, _ = _serve(tmp_path, capsys, checkpoint, lines, "--prefix-cache",
+                                     "--pool-pages", "24", "--decoder-cache-pages", "8",
+                                     "--concurrency", "2")
+    assert code == 0
+    _assert_tokens(checkpoint, lines, results, 3)
+    decoder = [e for e in events_of(trace, "evict") if e.get("producer") is None]
+    assert len(decoder) >= 2 and _decoder_hits(trace)
+
+
+def test_faults_never_cache_a_page_with_wrong_bytes(tmp_path, capsys, checkpoint):
+    """Failed, corrupted (`--verify`) and cancelled spans and a killed, restarted producer:
+    the decoder caches only pages of admitted lives (never one with a failed span), later
+    hits on them decode generate's tokens, the trace is legal and no page is left."""
+    lines = _prompts(tmp_path / "p.jsonl", 18, 3)
+    code, results, trace, summary = _serve(
+        tmp_path, capsys, checkpoint, lines, "--prefix-cache", "--producers", "2",
+        "--concurrency", "3", "--fail-rate", "0.1", "--corrupt-rate", "0.1", "--cancel-rate",
+        "0.05", "--kill-producer", "0@0.3", "--restart-producers", "--link-gbps", "0.001",
+        "--verify")
+    assert events_of(trace, "fail") and summary["producer_restarts"] == 1
+    _assert_tokens(checkpoint, lines, results, 3)
+    assert _decoder_hits(trace)
+    events = [json.loads(x) for x in trace[1:]]
+    for i, e in enumerate(events):
+        if e["kind"] == "cache" and e.get("producer") is None:
+            life = [x["kind"] for x in events[:i] if x.get("req") == e["req"]]
+            since = life[len(life) - 1 - life[::-1].index("reserve"):]
+            assert "admit" in since and "fail" not in since, e
+    assert code == (1 if summary["failed"] else 0)
+
+
+def test_decoder_cache_pages_needs_the_cache(tmp_path, capsys):
+    """--decoder-cache-pages without --prefix-cache: one line, exit 2."""
+    from pdgpu.cli import main
+    assert main(["serve", "--requests", "2", "--no-progress", "--decoder-cache-pages", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "decoder-cache-pages: needs --prefix-cache" in err and "Traceback" not in err
