@@ -52,8 +52,8 @@ def _attributes_read_but_not_owned(cls) -> set[str]:
 
 def test_each_part_of_the_decoder_reads_only_what_it_owns_or_is_given():
     """Recovery, the KV landing, the ledger, the postprocess, the decoder's prefix cache and
-    the decoder loop each read no attribute that another class creates on them (recovery.py once read what
-    decoder.py's __init__ made)."""
+    the decoder loop each read no attribute that another class creates on them (recovery.py
+    once read what decoder.py's __init__ made)."""
     for cls in (Recovery, KVLanding, Ledger, Decoder, Postprocess, DecoderPrefix):
         assert _attributes_read_but_not_owned(cls) == set(), cls.__name__
     assert Recovery not in Decoder.__mro__
