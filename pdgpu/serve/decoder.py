@@ -207,6 +207,7 @@ class Decoder:
         if self.prefix_cache is not None:  # its slab's new whole pages, for later requests
             self.prefix_cache.publish(t.req, t.request.tokens, life.prefix,
                                       self.ledger.slabs[t.req])
+            t.decoder_hit = life.prefix
         t.slot = self.sampler.open(t.request.sampling, t.request.tokens, [life.token])
         t.output = [life.token]
         t.logprobs = [] if life.logprob is None else [life.logprob]

@@ -82,6 +82,7 @@ class Tracked:
     reserved_t: float | None = None  # its current life's slab reserved (run clock)
     admitted_t: float | None = None  # admitted into the decode batch (run clock)
     producer_hit: int = 0  # its producing life's `producer_hit`: prompt tokens not computed
+    decoder_hit: int = 0  # its admitted life's hit in the decoder's cache: tokens not crossed
 
     @property
     def req(self) -> str:
