@@ -157,7 +157,7 @@ def prefix_cache_pages(args, spec_pages: int) -> int:
     makes no sense with it."""
     if not args.prefix_cache:
         for flag in ("prefix_cache_pages", "decoder_cache_pages"):
-            if getattr(args, flag) is not None:
+            if getattr(args, flag, None) is not None:  # (generate has no decoder)
                 raise WorkloadError(f"{flag.replace('_', '-')}: needs --prefix-cache")
         return 0
     if args.prefix:
