@@ -64,25 +64,29 @@ def _decoder_hits(trace) -> list[dict]:
     return [e for e in events_of(trace, "reserve") if e.get("hit")]
 
 
-def _kv_bytes(checkpoint: str, tokens: int) -> int:
-    """Bytes of `tokens` tokens of every layer (a dense model: what a span of them carries)."""
-    geometry = handoff_geometry(model_spec(checkpoint, None), PAGE)
-    return tokens * geometry.layers * geometry.bytes_per_token_layer
+def _kv_bytes(model: str, prompt: int, prefix: int) -> int:
+    """What the spans of a life over [prefix, prompt) carry (a sliding layer: its window)."""
+    geometry = handoff_geometry(model_spec(model, None), PAGE)
+    return geometry.span_bytes((0, geometry.layers), (prefix, prompt), prompt, prefix)
 
 
-@pytest.mark.parametrize(("mode", "producers"), [("chunk", 1), ("whole", 2), ("layer", 1)])
+@pytest.mark.parametrize(("model", "mode", "producers"),
+                         [("sensitive", "chunk", 1), ("sensitive", "whole", 2),
+                          ("sensitive", "layer", 1), ("tiny-gemma3", "chunk", 1),
+                          ("tiny-gemma3", "layer", 2)])
 def test_decoder_hits_keep_tokens_and_only_the_rest_crosses(tmp_path, capsys, checkpoint,
-                                                            mode, producers):
+                                                            model, mode, producers):
     """A shared system prompt and repeated prompts: later requests hit the decoder's cached
-    whole chunks (at least one prompt token left to compute), every token equals generate's
-    without a cache, and the spans carry exactly each life's [prefix, prompt): the hits'
-    bytes never cross."""
+    whole chunks (at least one prompt token left to compute; Gemma 3: no page without its
+    sliding KV that their windows need), every token equals generate's without a cache, and
+    the spans carry exactly each life's [prefix, prompt): the hits' bytes never cross."""
+    model = checkpoint if model == "sensitive" else model
     lines = _prompts(tmp_path / "p.jsonl", 7, 4)
-    code, results, trace, _ = _serve(tmp_path, capsys, checkpoint, lines, "--mode", mode,
+    code, results, trace, _ = _serve(tmp_path, capsys, model, lines, "--mode", mode,
                                      "--producers", str(producers), "--concurrency", "2",
                                      "--prefix-cache")
     assert code == 0 and json.loads(trace[0])["version"] == 4
-    _assert_tokens(checkpoint, lines, results, 4)
+    _assert_tokens(model, lines, results, 4)
     hits = _decoder_hits(trace)
     assert len(hits) >= 3 and all(e["prefix"] % CHUNK == 0 for e in hits)
     assert all(e["prefix"] < e["prompt"] and len(e["hit"]) * PAGE == e["prefix"] for e in hits)
@@ -90,8 +94,8 @@ def test_decoder_hits_keep_tokens_and_only_the_rest_crosses(tmp_path, capsys, ch
     assert repeated.get("q2", 0) >= SHARED  # a repeated prompt hits past the system prompt
     crossed = sum(e["bytes"] for e in events_of(trace, "issue"))
     reserves = events_of(trace, "reserve")
-    assert crossed == _kv_bytes(checkpoint, sum(e["prompt"] - e["prefix"] for e in reserves))
-    assert crossed < _kv_bytes(checkpoint, sum(len(x["tokens"]) for x in lines))
+    assert crossed == sum(_kv_bytes(model, e["prompt"], e["prefix"]) for e in reserves)
+    assert crossed < sum(_kv_bytes(model, len(x["tokens"]), 0) for x in lines)
     assert events_of(trace, "cache") and events_of(trace, "evict")  # drained at the end
 
 

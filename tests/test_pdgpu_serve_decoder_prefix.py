@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from pdgpu.handoff import kv_groups
 from pdgpu.serve.decoder_prefix import DecoderPrefix
 from pdgpu.serve.digest import row_digests
 from pdgpu.serve.ledger import Ledger
@@ -17,39 +18,50 @@ from pdgpu.serve.tracelog import TraceLog
 from pdref import events as ev
 from pdref.check import check_lines
 from pdref.geometry import Geometry
+from pdref.kinds import LayerKind
 
 GEO = Geometry(layers=2, kv_heads=2, head_dim=4, dtype_bytes=4, page_tokens=4)
+# a sliding layer (window 6) then a full one, as Gemma 3's
+SLIDING = Geometry(2, 2, 4, 4, 4, False, (LayerKind("sliding", 6), LayerKind("full")))
 CHUNK = 4
+
+
+def _ledger(tmp_path, geometry: Geometry, pages: int) -> Ledger:
+    header = ev.Header("test", "chunk", geometry, pages, 4, version=ev.CACHE_VERSION)
+    return Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"))
 
 
 @pytest.fixture
 def ledger(tmp_path):
     """A version 4 ledger over a 6-page pool (its audit stopped at teardown)."""
-    header = ev.Header("test", "chunk", GEO, 6, 4, version=ev.CACHE_VERSION)
-    made = Ledger(header, "cpu", torch.float32, TraceLog(header, tmp_path / "t.jsonl"))
+    made = _ledger(tmp_path, GEO, 6)
     yield made
     made.stop()
 
 
 def _serve_one(ledger: Ledger, cache: DecoderPrefix, req: str, tokens: list[int]) -> dict:
-    """Reserve (with the cache's hit), land its suffix in one span, admit and publish; the
-    hit, the prefix and the context's bytes [L, 2, prompt, KVH, D]."""
-    prompt = len(tokens)
+    """Reserve (with the cache's hit), land its suffix in one span (a sliding layer's
+    window only), admit and publish; the hit, the prefix, the landed groups' K/V and the
+    context's bytes [L, 2, prompt, KVH, D]."""
+    geo, prompt = ledger.geometry, len(tokens)
     hit = cache.lookup(tokens)
-    prefix = len(hit) * GEO.page_tokens
-    assert cache.room(req, GEO.pages_for(prompt - prefix), hit)
+    prefix = len(hit) * geo.page_tokens
+    assert cache.room(req, geo.pages_for(prompt - prefix), hit)
     ledger.reserve(req, prompt, prefix, "p1", hit or None)
     cache.reserved(req, prompt, hit)
     ledger.computed(req, (0, 2), (prefix, prompt))
     span = ledger.issue(req, (0, 2), (prefix, prompt),
-                        GEO.region_bytes((0, 2), (prefix, prompt)))
-    kv = torch.randn(2, 2, prompt - prefix, 2, 4)  # [nl, 2, nt, KVH, D]
-    assert ledger.land(req, span, kv, row_digests(kv)) is None
+                        geo.span_bytes((0, 2), (prefix, prompt), prompt, prefix))
+    payload = []
+    for (l0, l1), (a, b) in kv_groups(geo, (0, 2), (prefix, prompt), prompt, prefix):
+        kv = torch.randn(l1 - l0, 2, b - a, 2, 4)  # [nl, 2, nt, KVH, D]
+        payload += [kv, row_digests(kv)]
+    assert ledger.land(req, span, *payload) is None
     ledger.produced(req, 1)
     ledger.reuse(req, (prefix, prompt))
     context = ledger.admit(req)
     cache.publish(req, tokens, prefix, ledger.slabs[req])
-    return {"hit": hit, "prefix": prefix, "suffix": kv,
+    return {"hit": hit, "prefix": prefix, "suffix": payload[0],
             "context": context.kv.index_select(2, context.slots)}
 
 
@@ -122,3 +134,25 @@ def test_publishing_keeps_within_the_budget(ledger):
     assert len(cache.index) == 2
     ledger.release("b")
     _trace_ok(ledger)
+
+
+def test_a_page_below_a_sliding_window_serves_only_a_later_window(tmp_path):
+    """a (20 tokens, window 6) caches [0, 12) without its sliding layer's KV (its slab holds
+    that layer's [12, 20) only): b (14 tokens, window from 8) hits [0, 8) only, c (32 tokens,
+    window from 24) all of [0, 12); both legal under CACHE-1, their full layer's rows a's."""
+    ledger = _ledger(tmp_path, SLIDING, 16)
+    try:
+        cache = DecoderPrefix(ledger, CHUNK, budget=16)
+        first = _serve_one(ledger, cache, "a", list(range(20)))
+        ledger.release("a")
+        short = _serve_one(ledger, cache, "b", list(range(12)) + [90, 91])
+        long = _serve_one(ledger, cache, "c", list(range(12)) + list(range(100, 120)))
+        assert (short["prefix"], long["prefix"]) == (8, 12)
+        full = first["context"][1]  # [2, 20, KVH, D]: the full layer
+        assert torch.equal(long["context"][1, :, :12], full[:, :12])
+        ledger.release("b")
+        ledger.release("c")
+        cache.drain()
+        _trace_ok(ledger)
+    finally:
+        ledger.stop()

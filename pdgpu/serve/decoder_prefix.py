@@ -17,6 +17,9 @@ first (refused: nothing changed):
   within the budget (idle pages evicted to make room); only pages inside the request's whole
   chunks (a partial last chunk is computed as a shorter GEMM, whose rows need not be the
   bits a later request's whole chunk gives them);
+- sliding layers (Gemma 3): a slab holds a sliding layer's KV only inside its window, so a
+  page below the window is cached without it (pdref's `CachedPage.sliding` false) and a
+  lookup stops at the first such page that a request's own windows reach into (CACHE-1);
 - `let_go`: a life that ended (released or aborted) no longer holds its pages;
 - `drain`: at the end of the run every cached page is evicted, so the trace ends with every
   page of the pool free.
@@ -40,6 +43,8 @@ class DecoderPrefix:
         self.ledger, self.chunk = ledger, chunk
         self.page_tokens = ledger.geometry.page_tokens
         self.index = PrefixIndex(self.page_tokens, budget)
+        self.layout = ledger.geometry.layout  # sliding windows: what a slab page holds
+        self.no_sliding: set[int] = set()  # cached pages without the sliding layers' KV
         self.held: dict[str, list[int]] = {}  # req -> pages its live life holds
         ledger.on_end = self.let_go  # a life's release or abort lets go of its pages
         # prompt tokens looked up at reserve, and found cached (vLLM's counters)
@@ -49,8 +54,17 @@ class DecoderPrefix:
         """The cached pages of `tokens`' leading whole chunks (see the module docstring),
         in token order; held by nobody yet."""
         found = self.index.lookup(tokens, limit=len(tokens) - 1)
-        skip = skip_tokens(len(found), self.page_tokens, self.chunk, len(tokens))
+        need = min(self._window_starts(len(tokens), 0), default=None)
+        usable = next((k for k, page in enumerate(found) if page in self.no_sliding
+                       and (k + 1) * self.page_tokens > need), len(found))
+        skip = skip_tokens(usable, self.page_tokens, self.chunk, len(tokens))
         return found[:skip // self.page_tokens]
+
+    def _window_starts(self, prompt: int, prefix: int) -> list[int]:
+        """Where each sliding layer's window starts (pdref's); [] without sliding layers."""
+        if self.layout is None:
+            return []
+        return self.layout.window_starts(prompt, prefix, self.page_tokens)
 
     def room(self, req: str, pages: int, keep: Sequence[int]) -> bool:
         """Evict idle cached pages, least recently used first and none of `keep`, until the
@@ -66,6 +80,7 @@ class DecoderPrefix:
         if pages:
             self.ledger.evict(req, pages)
             self.index.evict(len(pages), keep)  # the same pages: the same LRU order
+            self.no_sliding.difference_update(pages)
 
     def reserved(self, req: str, prompt: int, hit: tuple[int, ...]) -> None:
         """`req`'s reserve named `hit`: it holds those pages until its life ends."""
@@ -80,12 +95,15 @@ class DecoderPrefix:
         pages inside whole chunks that the index lacks go in, within the budget."""
         pt = self.page_tokens
         end = len(tokens) // self.chunk * self.chunk // pt * pt
+        # the slab holds every sliding layer's KV from the latest window start on
+        sliding_from = max(self._window_starts(len(tokens), prefix), default=prefix)
         for a, b in self.index.missing(tokens, prefix, end) if end > prefix else ():
             fit = self._fit((b - a) // pt, req)
             if fit:
                 pages = tuple(slab[(a - prefix) // pt:(a - prefix) // pt + fit])
                 self.ledger.cache(req, (a, a + fit * pt), pages)
                 self.index.insert(tokens, (a, a + fit * pt), pages)
+                self.no_sliding.update(p for i, p in enumerate(pages) if a + i * pt < sliding_from)
                 self.held[req] += pages
 
     def _fit(self, want: int, req: str) -> int:
