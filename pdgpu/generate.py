@@ -96,27 +96,31 @@ def generate_cached(model: Transformer, prompts: list[list[int]], output_tokens:
     `cache_pages` pages (source_prefix.py: the serving producer's), `output_tokens` each
     (or fewer, at `eos`): (each prompt's output
     tokens, which the cache must not change, and the prompt tokens computed in all)."""
-    if model.state_shape is not None:
-        raise ValueError("prefix-cache: refused for a model with linear layers (the cache "
-                         "keeps no state snapshots)")
     device = model.inv_freq.device
     geometry = kv_geometry(handoff_geometry(model.spec, page_tokens))
     longest = max(geometry.pages_for(len(p)) for p in prompts)
     source = SourceCache(geometry, cache_pages + longest, device,
-                         model.model.embed_tokens.weight.dtype)
+                         model.model.embed_tokens.weight.dtype, model.state_shape)
     cache = SourcePrefix(source, cache_pages, chunk)
     outputs, computed = [], 0
     for tokens, out in zip(prompts, output_tokens, strict=True):
         held, _ = cache.open(len(tokens), cache.lookup(tokens))
-        kv = source.view(token_slots(held.pages, page_tokens, len(tokens), device), held.pages)
+        slot = None if source.states is None else source.states.take()  # zeroed
+        kv = source.view(token_slots(held.pages, page_tokens, len(tokens), device), held.pages,
+                         slot)
         load_hit(kv, held.skip)
+        if cache.snapshot(held) is not None:  # a hybrid's state at the hit's end
+            source.states.write(slot, *cache.snapshot(held))
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)  # [prompt]
         prefill = Prefill(model, ids, held.skip, chunk, kv)
         for step in plan_chunks(len(tokens), held.skip, chunk):
             prefill.chunk(step)
+            cache.took_state(held, step[1], kv.read_state)
         computed += len(tokens) - held.skip
         cache.keep(tokens, held, held.skip)
         cache.confirm(held, recorded=True)
         outputs.append(_decode(model, kv, prefill.last, tokens, out, eos, sampling, forward))
         cache.release(held)
+        if slot is not None:
+            source.states.give_back(slot)
     return outputs, computed

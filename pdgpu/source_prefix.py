@@ -59,6 +59,7 @@ class Held:
     skip: int  # the tokens of its hit: [0, skip) is not computed
     cached: list[int] = attrs.Factory(list)
     own: list[int] = attrs.Factory(list)
+    states: dict = attrs.Factory(dict)  # (linear layers) page -> its end's state, until `keep`
 
 
 @attrs.frozen
@@ -77,6 +78,11 @@ class SourcePrefix:
         self.page_tokens = source.geometry.page_tokens
         self.index = PrefixIndex(self.page_tokens, budget)
         self.unconfirmed: set[int] = set()
+        # (a model with linear layers) page -> the state after its last token: a hit ends
+        # only at such a page, whose snapshot is then loaded into the request's state slot
+        self.keeps_state = source.states is not None
+        self.snapshots: dict[int, tuple] = {}
+        self.step = math.lcm(chunk, self.page_tokens)  # where a hit may end
 
     def ids(self, pages) -> tuple:
         """The trace's ids of pool pages."""
@@ -91,9 +97,30 @@ class SourcePrefix:
         prefill skip."""
         found = self.index.lookup(tokens, limit=len(tokens) - 1)
         usable = next((i for i, p in enumerate(found) if p in self.unconfirmed), len(found))
-        skip = skip_tokens(usable, self.page_tokens, self.chunk, len(tokens))
-        longer = skip_tokens(len(found), self.page_tokens, self.chunk, len(tokens))
+        skip = self._skip(found, usable, len(tokens))
+        longer = self._skip(found, len(found), len(tokens))
         return Hit(found[:skip // self.page_tokens], waiting=longer > skip)
+
+    def _skip(self, found: tuple, usable: int, prompt: int) -> int:
+        """The tokens the first `usable` pages of a hit let the prefill skip; with linear
+        layers only up to a page that keeps its end's state."""
+        skip = skip_tokens(usable, self.page_tokens, self.chunk, prompt)
+        while self.keeps_state and skip and found[skip // self.page_tokens - 1] \
+                not in self.snapshots:
+            skip -= self.step
+        return skip
+
+    def took_state(self, held: Held, end: int, read) -> None:
+        """(linear layers) After the chunk that ends at token `end`: `read()` (the request's
+        state then) is kept for the page ending there, if a hit may end there."""
+        if self.keeps_state and end % self.step == 0 and end > held.skip:
+            held.states[held.pages[end // self.page_tokens - 1]] = read()
+
+    def snapshot(self, held: Held) -> tuple | None:
+        """(linear layers) The state at the end of the request's hit, to load; else None."""
+        if not (self.keeps_state and held.skip):
+            return None
+        return self.snapshots[held.pages[held.skip // self.page_tokens - 1]]
 
     def can_open(self, prompt: int, hit: Hit) -> bool:
         """Whether the pool has, or can free by eviction, the pages the rest needs."""
@@ -116,6 +143,8 @@ class SourcePrefix:
     def _evict(self, pages) -> tuple:
         """Evicted pages back to the pool; their ids."""
         self.source.pool = self.source.pool.give_back(tuple(pages))
+        for page in pages:
+            self.snapshots.pop(page, None)
         return self.ids(pages)
 
     def keep(self, tokens: list[int], held: Held, start: int) -> Kept:
@@ -132,7 +161,9 @@ class SourcePrefix:
             self.unconfirmed.update(pages)
             held.cached += pages
             held.own = [p for p in held.own if p not in pages]
+            self.snapshots.update((p, held.states[p]) for p in pages if p in held.states)
             runs.append(((a, a + fit * pt), self.ids(pages)))
+        held.states.clear()
         return Kept(tuple(runs), evicted)
 
     def confirm(self, held: Held, recorded: bool) -> None:
@@ -142,6 +173,8 @@ class SourcePrefix:
         self.unconfirmed.difference_update(pages)
         if not recorded:
             self.index.withdraw(pages)
+            for page in pages:
+                self.snapshots.pop(page, None)
             held.cached = [p for p in held.cached if p not in pages]
             held.own += pages
 

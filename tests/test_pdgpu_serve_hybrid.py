@@ -405,12 +405,14 @@ def test_the_served_bytes_bench_counts_each_kind(capsys):
     assert rows["gemma3 dense twin"]["ratio"] == 1.0 and rows["gemma3"]["ratio"] < 0.9
 
 
-@pytest.mark.parametrize("mode", ["chunk", "layer"])
-def test_gemma3_with_the_producer_prefix_cache_keeps_tokens(tmp_path, models, mode):
-    """--prefix-cache on Gemma 3 (sliding windows, no linear layer): prompts sharing 96
-    tokens, one repeated, skip their cached chunks; tokens equal generate's without the
-    cache; a legal version 4 trace whose spans carry the windows' bytes."""
-    folder = models("gemma3")
+@pytest.mark.parametrize(("family", "mode"), [("gemma3", "chunk"), ("gemma3", "layer"),
+                                            ("qwen3_5", "chunk"), ("qwen3_5", "whole")])
+def test_hybrids_with_the_producer_prefix_cache_keep_tokens(tmp_path, models, family, mode):
+    """--prefix-cache on Gemma 3 (sliding windows) and Qwen3.5 (linear layers: a hit loads
+    the state kept at its end): prompts sharing 96 tokens, one repeated, skip their cached
+    chunks; tokens equal generate's without the cache; a legal version 4 trace whose spans
+    carry the contract's bytes (windows, states)."""
+    folder = models(family)
     prompts = drawn_prompts(tmp_path / "p.jsonl", 3, [150, 200, 110], 256, 96, 5)
     prompts.append({**prompts[1], "req": "again"})
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in prompts))

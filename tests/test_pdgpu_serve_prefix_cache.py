@@ -131,7 +131,8 @@ def test_faults_with_the_cache_keep_tokens_and_traces_legal(tmp_path, capsys, ch
 @pytest.mark.parametrize(("args", "word"), [
     (["--prefix-cache-pages", "4"], "prefix-cache-pages: needs --prefix-cache"),
     (["--prefix-cache", "--prefix", "16"], "prefix-cache: refused with --prefix"),
-    (["--prefix-cache", "--model", "tiny-qwen3.5"], "prefix-cache: refused for a model with"),
+    (["--prefix-cache", "--model", "tiny-qwen3.5", "--mode", "layer"],
+     "prefix-cache: refused in layer mode for a model with linear layers"),
     (["--prefix-cache", "--prefix-cache-pages", "0"], "--prefix-cache-pages"),
 ])
 def test_prefix_cache_options_that_make_no_sense_are_refused(tmp_path, capsys, args, word):

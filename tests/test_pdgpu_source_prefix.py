@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pdgpu.source_cache import SourceCache
 from pdgpu.source_prefix import SourcePrefix
+from pdgpu.state_pool import StateShape
 from pdref.geometry import Geometry
 
 PAGE, CHUNK = 2, 2
@@ -15,8 +16,10 @@ prompts = st.lists(st.integers(0, 1), min_size=1, max_size=4 * PAGE)
 
 
 def _source(pages: int) -> SourceCache:
+    """A source pool of a model with one linear layer (so pages keep state snapshots)."""
     geometry = Geometry(layers=1, kv_heads=1, head_dim=2, dtype_bytes=4, page_tokens=PAGE)
-    return SourceCache(geometry, pages, "cpu", torch.float32)
+    return SourceCache(geometry, pages, "cpu", torch.float32,
+                       StateShape(1, (1, 1), (1, 1, 1), torch.float32))
 
 
 @settings(max_examples=80, deadline=None)
@@ -35,6 +38,9 @@ def test_every_pool_page_is_free_cached_or_a_live_requests(lives, budget):
         assert cache.can_open(len(tokens), hit) and not set(hit.pages) & cache.unconfirmed
         held, _ = cache.open(len(tokens), hit)
         assert held.skip < len(tokens) and held.skip % CHUNK == 0
+        assert cache.snapshot(held) in (None, ("state", tokens[:held.skip]))
+        for end in range(held.skip + CHUNK, len(tokens) + 1, CHUNK):
+            cache.took_state(held, end, lambda end=end: ("state", tokens[:end]))
         for k, page in enumerate(held.pages[:held.skip // PAGE]):
             assert cache.index.lookup(tokens)[k] == page
         cache.keep(tokens, held, held.skip)
@@ -57,6 +63,7 @@ def test_every_pool_page_is_free_cached_or_a_live_requests(lives, budget):
 
 
 def _accounted(source, cache, open_) -> None:
+    assert set(cache.snapshots) <= set(cache.index.entries())  # none outlives its page
     owned = [p for held in open_ for p in held.own]
     cached = set(cache.index.entries())
     assert len(owned) == len(set(owned)) and not cached & set(owned)

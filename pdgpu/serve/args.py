@@ -117,7 +117,7 @@ def _serve_args(p) -> None:
                    help="each producer caches whole pages of the prompts it computed and skips "
                    "computing them for a later request with the same leading tokens, and the "
                    "decoder keeps whole pages of its pool that need not cross again (default: "
-                   "off; not with --prefix or a model with linear layers)")
+                   "off; not with --prefix, nor in layer mode for a model with linear layers)")
     p.add_argument("--prefix-cache-pages", type=_int(1), metavar="N", help="each producer's "
                    "cache budget in pages (default: four of the longest prompt's pages)")
     p.add_argument("--decoder-cache-pages", type=_int(1), metavar="N", help="the decoder's "

@@ -164,9 +164,9 @@ def prefix_cache_pages(args, spec_pages: int) -> int:
         raise WorkloadError("prefix-cache: refused with --prefix (the cache finds shared "
                             "prefixes itself)")
     kinds = handoff_geometry(model_spec(args.model, args.dtype), 1).kinds or ()
-    if any(k.kind == LINEAR for k in kinds):
-        raise WorkloadError("prefix-cache: refused for a model with linear layers (a cached "
-                            "page would need their state snapshot at its end: not built)")
+    if any(k.kind == LINEAR for k in kinds) and getattr(args, "mode", "chunk") == "layer":
+        raise WorkloadError("prefix-cache: refused in layer mode for a model with linear "
+                            "layers (their state is kept between chunks, not layers)")
     return args.prefix_cache_pages or 4 * spec_pages
 
 

@@ -102,7 +102,7 @@ class Producer:
         self.prefix_state = None  # a hybrid's state after the prefix (StatePool.read's pair)
         self.prefix_last = self._warm_prefix()
         self.prefix_cache = None if not config.prefix_cache_pages else ProducerCache(
-            self.cache, config.prefix_cache_pages, config.chunk,
+            self.cache, self.geometry.layers, config.prefix_cache_pages, config.chunk,
             generation * config.source_pages, self._send)  # ids unique across restarts
         self.sampler = Sampler(model.spec.vocab, self.device)  # the first tokens' draws
         self.waiting: deque[Job | dict] = deque()
@@ -250,6 +250,8 @@ class Producer:
         else:
             job.prefill.chunk(step)
             layers, tokens = (0, self.geometry.layers), step
+            if job.held is not None:
+                self.prefix_cache.computed(job.held, job.kv, step[1])
         self._send("computed", handle=job.handle, layers=layers, tokens=tokens,
                    start=start, end=self.now())
         spans = job.ready.pop(0)

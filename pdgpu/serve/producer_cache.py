@@ -64,14 +64,17 @@ def plan_life(mode: Mode, geometry: Geometry, prompt: int, start: int, prefix: i
 def plan_with_hit(mode: Mode, geometry: Geometry, prompt: int, start: int, prefix: int,
                   chunk: int) -> Plan:
     """Compute [start, prompt) (chunks at multiples of `chunk` from `start`), send
-    [prefix, prompt) in the mode's spans (pdref's, a sliding layer's window in layer mode);
-    a geometry without linear layers (their state would need a snapshot at the hit)."""
+    [prefix, prompt) in the mode's spans (pdref's, a sliding layer's window in layer mode,
+    a state span per run of linear layers after the last chunk; layer mode: none linear)."""
     chunks = plan_chunks(prompt, start, chunk)
     layers = geometry.layers
     if mode is Mode.CHUNK:
         every = (0, layers)
         ready = [[Region(every, (max(a, prefix), b))] if b > prefix else [] for a, b in chunks]
         upfront = [Region(every, (prefix, start))] if start > prefix else []
+        if geometry.layout is not None:  # the linear layers' states, once they are final
+            ready[-1] = ready[-1] + [Region(r, (prompt, prompt), True)
+                                     for r in geometry.layout.linear]
         return Plan(chunks, ready, upfront, [])
     spans = plan_spans(mode, geometry, prompt, prefix, chunk)
     if mode is Mode.LAYER:
@@ -83,10 +86,11 @@ def plan_with_hit(mode: Mode, geometry: Geometry, prompt: int, start: int, prefi
 class ProducerCache:
     """One producer's cache and its messages (`send(op, **body)`: to the decoder)."""
 
-    def __init__(self, source: SourceCache, budget: int, chunk: int, id_base: int, send) -> None:
+    def __init__(self, source: SourceCache, layers: int, budget: int, chunk: int, id_base: int,
+                 send) -> None:
         self.prefix = SourcePrefix(source, budget, chunk, id_base)
         self.send = send
-        self.layers = source.geometry.layers
+        self.layers = layers  # the model's (a hit covers every layer, linear ones included)
 
     def can_open(self, tokens: list[int]) -> bool:
         """Whether a life of `tokens` can open now: the pool has room (evictions included),
@@ -105,11 +109,18 @@ class ProducerCache:
 
     def load(self, kv: DigestingKV, held: Held) -> None:
         """The hit's KV into the workspace, and its rows' digests (a span over the hit is
-        checked against them, `--verify`)."""
+        checked against them, `--verify`); a hybrid's state at the hit's end into its slot."""
         load_hit(kv.inner, held.skip)
+        snapshot = self.prefix.snapshot(held)
+        if snapshot is not None:
+            kv.inner.state_pool.write(kv.inner.state_slot, *snapshot)
         if held.skip:
             rows = kv.inner.kv.index_select(2, kv.inner.slots[:held.skip])  # [L, 2, P, KVH, D]
             kv.digests[:, :held.skip] = row_digests(rows).permute(0, 2, 1)  # [L, P, 2]
+
+    def computed(self, held: Held, kv: DigestingKV, end: int) -> None:
+        """After a chunk ending at token `end`: a hybrid's state kept for its page."""
+        self.prefix.took_state(held, end, kv.inner.read_state)
 
     def keep(self, req: str, handle: str, tokens: list[int], held: Held, prefix: int) -> None:
         """After the prefill: `cache` the new whole pages, `reuse` [0, prefix) (see above)."""
