@@ -40,7 +40,7 @@ def test_every_pool_page_is_free_cached_or_a_live_requests(lives, budget):
         assert held.skip < len(tokens) and held.skip % CHUNK == 0
         assert cache.snapshot(held) in (None, ("state", tokens[:held.skip]))
         for end in range(held.skip + CHUNK, len(tokens) + 1, CHUNK):
-            cache.took_state(held, end, lambda end=end: ("state", tokens[:end]))
+            cache.took_state(held, end, lambda t=tokens, end=end: ("state", t[:end]))
         for k, page in enumerate(held.pages[:held.skip // PAGE]):
             assert cache.index.lookup(tokens)[k] == page
         cache.keep(tokens, held, held.skip)
