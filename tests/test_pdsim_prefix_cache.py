@@ -100,6 +100,19 @@ def test_a_producer_hit_ends_where_a_chunk_ends(tmp_path, capsys):
     assert all(e.tokens[0] == 0 and e.tokens[1] % 96 == 0 for e in hits)
 
 
+def test_the_decoder_hits_and_caches_whole_chunks(tmp_path, capsys):
+    """pdgpu's decoder: a reserve's prefix is whole chunks (96 here), and it caches only a
+    slab's pages inside the prompt's whole chunks."""
+    args = [*SESSIONS[:-1], "96", "--decoder-cache-pages", "4096", "--producer-cache-pages",
+            "0"]
+    out, _, events = _run(tmp_path, capsys, *args)
+    reserves = {e.req: e for e in events if e.kind == "reserve"}
+    assert out["prefix_cache_hits"] > 0
+    assert all(e.prefix % 96 == 0 for e in reserves.values())
+    cached = [e for e in events if e.kind == "cache" and not getattr(e, "producer", None)]
+    assert cached and all(e.tokens[1] <= reserves[e.req].prompt // 96 * 96 for e in cached)
+
+
 @pytest.mark.parametrize("budget", [4, 40])
 def test_each_cache_stays_within_its_budget(budget, tmp_path, capsys):
     """Counting `cache` minus `evict` pages per cache along the trace: never above the

@@ -104,7 +104,8 @@ class PrefixCaches:
         cfg = sim.cfg
         self.sim, self.emit, self.monitor = sim, sim.emit, sim.monitor
         self.pt, self.layers = cfg.geometry.page_tokens, cfg.geometry.layers
-        self.hit_step = math.lcm(cfg.chunk, self.pt)  # a producer hit ends at a multiple
+        self.chunk = cfg.chunk
+        self.hit_step = math.lcm(cfg.chunk, self.pt)  # a hit ends at a multiple of both
         self.layout = cfg.geometry.layout  # (v3 kinds) sliding windows: what a page holds
         self.decoder = PageCache(cfg.decoder_cache_pages or 0)
         self.producers = {cfg.producer_name(i): PageCache(cfg.producer_cache_pages or 0)
@@ -117,10 +118,18 @@ class PrefixCaches:
 
     def decoder_hit(self, request) -> list:
         """The decoder's pages of the request's leading whole pages (one token short), none
-        lacking the sliding KV its windows need (contract v4, CACHE-1)."""
+        lacking the sliding KV its windows need (contract v4, CACHE-1), up to a multiple of
+        the chunk (pdgpu's rule, as the producer's: pdgpu/serve/decoder_prefix.py)."""
         keys = page_keys(request, self.pt, 0, (request.prompt - 1) // self.pt)
-        return self.decoder.lookup(keys, min(self._window_starts(request.prompt, 0),
-                                             default=None), self.pt)
+        pages = self.decoder.lookup(keys, min(self._window_starts(request.prompt, 0),
+                                              default=None), self.pt)
+        return self._whole_chunks(pages, 0)
+
+    def _whole_chunks(self, pages: list, start: int) -> list:
+        """`pages` from token `start` on, cut to end at a multiple of the chunk: pdgpu's rule
+        for exact tokens (a prefill with a hit computes the chunks one without it does)."""
+        end = (start + len(pages) * self.pt) // self.hit_step * self.hit_step
+        return pages[:max(0, end - start) // self.pt]
 
     def _window_starts(self, prompt: int, prefix: int) -> list[int]:
         """Where each sliding layer's window starts (pdref.kinds.window_range); [] without
@@ -147,10 +156,12 @@ class PrefixCaches:
         self.hits += len(hit) * self.pt
 
     def publish_decoder(self, job) -> None:
-        """After admission: the slab's whole pages whose content the cache lacks go in,
-        in runs of consecutive pages, within the budget (idle pages evicted to make room)."""
+        """After admission: the slab's whole pages inside whole chunks (pdgpu's: a partial
+        last chunk's rows need not be the bits a whole chunk gives them) whose content the
+        cache lacks go in, in runs of consecutive pages, within the budget (idle pages
+        evicted to make room)."""
         request, pt = job.request, self.pt
-        first, end = request.prefix // pt, request.prompt // pt
+        first, end = request.prefix // pt, request.prompt // self.chunk * self.chunk // pt
         keys = page_keys(request, pt, first, end)
         # the slab holds sliding KV only inside the windows: pages below go in without it
         sliding_from = max(self._window_starts(request.prompt, request.prefix),
@@ -183,12 +194,9 @@ class PrefixCaches:
 
     def producer_hit(self, name: str, request, start: int) -> list:
         """The producer's pages of the request's whole pages from `start` (one token short),
-        up to a multiple of the chunk: pdgpu's rule for exact tokens (a hit's prefill
-        computes the chunks a prefill without it computes; pdgpu/source_prefix.py)."""
+        up to a multiple of the chunk (pdgpu/source_prefix.py)."""
         keys = page_keys(request, self.pt, start // self.pt, (request.prompt - 1) // self.pt)
-        pages = self.producers[name].lookup(keys)
-        end = (start + len(pages) * self.pt) // self.hit_step * self.hit_step
-        return pages[:max(0, end - start) // self.pt]
+        return self._whole_chunks(self.producers[name].lookup(keys), start)
 
     def source_hit(self, name: str, job, pages) -> None:
         """The life copies from the producer's `pages` (a `computed` with `hit`)."""
