@@ -22,9 +22,9 @@ COMPILED = {
     "pdref": ("fast_monitor", "mirror_apply", "mirror", "intervals", "plan", "pool",
               "progress", "metrics", "monitor", "rows", "span_ids", "mirror_hybrid", "hybrid",
               "kinds", "mirror_cache", "cache", "cache_apply"),
-    "pdsim.core": ("producer", "job", "sender", "decoder", "decode_record", "env", "copier",
-                   "sim", "steps", "metrics", "serving_metrics", "workload", "running", "stream",
-                   "quantiles", "prefix_cache"),
+    "pdsim.core": ("producer", "job", "sender", "decoder", "decode_record", "decode_window",
+                   "env", "copier", "sim", "steps", "metrics", "serving_metrics", "workload",
+                   "running", "stream", "quantiles", "prefix_cache"),
 }
 MANIFEST = "manifest.json"
 PURE_ENV = "PD_PURE_PYTHON"

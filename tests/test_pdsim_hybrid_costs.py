@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pdref.models import load_model
-from pdsim.core.costs import costs_for
+from pdsim.core.config import RequestSpec, SimConfig
+from pdsim.core.costs import costs_for, sim_geometry
 from pdsim.core.engines import load_engine
+from pdsim.core.play import simulate
 from pdsim.core.profiles import link_of, load_hw
 from pdsim.core.twins import all_full
 
@@ -23,7 +25,7 @@ def _costs(spec, engine: str, hw: str = "a100-pcie"):
 
 def _step_s(costs, context: int) -> float:
     """One decode step of a single request holding `context` tokens."""
-    return costs.decode_base_s(1) + context * costs.decode_kv_token_s
+    return costs.decode_step_s((context,))
 
 
 def _growth(costs, a: int, b: int, chunk: int = 256) -> float:
@@ -56,6 +58,28 @@ def test_a_sliding_decode_row_reads_its_window(engine):
     twin_growth = _step_s(twin, 8 * window) - _step_s(twin, window)
     assert _step_s(twin, 8 * window) - _step_s(hybrid, 8 * window) == pytest.approx(
         twin_growth * 52 / 62, rel=1e-9)  # the 52 sliding layers' share of the growth
+
+
+def _decode_steps_s(spec, engine: str, prompt: int, outputs: int) -> list[float]:
+    """The decode steps' times of one simulated request of `prompt` tokens."""
+    cfg = SimConfig(geometry=sim_geometry(spec), costs=_costs(spec, engine), mode="chunk",
+                    chunk=256, output_tokens=outputs)
+    record = simulate(cfg, [RequestSpec("r", 0.0, prompt, 0)]).decode
+    return [b - a for a, b in zip(record.step_start, record.step_end, strict=True)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_decode_step_under_the_window_reads_the_context_not_the_window(engine):
+    """A Gemma 3 request whose context stays under the window: each sliding layer holds and
+    reads the whole context, as its all-full twin's layer does, so every decode step takes
+    the twin's time (a whole window priced per row made them dearer); past the window the
+    hybrid's steps are the cheaper."""
+    spec = load_model("gemma-3-27b")
+    short = _decode_steps_s(spec, engine, 300, 8)
+    assert short == pytest.approx(_decode_steps_s(all_full(spec), engine, 300, 8), rel=1e-9)
+    long = _decode_steps_s(spec, engine, 3000, 4)
+    assert all(h < t for h, t in zip(long, _decode_steps_s(all_full(spec), engine, 3000, 4),
+                                     strict=True))
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -13,10 +13,12 @@ first token's messages (serving: the prefill order out, the token back) = serve_
   delay before the decoder has the token: no core, no producer held (calibrated profiles)
 fill (export only: writing the payload of n bytes) = fill_byte_s * n (calibrated profiles only)
 decode step (batch B, KV tokens K read) = decode_s + decode_row_s * B + decode_kv_token_s * K
+                                        + decode_window_token_s * Kw
   derived when a profile lacks them: the weights read once per step at HBM bandwidth, a
   row's matmul FLOPs at the compute rate, a KV token's bytes (every full-attention layer)
-  at HBM bandwidth; (v3) a row also reads its sliding layers' windows (a whole window each:
-  exact once the context reaches it) and reads and writes its linear layers' states
+  at HBM bandwidth; (v3) a row also reads and writes its linear layers' states, and its
+  sliding layers read the KV they hold: Kw = sum over rows of min(context, window)
+  (decode_window_token_s: a token's KV bytes on every sliding layer, at HBM bandwidth)
 between decode steps the decoder's loop works decode_gap_s, plus land_byte_s per byte of a
   span it lands and admit_byte_s per KV byte of a context it admits (profile [compute]
   values; absent: 0, not modeled)
@@ -67,6 +69,8 @@ class Costs:
     decode_s: float = attrs.field(default=0.0, validator=non_negative)  # a decode step's own
     decode_row_s: float = attrs.field(default=0.0, validator=non_negative)  # per request
     decode_kv_token_s: float = attrs.field(default=0.0, validator=non_negative)  # per KV token
+    # (v3) per windowed KV token: a row holds min(context, window) on each sliding layer
+    decode_window_token_s: float = attrs.field(default=0.0, validator=non_negative)
     # The decoder's own work between steps (pdgpu serve's loop): per step, per landed byte
     # written into its slab, per KV byte of an admitted context copied to its decode cache.
     decode_gap_s: float = attrs.field(default=0.0, validator=non_negative)
@@ -107,10 +111,18 @@ class Costs:
         return seconds
 
     def decode_base_s(self, batch: int) -> float:
-        """A decode step of `batch` rows less its KV read (decode_kv_token_s per token)."""
+        """A decode step of `batch` rows less its KV read (decode_kv_token_s per token,
+        decode_window_token_s per windowed token)."""
         if self.roofline is not None:
             return self.roofline.decode_base_s(batch)
         return self.decode_s + batch * self.decode_row_s
+
+    def decode_step_s(self, contexts) -> float:
+        """One decode step over rows holding `contexts` tokens each (the decoder keeps the
+        sums as they grow: decoder.py)."""
+        windowed = sum(min(c, self.window) for c in contexts)
+        return (self.decode_base_s(len(contexts)) + sum(contexts) * self.decode_kv_token_s
+                + windowed * self.decode_window_token_s)
 
     def gather_s(self, nbytes: int) -> float:
         return self.gather_byte_s * nbytes
@@ -210,12 +222,11 @@ def state_flops_per_token(spec: ModelSpec) -> float:
     return 4.0 * mix.linear * mix.state_bytes / spec.dtype_bytes
 
 
-def mixer_row_bytes(spec: ModelSpec) -> int:
-    """(v3) HBM bytes a decode row moves besides its full layers' KV: each sliding layer's
-    window of KV read, each linear layer's state read and written."""
+def state_row_bytes(spec: ModelSpec) -> int:
+    """(v3) HBM bytes a decode row moves for its linear layers: each one's state read and
+    written (its sliding layers' KV is priced per windowed token: decode_window_token_s)."""
     mix = mixer_layers(spec)
-    window_kv = mix.window * sim_geometry(spec).bytes_per_token_layer
-    return mix.sliding * window_kv + mix.linear * 2 * mix.state_bytes
+    return mix.linear * 2 * mix.state_bytes
 
 
 def engine_of(hw: HwProfile, name: str | None = None) -> EngineProfile:
@@ -237,6 +248,8 @@ def costs_for(spec: ModelSpec, hw: HwProfile, link: LinkProfile,
         roofline = roofline_for(spec, hw.peak_flops, hw.hbm_bandwidth, hw.arch, engine)
         return Costs(token_s=0.0, pair_s=0.0, chunk_s=0.0, **copy,
                      decode_kv_token_s=roofline.kv_token_s,
+                     window=mixer_layers(spec).window,
+                     decode_window_token_s=roofline.window_token_s,
                      decode_token_s=roofline.decode_base_s(1),  # a lone request's step
                      state_bytes=int(spec.get("recurrent_state_bytes", 0) or 0),
                      roofline=roofline)
@@ -255,7 +268,7 @@ def _linear_costs(spec: ModelSpec, hw: HwProfile, engine: EngineProfile, copy: d
         pair_s=over.pair_s if over.pair_s is not None else pair_flops(spec) / rate,
         chunk_s=over.chunk_s if over.chunk_s is not None else engine.chunk_s,
         **copy,
-        **_window_terms(spec, rate, fitted=over.pair_s is not None),
+        **_window_terms(spec, hw, engine),
         decode_token_s=weights / hw.hbm_bandwidth,
         **decode,
         decode_gap_s=over.decode_gap_s or 0.0,
@@ -270,25 +283,33 @@ def _linear_costs(spec: ModelSpec, hw: HwProfile, engine: EngineProfile, copy: d
     )
 
 
-def _window_terms(spec: ModelSpec, rate: float, fitted: bool) -> dict:
-    """(v3) The sliding layers' window and price per windowed pair; none beside a fitted
-    pair_s (a calibration's pair_s already holds whatever attention it measured)."""
+def _window_terms(spec: ModelSpec, hw: HwProfile, engine: EngineProfile) -> dict:
+    """(v3) The sliding layers' window, their price per windowed prefill pair and per
+    windowed decode token; neither beside its fitted term (a calibration's pair_s, or
+    decode_row_s, already holds whatever attention it measured)."""
     mix = mixer_layers(spec)
-    if fitted or not mix.sliding:
+    if not mix.sliding:
         return {}
-    return {"window": mix.window, "window_pair_s": pair_flops(spec, mix.sliding) / rate}
+    over, terms = engine.compute, {"window": mix.window}
+    if over.pair_s is None:
+        rate = hw.peak_flops * engine.efficiency
+        terms["window_pair_s"] = pair_flops(spec, mix.sliding) / rate
+    if over.decode_row_s is None:
+        kv_token = mix.sliding * sim_geometry(spec).bytes_per_token_layer
+        terms["decode_window_token_s"] = kv_token / hw.hbm_bandwidth
+    return terms
 
 
 def decode_terms(spec: ModelSpec, hw: HwProfile, engine: EngineProfile) -> dict[str, float]:
     """The decode step's terms: the engine's own (fitted), else derived (not measured): a
-    step reads the weights once (HBM), each row costs its matmul FLOPs (and, v3, its
-    sliding windows' and linear states' bytes), each KV token read its bytes on the
-    full-attention layers; added, not overlapped (the linear model)."""
+    step reads the weights once (HBM), each row costs its matmul FLOPs (and, v3, its linear
+    states' bytes), each KV token read its bytes on the full-attention layers (a windowed
+    token's on the sliding ones: _window_terms); added, not overlapped (the linear model)."""
     kv_layer = sim_geometry(spec).bytes_per_token_layer
     derived = {
         "decode_s": linear_flops_per_token(spec) / 2 * spec.dtype_bytes / hw.hbm_bandwidth,
         "decode_row_s": linear_flops_per_token(spec) / (hw.peak_flops * engine.efficiency)
-        + mixer_row_bytes(spec) / hw.hbm_bandwidth,
+        + state_row_bytes(spec) / hw.hbm_bandwidth,
         "decode_kv_token_s": kv_layer * mixer_layers(spec).full / hw.hbm_bandwidth,
     }
     return {name: derived[name] if getattr(engine.compute, name) is None

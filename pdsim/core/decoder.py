@@ -5,9 +5,11 @@ first tokens, arrivals: `deliver`), admits every request pdref allows, reserves 
 waiting requests (`Sim.dispatch`), then runs one batched decode step for every running
 request: one heap event per step at most, whatever the batch (none when the step ends
 before every other pending event). A step over `batch` requests that
-read `kv_tokens` KV tokens in all takes
+read `kv_tokens` KV tokens in all, `window_tokens` of them on sliding layers (each row's
+min(context, window): what it holds there), takes
 
     decode_base_s(batch) + kv_tokens * decode_kv_token_s
+                         + window_tokens * decode_window_token_s
 
 (pdsim/core/costs.py: under a linear engine decode_s + batch * decode_row_s, its `[compute]`
 terms or derived from the model and device; under a roofline engine its GEMMs' roofline at
@@ -28,6 +30,7 @@ from collections import defaultdict
 
 from pdref import events as ev
 from pdsim.core.decode_record import DecodeRecord
+from pdsim.core.decode_window import WindowedKV
 
 __all__ = ["DecodeRecord", "Decoder"]
 
@@ -49,6 +52,9 @@ class Decoder:
         self.admitted: set[str] = set()
         self.running = 0  # requests in the batch
         self.kv_tokens = 0  # KV tokens they hold: prompt + tokens decoded so far, each
+        # (v3) the batch's KV on sliding layers (None: none priced)
+        self.win_s = costs.decode_window_token_s
+        self.windowed = WindowedKV(costs.window) if self.win_s and costs.window else None
         self.next_step = 0  # index of the next decode step
         self.finishing: dict[int, list] = defaultdict(list)  # step index -> jobs ending there
         self.stepping = False  # busy: a decode step, or handling what reached it, runs now
@@ -102,6 +108,8 @@ class Decoder:
         self.finishing[job.decode_last].append(job)
         self.running += 1
         self.kv_tokens += job.request.prompt
+        if self.windowed is not None:
+            self.windowed.hold(job.request.prompt, self.next_step)
         self.last_req = job.req
         self._wake()
 
@@ -161,22 +169,30 @@ class Decoder:
         starts, ends = record.step_start, record.step_end
         first = step
         stop = min(finishing, default=float("inf"))  # the next step a request finishes in
+        win = self.windowed  # (a row's context reaching the window ends the run too)
+        windowed, widening, win_s = (0, 0, 0.0) if win is None else (win.tokens, win.widening,
+                                                                     self.win_s)
+        if win is not None and win.filling:
+            stop = min(stop, min(win.filling))
         base = self._base(batch)
         add_start, add_end = starts.append, ends.append
         while step < stop:
-            end = now + base + kv * kv_s
+            end = now + base + kv * kv_s + windowed * win_s
             until = end + gap  # the loop's gap is paid after the step (+ 0.0: end itself)
             if until >= next_t:
                 break
             add_start(now)
             add_end(end)
             kv += batch
+            windowed += widening
             step += 1
             now = until
         done = step - first
         if done:
             record.add_run(done, batch, self.kv_tokens, label)
             env.now, self.kv_tokens, self.next_step = now, kv, step
+            if win is not None:
+                win.tokens = windowed
             env.steps += done * (2 if gap > 0 else 1)  # a step's end, and its gap's
 
     def _pay_debt(self) -> bool:
@@ -197,7 +213,10 @@ class Decoder:
         record.add_run(1, batch, kv, self.last_req)
         self.stepping = self.step_running = True
         self.next_step += 1
-        return batch, now + self._base(batch) + kv * self.kv_s
+        end = now + self._base(batch) + kv * self.kv_s
+        if self.windowed is not None:
+            end += self.windowed.tokens * self.win_s
+        return batch, end
 
     def _base(self, batch: int) -> float:
         """A step of `batch` rows less its KV read (Costs.decode_base_s), once per batch."""
@@ -220,12 +239,17 @@ class Decoder:
         self.step_running = False
         self.record.step_end.append(self.env.now)
         self.kv_tokens += batch
+        if self.windowed is not None:
+            self.windowed.step_done(self.next_step - 1)
         done = self.finishing.pop(self.next_step - 1, None)
         if done:
             first = self.record.tokens
             for job in done:
                 self.running -= 1
-                self.kv_tokens -= job.request.prompt + self.next_step - first[job.req][1]
+                context = job.request.prompt + self.next_step - first[job.req][1]
+                self.kv_tokens -= context
+                if self.windowed is not None:
+                    self.windowed.let_go(context, first[job.req][1], job.request.prompt)
                 self._release(job)
         self.debt += self.gap_s
         self._between()
@@ -251,6 +275,8 @@ class Decoder:
         done = self.next_step - first - (1 if in_step else 0)  # its steps that ended
         # the running step still adds one token per request of its batch at its end
         self.kv_tokens -= job.request.prompt + done + (1 if in_step else 0)
+        if self.windowed is not None:  # the running step's end widens only the rows left
+            self.windowed.let_go(job.request.prompt + done, first, job.request.prompt)
         self.running -= 1
 
     def _release(self, job) -> None:

@@ -15,8 +15,9 @@ the engine's overheads:
     against its KV read; its decode reads each row's KV (memory-bound);
   - overheads: chunk_s a prefill pass, decode_step_s a decode step, layer_s per layer of
     either (kernel launches an eager engine pays; a CUDA graph removes them from decode).
-A decode step over `batch` rows reading `kv_tokens` KV tokens in all is
-    decode_base_s(batch) + kv_tokens * kv_token_s
+A decode step over `batch` rows reading `kv_tokens` KV tokens in all, `window_tokens` of
+them windowed (each row's min(context, window), on the sliding layers), is
+    decode_base_s(batch) + kv_tokens * kv_token_s + window_tokens * window_token_s
 (linear in the KV read: the simulator's decoder keeps a batch's base while the KV grows).
 """
 
@@ -101,6 +102,13 @@ class Roofline:
         """A decode step's time per KV token it reads, every layer."""
         return sum(count * MIXERS[kind].decode_kv_token(self) for kind, count in self.mixers)
 
+    @property
+    def window_token_s(self) -> float:
+        """A decode step's time per windowed KV token it reads (a row's min(context,
+        window)), every sliding layer."""
+        return sum(count * MIXERS[kind].decode_window_token(self)
+                   for kind, count in self.mixers)
+
     def scaled(self, compute: float) -> Roofline:
         """A what-if copy: compute speed (the peak) times `compute`; HBM unchanged."""
         return attrs.evolve(self, peak=self.peak * compute)
@@ -110,12 +118,13 @@ class Roofline:
 
 @attrs.frozen
 class Mixer:
-    """A layer kind's token mixer: prefill pass [a, b), a decode row's fixed part, and a
-    decode KV token read; each the seconds of one layer."""
+    """A layer kind's token mixer: prefill pass [a, b), a decode row's fixed part, a
+    decode KV token read and a windowed KV token read; each the seconds of one layer."""
 
     prefill: Callable[[Roofline, int, int], float]
     decode_row: Callable[[Roofline], float]
     decode_kv_token: Callable[[Roofline], float]
+    decode_window_token: Callable[[Roofline], float] = lambda r: 0.0
 
 
 def _kv_bytes_layer(r: Roofline) -> int:
@@ -179,16 +188,17 @@ def sliding_prefill_s(r: Roofline, a: int, b: int) -> float:
     return max(flops / (r.peak * eff), kv / (r.bandwidth * r.figures.memory))
 
 
-def sliding_decode_row_s(r: Roofline) -> float:
-    """A decode row of a sliding layer reads its window's KV, whatever the context (the
-    decoder keeps only the window: a ring or freed pages), priced as a full window."""
-    return r.spec.get("sliding_window") * _kv_bytes_layer(r) / (r.bandwidth * r.figures.kv_memory)
+def sliding_decode_window_token_s(r: Roofline) -> float:
+    """A decode row of a sliding layer reads the KV it holds, min(context, window) tokens
+    (the decoder keeps only the window: a ring or freed pages), each as a full layer's."""
+    return _kv_bytes_layer(r) / (r.bandwidth * r.figures.kv_memory)
 
 
 MIXERS: dict[str, Mixer] = {
     "attention": Mixer(attention_prefill_s, lambda r: 0.0, attention_decode_kv_token_s),
     "recurrent": Mixer(recurrent_prefill_s, recurrent_decode_row_s, lambda r: 0.0),
-    "sliding": Mixer(sliding_prefill_s, sliding_decode_row_s, lambda r: 0.0),
+    "sliding": Mixer(sliding_prefill_s, lambda r: 0.0, lambda r: 0.0,
+                     sliding_decode_window_token_s),
 }
 _MIXER_OF_KIND = {"full": "attention", "sliding": "sliding", "linear": "recurrent"}
 
