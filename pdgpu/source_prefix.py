@@ -148,10 +148,13 @@ class SourcePrefix:
         return self.ids(pages)
 
     def keep(self, tokens: list[int], held: Held, start: int) -> Kept:
-        """After the prefill: the whole pages of [start, prompt) the index lacks go in,
-        held by the request, unconfirmed, within the budget."""
+        """After the prefill: the whole pages of [start, prompt) inside whole chunks that
+        the index lacks go in, held by the request, unconfirmed, within the budget. (A page
+        of a partial last chunk stays out: a shorter chunk is another computation, whose
+        bits a later request's whole chunk need not reproduce.)"""
         pt, runs, evicted = self.page_tokens, [], ()
-        for a, b in self.index.missing(tokens, start, len(tokens) // pt * pt):
+        end = len(tokens) // self.chunk * self.chunk // pt * pt
+        for a, b in self.index.missing(tokens, start, max(start, end)):
             gone, fit = self.index.room((b - a) // pt)
             evicted += self._evict(gone)
             if not fit:

@@ -68,3 +68,16 @@ def _accounted(source, cache, open_) -> None:
     cached = set(cache.index.entries())
     assert len(owned) == len(set(owned)) and not cached & set(owned)
     assert source.pool.free_pages + len(cached) + len(owned) == source.pool.num_pages
+
+
+def test_only_pages_of_whole_chunks_enter_the_cache():
+    """A 40-token prompt in chunks of 16 (pages of 8): its partial last chunk's page [32, 40)
+    stays out, so a later prompt's hit never reads bits a shorter chunk computed."""
+    geometry = Geometry(layers=1, kv_heads=1, head_dim=2, dtype_bytes=4, page_tokens=8)
+    cache = SourcePrefix(SourceCache(geometry, 32, "cpu", torch.float32), 16, chunk=16)
+    tokens = list(range(100))
+    held, _ = cache.open(40, cache.lookup(tokens[:40]))
+    kept = cache.keep(tokens[:40], held, 0)
+    assert [run for run, _ in kept.runs] == [(0, 32)]
+    cache.confirm(held, recorded=True)
+    assert len(cache.index.lookup(tokens[:48])) == 4
