@@ -14,6 +14,7 @@ Each `--cache` setting (off; on: `--prefix-cache`) gets its own server (`pdgpu s
 127.0.0.1:0`, a port of its own) and the same sessions, in the order given. Per setting:
 TTFT p50/p99 (send to first token), output tokens/s (from the first session's start to the
 last token), bytes handed off (the KV its spans carried: the trace's `issue` events), the
+decoder's hit rate (its reserves' prefixes over the prompt tokens, from the trace), the
 prefix cache's hit rate (/metrics: vllm:prefix_cache_hits / vllm:prefix_cache_queries, in
 tokens: prompt tokens the producers did not compute), the usages' cached_tokens summed, and
 the server's leaked pages; and whether every answer equals the first setting's (greedy: a
@@ -48,12 +49,13 @@ from pdsim.core.sessions import SessionSpec, SessionWorkload
 from pdsim.core.workload_rules import WorkloadError
 from pdsim.fit.host_load import HostLoadMonitor, host_load_measurable
 
-# `pdgpu serve` flags of each cache setting: "on" is each producer's prefix cache at its
-# default budget (the decoder keeps no cache of its own yet: every prompt token crosses).
+# `pdgpu serve` flags of each cache setting: "on" is the producers' and the decoder's prefix
+# caches at their default budgets.
 CACHE_FLAGS: dict[str, tuple[str, ...]] = {"off": (), "on": ("--prefix-cache",)}
 HITS, QUERIES = "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"
 NAMES = ("requests", "ok", "errors", "ttft_p50_s", "ttft_p99_s", "tokens_per_s",
-         "bytes_handed_off", "prefix_cache_hit_rate", "cached_tokens", "leaked_pages")
+         "bytes_handed_off", "decoder_hit_rate", "prefix_cache_hit_rate", "cached_tokens",
+         "leaked_pages")
 
 
 @attrs.frozen
@@ -278,14 +280,38 @@ def serve_setting(args, setting: str, system, sessions: list[Session], folder: P
             monitor.stop()
     load = monitor.window(start, end).to_json() if monitor is not None else None
     return {"setting": setting, **summarize(results, t0, counters, summary),
-            "bytes_handed_off": handed_off(trace), "host_load": load,
+            **_handoff(trace_figures(trace)), "host_load": load,
             "turns": sorted(results, key=lambda r: r["sent"])}
 
 
-def handed_off(trace: Path) -> int:
-    """KV bytes the trace's spans carried (`issue` events: what pdsim's `bytes` counts)."""
+def trace_figures(trace: Path) -> dict:
+    """The run's cache and bytes figures, read from its trace: the decoder's hit rate
+    (`reserve` `prefix` over prompt tokens: pdsim's `prefix_cache_hit_rate`), the producers'
+    hit tokens (`computed` `hit`), the KV bytes its spans carried (`issue`: pdsim's `bytes`),
+    the pool and the caches' budgets (header)."""
+    prompt = prefix = producer = handed = 0
     with trace.open() as f:
-        return sum(json.loads(line).get("bytes", 0) for line in f if '"kind":"issue"' in line)
+        header = json.loads(f.readline())
+        page_tokens = header["geometry"]["page_tokens"]
+        for line in f:
+            e = json.loads(line)
+            kind = e["kind"]
+            if kind == "reserve":
+                prompt, prefix = prompt + e["prompt"], prefix + e["prefix"]
+            elif kind == "computed":
+                producer += len(e.get("hit") or ()) * page_tokens
+            elif kind == "issue":
+                handed += e["bytes"]
+    return {"prefix_cache_hit_rate": prefix / prompt if prompt else 0.0,
+            "producer_prefix_cache_hits": producer, "bytes": handed,
+            "pool_pages": header["pool_pages"],
+            "producer_cache_pages": header.get("prefix_cache_pages", 0),
+            "decoder_cache_pages": header.get("decoder_cache_pages", 0)}
+
+
+def _handoff(figures: dict) -> dict:
+    return {"bytes_handed_off": figures["bytes"],
+            "decoder_hit_rate": figures["prefix_cache_hit_rate"]}
 
 
 def summarize(results: list[dict], t0: float, counters: dict, server: dict) -> dict:

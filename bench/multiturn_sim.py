@@ -34,13 +34,17 @@ from pathlib import Path
 
 import attrs
 
-from pdref.outfile import write_atomic
-from pdsim.core.metrics import workload_metrics
-from pdsim.core.play import simulate
-from pdsim.core.profiles import load_hw
-from pdsim.fit.calibrate import calibrate, profile_toml
-from pdsim.fit.validate_serving import under_load
-from pdsim.options import add_run_options, run_setup
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: `bench` is found from the checkout
+
+from bench.multiturn import trace_figures  # noqa: E402
+from pdref.outfile import write_atomic  # noqa: E402
+from pdsim.core.metrics import workload_metrics  # noqa: E402
+from pdsim.core.play import simulate  # noqa: E402
+from pdsim.core.profiles import load_hw  # noqa: E402
+from pdsim.fit.calibrate import calibrate, profile_toml  # noqa: E402
+from pdsim.fit.validate_serving import under_load  # noqa: E402
+from pdsim.options import add_run_options, run_setup  # noqa: E402
 
 FIGURES = ("prefix_cache_hit_rate", "producer_prefix_cache_hits", "bytes", "ttft_p50_s",
            "ttft_p99_s", "tokens_per_s")
@@ -58,28 +62,6 @@ def _parse(argv):
             p.error(f"--train/--test: {folder} holds no report.json (bench/multiturn.py "
                     "--trace-dir FOLDER --json > FOLDER/report.json)")
     return args
-
-
-def trace_figures(trace: Path) -> dict:
-    """The run's cache and bytes figures, read from its trace."""
-    prompt = prefix = producer = handed = 0
-    with trace.open() as f:
-        header = json.loads(f.readline())
-        page_tokens = header["geometry"]["page_tokens"]
-        for line in f:
-            e = json.loads(line)
-            kind = e["kind"]
-            if kind == "reserve":
-                prompt, prefix = prompt + e["prompt"], prefix + e["prefix"]
-            elif kind == "computed":
-                producer += len(e.get("hit") or ()) * page_tokens
-            elif kind == "issue":
-                handed += e["bytes"]
-    return {"prefix_cache_hit_rate": prefix / prompt if prompt else 0.0,
-            "producer_prefix_cache_hits": producer, "bytes": handed,
-            "pool_pages": header["pool_pages"],
-            "producer_cache_pages": header.get("prefix_cache_pages", 0),
-            "decoder_cache_pages": header.get("decoder_cache_pages", 0)}
 
 
 def measured(folder: Path) -> list[dict]:
