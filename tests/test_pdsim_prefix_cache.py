@@ -91,13 +91,17 @@ def test_the_producer_computes_only_what_it_lacks(tmp_path, capsys):
 
 def test_a_producer_hit_ends_where_a_chunk_ends(tmp_path, capsys):
     """pdgpu's exact-tokens rule: a producer's hit ends at a multiple of the chunk (96 here,
-    six pages), so its prefill computes the chunks an uncached prefill computes."""
+    six pages), so its prefill computes the chunks an uncached prefill computes; it caches
+    only pages inside the prompt's whole chunks."""
     args = [*SESSIONS[:-1], "96", "--decoder-cache-pages", "0", "--producer-cache-pages",
             "4096"]
     out, _, events = _run(tmp_path, capsys, *args)
     hits = [e for e in events if e.kind == "computed" and getattr(e, "hit", None)]
     assert hits and out["producer_prefix_cache_hits"] > 0
     assert all(e.tokens[0] == 0 and e.tokens[1] % 96 == 0 for e in hits)
+    prompts = {e.req: e.prompt for e in events if e.kind == "reserve"}
+    cached = [e for e in events if e.kind == "cache" and getattr(e, "producer", None)]
+    assert cached and all(e.tokens[1] <= prompts[e.req] // 96 * 96 for e in cached)
 
 
 def test_the_decoder_hits_and_caches_whole_chunks(tmp_path, capsys):

@@ -208,9 +208,10 @@ class PrefixCaches:
         self.producer_hits += len(pages) * self.pt
 
     def publish_producer(self, name: str, job, start: int) -> None:
-        """After the prefill: the pages it computed from `start` go into its cache."""
+        """After the prefill: the pages it computed from `start`, inside the prompt's whole
+        chunks (pdgpu's rule, as the decoder's), go into its cache."""
         request, pt, cache = job.request, self.pt, self.producers[name]
-        keys = page_keys(request, pt, start // pt, request.prompt // pt)
+        keys = page_keys(request, pt, start // pt, request.prompt // self.chunk * self.chunk // pt)
         new = [k for k, key in enumerate(keys) if key not in cache.page_of]
         new = new[:self._budget_room(cache, len(new), name)]
         for run in _runs(new):
