@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (issues 4, 9, 11, 24, 33 and 34), about 6 minutes on one GPU without the hybrid
-# steps of issue 33 (in 1 and 2c, not yet timed on a GPU); each step has its own time limit,
-# together 815 s (875 with NIXL):
+# steps of issue 33 (in 1 and 2c) and issue 34's served figures (2e, 5c), none of them timed
+# on a GPU yet; each step has its own time limit, together 845 s (905 with NIXL):
 #   1. the CUDA tests (pytest -m gpu): every one must run, a skipped one fails the check
 #      (the engine on CUDA, the attention kernels in bf16 and float32, and the hybrid
 #      families' tokens against transformers on CUDA, issue 33; issue 34: the decode step
@@ -154,7 +154,7 @@ step 60 op_counts "$PY" bench/kernel_speed.py --count --device "$DEV" --model "$
     --chunk "$CHUNK" --contexts "$KERNEL_CONTEXTS" --batch 16
 
 echo "== 2e. served ITL at batch 16, $MODEL, eager vs CUDA graphs (decoder $DECODER, issue 34)"
-step 150 served_itl "$PY" bench/serve_graphs.py --model "$MODEL" --device "$DEV" \
+step 180 served_itl "$PY" bench/serve_graphs.py --model "$MODEL" --device "$DEV" \
     --decoder-device "$DECODER" --chunk "$CHUNK" "${SERVED[@]}"
 
 echo "== 3. overlap benchmark, $MODEL, $PROMPT tokens, chunk $CHUNK (decoder $DECODER)"
