@@ -128,7 +128,7 @@ def test_gpu_check_stops_at_a_failed_step_unless_keep_going(tmp_path, keep_going
     failed = (out / "failed.txt").read_text().splitlines()
     assert run.returncode == 1
     if keep_going:
-        kernels = ["kernels", "kernels_qwen3_5", "kernels_gemma3", "op_counts"]
+        kernels = ["kernels", "kernels_qwen3_5", "kernels_gemma3", "op_counts", "served_itl"]
         assert steps == ["pytest_gpu", "serve_gpu", "compare", *kernels, "engine_overlap",
                          "export_curve", "kv_lane"]
         names = ["pytest_gpu", "serve_gpu", "compare", "pdref check", *kernels,
