@@ -32,7 +32,7 @@ compute cost of chunking), staging in spans (== max_pending), the copy bandwidth
 `--family qwen3_5|gemma3` (issue 33): the compute configurations on a hybrid of the preset's
 sizes with random weights (Qwen3.5: 3 gated DeltaNet layers to 1 full attention; Gemma 3: 5
 sliding layers of `--window` to 1 full; the last layer full), handed off under contract v3
-(no export-only runs: their payload is a dense model's K/V). Besides the figures above,
+(compute runs only). Besides the figures above,
 `state_tail_s`: from `produced` to the last state span's `land` (the states' share of the
 tail; 0 without linear layers), and the layer / chunk ratios of handoff and tail: what
 layer mode, which ships a linear layer's state as soon as that layer has the whole prompt,
@@ -115,7 +115,7 @@ def _configs(args, device: str, link, threads: int) -> dict[str, EngineConfig]:
         "layer": attrs.evolve(base, mode="layer"),
         "oneshot": attrs.evolve(base, chunk=args.prompt),  # whole, prefill in one chunk
     }
-    if args.family:  # the export payload is a dense model's K/V
+    if args.family:  # compute runs only (the figures of docs/hybrid-models.md)
         return compute
     return {**compute,
             "export_whole": attrs.evolve(base, no_compute=True),

@@ -20,7 +20,7 @@ from pdgpu.checkpoint import CheckpointError, load_checkpoint
 from pdgpu.cli_types import int_at_least, positive_float
 from pdgpu.compare import compare_modes, compare_table
 from pdgpu.engine import Engine, EngineError, RunResult
-from pdgpu.handoff import unshipped_state
+from pdgpu.handoff import handoff_geometry, unshipped_state
 from pdgpu.model import build_model
 from pdgpu.serve.models import model_spec
 from pdgpu.workload import DEBUG_BREAKS, EngineConfig, Request, WorkloadError, setup_check
@@ -123,6 +123,9 @@ def _payload_tokens(args, spec: ModelSpec) -> tuple[int, ...] | None:
         raise BadInput("payload: sets the prompt length; give it without --prompt or --tokens")
     if payload is None:
         return None
+    if handoff_geometry(spec, args.page_tokens).kinds is not None:
+        raise BadInput("payload: sizes a dense model's prompt (every layer, every token); a "
+                       "model with layer kinds hands off less: give it --prompt")
     per_token = spec.geometry(args.page_tokens).bytes_per_token
     return (0,) * (-(-payload // per_token))
 

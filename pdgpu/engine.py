@@ -23,7 +23,7 @@ from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine_ledger import EngineLedger, LifeKV
 from pdgpu.engine_warmup import WarmUp
 from pdgpu.faults import DEBUG_BREAKS, Faults
-from pdgpu.handoff import handoff_geometry, kv_geometry
+from pdgpu.handoff import handoff_geometry, kv_geometry, kv_groups
 from pdgpu.model import Transformer
 from pdgpu.payload import payload_matches
 from pdgpu.prefill import Prefill, warm_prefix
@@ -194,13 +194,21 @@ class Engine(WarmUp, StepLoop):
         if not rec.ask("can_admit", req):
             raise EngineError(f"request {req!r}: pdref refuses admission after every span landed")
         self.ledger.admit(req)
-        if self.config.no_compute and not payload_matches(self.pool, life.slab):
+        if self.config.no_compute and not self._payload_landed(life):
             raise EngineError(f"request {req!r}: the decoder's KV is not the payload sent")
         kv = self.pool.read_slab(life.slab) if self.config.keep_kv else None
         state = self._landed_state(life)
         tokens = self._decode(life, state, token)
         self.ledger.release(life)
         return Outcome(req, token, attempt, kv, state if self.config.keep_kv else None, tokens)
+
+    def _payload_landed(self, life: LifeKV) -> bool:
+        """Export only: the payload where the life's spans land it, and (linear layers) the
+        zeros of its state, in the decoder."""
+        r = life.request
+        groups = kv_groups(self.geometry, (0, self.geometry.layers), (r.prefix, r.prompt),
+                           r.prompt, r.prefix)
+        return payload_matches(self.pool, life.slab, groups, life.state_slot)
 
     def _landed_state(self, life: LifeKV) -> tuple | None:
         """A copy of the state the life's state spans landed (None without linear layers)."""

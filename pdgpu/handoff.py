@@ -82,6 +82,13 @@ def _index(geometry: Geometry, layer: int, linear: bool) -> int:
     return sum((k.kind == LINEAR) == linear for k in geometry.kinds[:layer])
 
 
+def kv_range(geometry: Geometry, layers: Range) -> Range:
+    """The K/V layers (the paged caches' numbering) among model layers `layers`."""
+    if geometry.kinds is None:
+        return layers
+    return (_index(geometry, layers[0], False), _index(geometry, layers[1], False))
+
+
 def state_range(geometry: Geometry, layers: Range) -> Range:
     """The state-pool layers of a state span over (linear) model layers `layers`."""
     return (_index(geometry, layers[0], True), _index(geometry, layers[1], True))

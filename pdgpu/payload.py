@@ -1,5 +1,7 @@
 """Export only (`--no-compute`): a known payload written into the source cache instead of
-prefill, and checked byte-exact in the decoder's slab once it landed.
+prefill, and checked byte-exact in the decoder's slab once it landed. A hybrid's K/V layers
+carry it where their spans do (a sliding layer its window), and its state spans the zeros of
+a state slot nothing computed into (a slot is zeroed when taken): the decoder's must hold them.
 
 The value of (layer, token) is `(31 * layer + token) % 251 + 1` over every K/V element: exact
 in every float dtype (integers <= 256), different between neighbouring tokens and layers, so
@@ -30,11 +32,17 @@ def fill_payload(src: RequestKV, layers: Range, tokens: Range) -> None:
         kv.index_copy_(1, index, values.expand(2, -1, kv.shape[2], kv.shape[3]))
 
 
-def payload_matches(pool: DecoderPool, slab: Slab) -> bool:
-    """Whether the slab holds exactly the payload of its tokens [prefix, prompt), every layer."""
-    for layer in range(pool.kv.shape[0]):
-        got = pool.kv[layer].index_select(1, slab.slots)  # [2, n, KVH, D]
-        want = payload_values(layer, (slab.prefix, slab.prompt), got.dtype, got.device)
-        if not bool((got == want).all()):
-            return False
-    return True
+def payload_matches(pool: DecoderPool, slab: Slab, groups, state_slot: int | None) -> bool:
+    """Whether the slab holds exactly the payload where the spans land it (`groups`:
+    handoff.kv_groups of the life's suffix: K/V layers x tokens), and (a hybrid with linear
+    layers) the decoder's `state_slot` holds zeros."""
+    for group in groups:
+        slots = slab.slots[group.tokens[0] - slab.prefix:group.tokens[1] - slab.prefix]  # [n]
+        for layer in range(*group.layers):
+            got = pool.kv[layer].index_select(1, slots)  # [2, n, KVH, D]
+            want = payload_values(layer, group.tokens, got.dtype, got.device)
+            if not bool((got == want).all()):
+                return False
+    if state_slot is None:
+        return True
+    return not any(bool(part.any()) for part in pool.states.read(state_slot))

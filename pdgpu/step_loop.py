@@ -15,6 +15,7 @@ from collections import deque
 import attrs
 
 from pdgpu.engine_ledger import LifeKV
+from pdgpu.handoff import kv_range
 from pdgpu.payload import fill_payload
 from pdgpu.prefill import Prefill
 from pdgpu.recorder import Recorder
@@ -77,7 +78,7 @@ class StepLoop:
     def _compute(self, loop: Loop, step: Step) -> None:
         """Launch one step's compute (on CUDA this only enqueues kernels)."""
         if self.config.no_compute:
-            fill_payload(loop.life.src, step.layers, step.tokens)
+            fill_payload(loop.life.src, kv_range(self.geometry, step.layers), step.tokens)
         elif self.config.mode is Mode.LAYER:
             loop.prefill.layer(step.layers[0])
         else:

@@ -128,9 +128,6 @@ def setup_check(spec: ModelSpec, config: EngineConfig, requests: list[Request]) 
     if config.mode is Mode.LAYER and unshipped_state(spec):
         raise WorkloadError("mode layer is refused for a recurrent model whose state no span "
                             "carries (CFG-1): layer streaming would carry attention KV only")
-    if config.no_compute and handoff_geometry(spec, config.page_tokens).kinds is not None:
-        raise WorkloadError("no_compute: the export-only payload is written for a dense "
-                            "model's K/V; a model with layer kinds (a hybrid) computes")
     if config.debug is not None and config.debug not in DEBUG_BREAKS:
         raise WorkloadError(f"debug must be one of {', '.join(tuple(DEBUG_BREAKS))}")
     _check_devices(config)

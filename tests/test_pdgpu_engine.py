@@ -15,6 +15,7 @@ from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine import Engine, EngineError
 from pdgpu.engine_ledger import EngineLedger
 from pdgpu.generate import prefill_chunks
+from pdgpu.handoff import kv_groups
 from pdgpu.model import build_model
 from pdgpu.payload import fill_payload, payload_matches, payload_values
 from pdgpu.prefill import Prefill
@@ -354,9 +355,10 @@ def test_payload_check_catches_a_misplaced_token():
         src = engine.source.open(40)
         fill_payload(src, (0, TINY.layers), (0, 40))
         engine.pool.kv.index_copy_(2, slab.slots, engine.source.kv.index_select(2, src.slots))
-        assert payload_matches(engine.pool, slab)
+        every = kv_groups(engine.geometry, (0, TINY.layers), (0, 40), 40, 0)
+        assert payload_matches(engine.pool, slab, every, None)
         engine.pool.kv[1, 0, int(slab.slots[7])] = engine.pool.kv[1, 0, int(slab.slots[8])]
-        assert not payload_matches(engine.pool, slab)
+        assert not payload_matches(engine.pool, slab, every, None)
 
 
 def test_failure_path_fences_before_abort_and_pages_follow_the_spec():

@@ -16,11 +16,13 @@ from pdgpu.cli import main as cli_main
 from pdgpu.compare import compare_modes
 from pdgpu.decode_batch import DecodeBatch, decode_tokens
 from pdgpu.decode_kv import DecodeCache
+from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine import Engine
 from pdgpu.generate import first_token, generate
-from pdgpu.handoff import handoff_geometry
+from pdgpu.handoff import handoff_geometry, kv_geometry
 from pdgpu.model import build_model
 from pdgpu.op_count import decode_step_ops
+from pdgpu.payload import payload_matches
 from pdgpu.source_cache import SourceCache
 from pdgpu.workload import EngineConfig, Request
 from pdref.check import check_lines
@@ -165,6 +167,52 @@ class _PoisonedEngine(Engine):
     def _allocate(self, plan, rec) -> None:
         super()._allocate(plan, rec)
         self.pool.kv.fill_(float("nan"))
+
+
+class _UnzeroedStateEngine(_PoisonedEngine):
+    """A poisoned engine whose decoder state slots are NaN when taken (not zeroed): a state
+    the spans did not land leaves NaN."""
+
+    def _allocate(self, plan, rec) -> None:
+        super()._allocate(plan, rec)
+        if self.pool.states is not None:
+            self.pool.states._zero = self.pool.states.scrub
+
+
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+def test_no_compute_hands_off_the_payload_and_zero_state(family, mode):
+    """`pdgpu run --no-compute` on a hybrid: the K/V payload lands where the spans carry it
+    (a sliding layer its window) and the state spans carry zeros of the state's size (the
+    decoder's slot starts NaN here), checked by the engine at admission; the trace passes
+    pdref with every state span at the real size; a prefix included."""
+    _, model, _ = family
+    requests = [Request("a", (0,) * 79), Request("b", (0,) * 150, 32)]
+    config = EngineConfig(mode=Mode(mode), chunk=32, warmup=False, no_compute=True,
+                          keep_kv=True)
+    result = _UnzeroedStateEngine(model, config).run(requests)
+    lines = [dumps(header_to_json(result.header)).encode()]
+    verdict = check_lines(lines + [dumps(event_to_json(e)).encode() for e in result.events])
+    assert verdict.ok, verdict.message
+    assert [o.first_token for o in result.outcomes] == [None, None]
+    issues = [e for e in result.events if e.kind == "issue"]
+    if model.state_shape is not None:
+        assert [sum(e.bytes for e in issues if e.state and e.req == r.req)
+                for r in requests] == [model.state_shape.nbytes] * 2
+        assert all(not part.any() for o in result.outcomes for part in o.state)
+
+
+def test_the_payload_check_refuses_a_state_that_is_not_zero(family):
+    """Export only: a decoder state slot holding anything but zeros fails the payload check
+    (what a state span carries when nothing was computed)."""
+    _, model, _ = family
+    if model.state_shape is None:
+        pytest.skip("no linear layers: no state")
+    pool = DecoderPool(kv_geometry(handoff_geometry(model.spec, 16)), 8, "cpu", torch.float32,
+                       model.state_shape)
+    slab, slot = pool.slab((0,), 0, 4), pool.states.take()
+    assert payload_matches(pool, slab, (), slot)
+    pool.states.conv[0, slot, 0, 0] = 1.0
+    assert not payload_matches(pool, slab, (), slot)
 
 
 def _reference_state(model, tokens: list[int]):
@@ -354,8 +402,11 @@ def test_the_command_line_runs_a_hybrid(family, capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["tokens"] == [
         generate(model, [5, 6, 7, 8, 9, 10, 11], 3, chunk=4)]
     assert json.loads(trace.read_text().splitlines()[0])["version"] == 3
-    assert cli_main(["run", "--model", str(folder), "--prompt", "20", "--no-compute"]) == 2
-    assert "no_compute" in capsys.readouterr().err  # its payload is a dense model's K/V
+    assert cli_main(["run", "--model", str(folder), "--prompt", "20", "--no-compute",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["first_token"] is None
+    assert cli_main(["run", "--model", str(folder), "--payload", "4096", "--no-compute"]) == 2
+    assert "payload: sizes a dense model's prompt" in capsys.readouterr().err
 
 
 

@@ -7,8 +7,8 @@ profile, and the held-out points' errors are the result. Tail error is reported 
 max(measured tail, 4 ms), so the target "25% or 1 ms, whichever is larger" reads as 25%.
 
 A hybrid model (a profile with `layer_types`, contract v3: pdgpu builds it from the same
-profile) validates its compute grid alone: its export-only payload would be a dense model's
-K/V, which `pdgpu run --no-compute` refuses for a hybrid.
+profile) validates its compute grid alone: the export-only runs are sized by `--payload` (a
+dense model's bytes per token), which `pdgpu run` refuses for a model with layer kinds.
 
 Export only (issue 11): `pdgpu run --no-compute --payload` over a paced link. A second
 profile is calibrated from the whole-copy export runs alone (two payloads, so per-byte and
