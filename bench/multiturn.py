@@ -287,23 +287,28 @@ def serve_setting(args, setting: str, system, sessions: list[Session], folder: P
 def trace_figures(trace: Path) -> dict:
     """The run's cache and bytes figures, read from its trace: the decoder's hit rate
     (`reserve` `prefix` over prompt tokens: pdsim's `prefix_cache_hit_rate`), the producers'
-    hit tokens (`computed` `hit`), the KV bytes its spans carried (`issue`: pdsim's `bytes`),
+    hit tokens (`computed` `hit`), the prompt tokens they computed (`computed` without a hit,
+    every layer), the KV bytes its spans carried (`issue`: pdsim's `bytes`),
     the pool and the caches' budgets (header)."""
     prompt = prefix = producer = handed = 0
     with trace.open() as f:
         header = json.loads(f.readline())
-        page_tokens = header["geometry"]["page_tokens"]
+        page_tokens, layers = header["geometry"]["page_tokens"], header["geometry"]["layers"]
+        computed = 0.0  # token-layers computed
         for line in f:
             e = json.loads(line)
             kind = e["kind"]
             if kind == "reserve":
                 prompt, prefix = prompt + e["prompt"], prefix + e["prefix"]
+            elif kind == "computed" and e.get("hit"):
+                producer += len(e["hit"]) * page_tokens
             elif kind == "computed":
-                producer += len(e.get("hit") or ()) * page_tokens
+                computed += (e["tokens"][1] - e["tokens"][0]) * (e["layers"][1] - e["layers"][0])
             elif kind == "issue":
                 handed += e["bytes"]
     return {"prefix_cache_hit_rate": prefix / prompt if prompt else 0.0,
             "producer_prefix_cache_hits": producer, "bytes": handed,
+            "computed_tokens": round(computed / layers),
             "pool_pages": header["pool_pages"],
             "producer_cache_pages": header.get("prefix_cache_pages", 0),
             "decoder_cache_pages": header.get("decoder_cache_pages", 0)}

@@ -46,8 +46,8 @@ from pdsim.fit.calibrate import calibrate, profile_toml  # noqa: E402
 from pdsim.fit.validate_serving import under_load  # noqa: E402
 from pdsim.options import add_run_options, run_setup  # noqa: E402
 
-FIGURES = ("prefix_cache_hit_rate", "producer_prefix_cache_hits", "bytes", "ttft_p50_s",
-           "ttft_p99_s", "tokens_per_s")
+FIGURES = ("prefix_cache_hit_rate", "computed_tokens", "bytes", "ttft_p50_s", "ttft_p99_s",
+           "tokens_per_s")
 
 
 def _parse(argv):
@@ -58,10 +58,27 @@ def _parse(argv):
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for folder in [*args.train, *args.test]:
-        if not (folder / "report.json").is_file():
-            p.error(f"--train/--test: {folder} holds no report.json (bench/multiturn.py "
-                    "--trace-dir FOLDER --json > FOLDER/report.json)")
+        problem = _report_problem(folder)
+        if problem:
+            p.error(f"--train/--test: {folder}: {problem} (bench/multiturn.py --trace-dir "
+                    "FOLDER --json > FOLDER/report.json)")
     return args
+
+
+def _report_problem(folder: Path) -> str | None:
+    """Why `folder` is not a bench run to read, or None."""
+    path = folder / "report.json"
+    if not path.is_file():
+        return "holds no report.json"
+    try:
+        report = json.loads(path.read_text())
+    except ValueError:
+        return "report.json is not JSON (a run still writing it?)"
+    if not isinstance(report, dict) or not {"options", "runs"} <= report.keys():
+        return "report.json is not bench/multiturn.py's report"
+    missing = [r["setting"] for r in report["runs"]
+               if not (folder / f"{r['setting']}.jsonl").is_file()]
+    return f"no trace of setting {missing[0]!r}" if missing else None
 
 
 def measured(folder: Path) -> list[dict]:
@@ -113,9 +130,18 @@ def predict(row: dict, profile: Path, slowdown: float | None) -> dict:
     cfg, requests = run_setup(sim_args(row, profile))
     if slowdown is not None:
         cfg = attrs.evolve(cfg, costs=under_load(cfg.costs, free_share(row), slowdown))
-    sim = {"prefix_cache_hit_rate": 0.0, "producer_prefix_cache_hits": 0,  # no cache: none
-           **workload_metrics(simulate(cfg, requests))}
+    result = simulate(cfg, requests)
+    sim = {"prefix_cache_hit_rate": 0.0,  # no cache: no hit
+           **workload_metrics(result), "computed_tokens": computed_tokens(result)}
     return {k: sim.get(k) for k in FIGURES}
+
+
+def computed_tokens(result) -> int:
+    """Prompt tokens the simulated producers computed (`computed` events without a hit)."""
+    layers = result.cfg.geometry.layers
+    done = sum((e.tokens[1] - e.tokens[0]) * (e.layers[1] - e.layers[0])
+               for e in result.protocol if e.kind == "computed" and not getattr(e, "hit", None))
+    return round(done / layers)
 
 
 def fit(train: list[dict], folder: Path, host_cores: int, host_load: bool) -> tuple:

@@ -120,45 +120,61 @@ def test_the_cache_changes_no_answer_and_counts_what_it_skipped(tiny_run):
 
 
 def test_pdsim_plays_the_same_workload_as_the_bench(tiny_run):
-    """Calibrated on the tiny run's own traces, pdsim's run of the same options hands off
-    exactly the bytes the server did (the same prompts), with and without the host load the
-    bench measured as an input; every figure is predicted."""
+    """Calibrated on the tiny run's own traces, pdsim's uncached run of the same options
+    hands off exactly the bytes the server did and computes every prompt token (the same
+    prompts), with and without the host load the bench measured as an input; every figure
+    is predicted. (With the cache, which turns hit depends on timing: sessions' first turns
+    race for the system prompt's pages.)"""
     _, report, folder = tiny_run
     (folder / "report.json").write_text(json.dumps(report))
     for run in report["runs"]:
-        assert 0 <= run["host_load"]["taken_cores"] <= run["host_load"]["cores"]
+        assert run["host_load"]["taken_cores"] >= 0
     rows = multiturn_sim.compare(multiturn_sim._parse(["--train", str(folder)]))
     settings = [r["setting"] for r in report["runs"]]
     assert [(r["host_load"], r["setting"]) for r in rows] == \
         [(True, s) for s in settings] + [(False, s) for s in settings]
     for row in rows:
         assert row["role"] == "calibration"
-        assert row["predicted"]["bytes"] == row["measured"]["bytes"] > 0
+        if row["setting"] == "off":
+            prompts = sum(t["prompt"] for t in report["runs"][0]["turns"])
+            assert row["predicted"]["bytes"] == row["measured"]["bytes"] > 0
+            assert row["predicted"]["computed_tokens"] == row["measured"]["computed_tokens"] \
+                == prompts
         assert all(row["predicted"][k] is not None for k in multiturn_sim.FIGURES)
 
 
 def test_the_trace_figures_count_reserves_hits_and_spans(tmp_path):
     """Hit rate from reserve prefixes over prompts, producer hit tokens from computed hits,
-    bytes from issues, the pool and the producer's cache budget from the header."""
-    rows = [{"kind": "header", "version": 4, "pool_pages": 9, "geometry": {"page_tokens": 4},
-             "prefix_cache_pages": 5},
+    tokens computed from the other computed events (layer by layer too), bytes from issues,
+    the pool and the producer's cache budget from the header."""
+    rows = [{"kind": "header", "version": 4, "pool_pages": 9, "prefix_cache_pages": 5,
+             "geometry": {"page_tokens": 4, "layers": 2}},
             {"kind": "reserve", "req": "a", "prompt": 10, "prefix": 0},
             {"kind": "computed", "req": "a", "layers": [0, 2], "tokens": [0, 10]},
             {"kind": "issue", "req": "a", "bytes": 100},
             {"kind": "reserve", "req": "b", "prompt": 30, "prefix": 8},
             {"kind": "computed", "req": "b", "layers": [0, 2], "tokens": [8, 16],
              "hit": [3, 4]},
+            {"kind": "computed", "req": "b", "layers": [0, 1], "tokens": [16, 30]},
+            {"kind": "computed", "req": "b", "layers": [1, 2], "tokens": [16, 30]},
             {"kind": "issue", "req": "b", "bytes": 220}]
     trace = tmp_path / "on.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert multiturn.trace_figures(trace) == {
         "prefix_cache_hit_rate": 8 / 40, "producer_prefix_cache_hits": 8, "bytes": 320,
+        "computed_tokens": 10 + 14,
         "pool_pages": 9, "producer_cache_pages": 5, "decoder_cache_pages": 0}
 
 
-def test_a_folder_without_a_report_is_refused(tmp_path, capsys):
-    """--train naming a folder with no report.json: one line, exit 2."""
+@pytest.mark.parametrize("report, says", [
+    (None, "holds no report.json"), ("", "report.json is not JSON"),
+    ("[1]", "is not bench/multiturn.py's report"),
+    ('{"options": {}, "runs": [{"setting": "on"}]}', "no trace of setting 'on'")])
+def test_a_folder_that_is_not_a_bench_run_is_refused(tmp_path, capsys, report, says):
+    """--train naming a folder without a whole bench run: one line naming why, exit 2."""
+    if report is not None:
+        (tmp_path / "report.json").write_text(report)
     with pytest.raises(SystemExit) as stop:
         multiturn_sim.main(["--train", str(tmp_path)])
     assert stop.value.code == 2
-    assert "holds no report.json" in capsys.readouterr().err
+    assert says in capsys.readouterr().err
