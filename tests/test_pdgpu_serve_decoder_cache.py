@@ -5,34 +5,21 @@ legal (pdref check, version 4) and ends with every page free, under faults too."
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
-from serve_helpers import (
-    drawn_prompts,
-    events_of,
-    reference,
-    serve,
-    trace_ok,
-    write_sensitive_checkpoint,
-)
+from serve_helpers import drawn_prompts, events_of, serve, trace_ok, write_sensitive_checkpoint
+
+# the producer's cache tests' geometry and their cached reference (generate, no cache)
+from test_pdgpu_serve_prefix_cache import CHUNK, PAGE, SHARED, _reference
 
 from pdgpu.handoff import handoff_geometry
 from pdgpu.serve.models import model_spec
-
-CHUNK, PAGE = 16, 8
-SHARED = 48  # a system prompt every drawn prompt starts with
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return str(write_sensitive_checkpoint(tmp_path_factory.mktemp("ckpt") / "sensitive"))
-
-
-@functools.cache
-def _reference(model: str, tokens: tuple[int, ...], out: int) -> list[int]:
-    return reference(model, tokens, out, CHUNK, 0)
 
 
 def _prompts(path, count: int, out: int) -> list[dict]:
@@ -82,7 +69,7 @@ def test_decoder_hits_keep_tokens_and_only_the_rest_crosses(tmp_path, capsys, ch
     the spans carry exactly each life's [prefix, prompt): the hits' bytes never cross."""
     model = checkpoint if model == "sensitive" else model
     lines = _prompts(tmp_path / "p.jsonl", 7, 4)
-    code, results, trace, _ = _serve(tmp_path, capsys, model, lines, "--mode", mode,
+    code, results, trace, summary = _serve(tmp_path, capsys, model, lines, "--mode", mode,
                                      "--producers", str(producers), "--concurrency", "2",
                                      "--prefix-cache")
     assert code == 0 and json.loads(trace[0])["version"] == 4
@@ -94,6 +81,8 @@ def test_decoder_hits_keep_tokens_and_only_the_rest_crosses(tmp_path, capsys, ch
     assert repeated.get("q2", 0) >= SHARED  # a repeated prompt hits past the system prompt
     crossed = sum(e["bytes"] for e in events_of(trace, "issue"))
     reserves = events_of(trace, "reserve")
+    assert summary["decoder_cache_hits"] == sum(e["prefix"] for e in reserves)
+    assert summary["decoder_cache_queries"] == sum(len(x["tokens"]) for x in lines)
     assert crossed == sum(_kv_bytes(model, e["prompt"], e["prefix"]) for e in reserves)
     assert crossed < sum(_kv_bytes(model, len(x["tokens"]), 0) for x in lines)
     assert events_of(trace, "cache") and events_of(trace, "evict")  # drained at the end

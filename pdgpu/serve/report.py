@@ -106,8 +106,18 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "kv_bytes_by_lane": _received(decoder),  # which lane carried the bytes, measured
         "verify_s": ledger.kv_landing.verify_s,  # the decoder's seconds checking landed bytes
         "decode_graph_captures": _captures(decoder),
+        **_decoder_cache(decoder),
         **ledger.check_metrics(wall_s),  # live checks' share of wall, the audit's lag
     }
+
+
+def _decoder_cache(decoder: Decoder) -> dict:
+    """Prompt tokens each reserve looked up in the decoder's prefix cache and found there
+    (`--prefix-cache`; a retried request's every life counts), or nothing."""
+    cache = decoder.prefix_cache
+    if cache is None:
+        return {}
+    return {"decoder_cache_queries": cache.queries, "decoder_cache_hits": cache.hits}
 
 
 def _captures(decoder: Decoder) -> int | None:
