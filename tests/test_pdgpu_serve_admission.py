@@ -6,7 +6,7 @@ hybrid with linear layers, nothing of its state (landed where the decode step re
 from __future__ import annotations
 
 import pytest
-from serve_helpers import drawn_prompts, reference, serve, trace_ok
+from serve_helpers import drawn_prompts, events_of, reference, serve, trace_ok
 
 from pdgpu.op_count import bytes_copied
 from pdgpu.serve.decoder import Decoder
@@ -27,25 +27,31 @@ def _context_bytes(preset: str, prompt: int) -> int:
     return tokens * 2 * spec.kv_heads * spec.head_dim * 4
 
 
-@pytest.mark.parametrize("prefix", [0, 16], ids=["no-prefix", "prefix"])
+@pytest.mark.parametrize("prefix", ["no-prefix", "prefix", "prefix-cache"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3.5", "tiny-gemma3"])
 def test_admission_copies_the_context_once_into_decode_memory(tmp_path, monkeypatch, preset,
                                                                prefix):
     """One request at a time (each admitted into an empty decode cache, so no bucket grows
-    meanwhile): each admission copies exactly its context's K/V once, its state not at all;
-    the served tokens still equal `pdgpu generate`'s."""
+    meanwhile), with no prefix, the fixed `--prefix`, or the decoder's cache (the second
+    request hits the first's shared page): each admission copies exactly its context's K/V
+    once, its state not at all; the served tokens still equal `pdgpu generate`'s."""
     copied: dict[str, int] = {}
     admit = Decoder._admit
 
     def counted(self, t):
         copied[t.req] = bytes_copied(admit, self, t)[1]
     monkeypatch.setattr(Decoder, "_admit", counted)
-    prompts = drawn_prompts(tmp_path / "p.jsonl", 2, LENGTHS, 256, prefix, 3)
+    shared = 0 if prefix == "no-prefix" else 16  # leading tokens both prompts share
+    fixed = shared if prefix == "prefix" else 0
+    prompts = drawn_prompts(tmp_path / "p.jsonl", 2, LENGTHS, 256, shared, 3)
+    args = ["--prefix-cache"] if prefix == "prefix-cache" else ["--prefix", str(fixed)]
     code, results, trace = serve(
-        tmp_path, "--model", preset, "--prompts", str(tmp_path / "p.jsonl"), "--prefix",
-        str(prefix), "--chunk", str(CHUNK), "--concurrency", "1")
+        tmp_path, "--model", preset, "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
+        str(CHUNK), "--concurrency", "1", *args)
     assert code == 0
     trace_ok(trace)
+    hits = [e for e in events_of(trace, "reserve") if e.get("hit")]
+    assert len(hits) == (prefix == "prefix-cache")
     for line, result in zip(prompts, results, strict=True):
-        assert result["output"] == reference(preset, line["tokens"], 3, CHUNK, prefix)
+        assert result["output"] == reference(preset, line["tokens"], 3, CHUNK, fixed)
         assert copied[line["req"]] == _context_bytes(preset, len(line["tokens"])), line["req"]

@@ -52,7 +52,8 @@ def _decoder_hits(trace) -> list[dict]:
 
 
 def _kv_bytes(model: str, prompt: int, prefix: int) -> int:
-    """What the spans of a life over [prefix, prompt) carry (a sliding layer: its window)."""
+    """What the K/V spans of a life over [prefix, prompt) carry (a sliding layer: its window;
+    a linear layer none)."""
     geometry = handoff_geometry(model_spec(model, None), PAGE)
     return geometry.span_bytes((0, geometry.layers), (prefix, prompt), prompt, prefix)
 
@@ -60,13 +61,15 @@ def _kv_bytes(model: str, prompt: int, prefix: int) -> int:
 @pytest.mark.parametrize(("model", "mode", "producers"),
                          [("sensitive", "chunk", 1), ("sensitive", "whole", 2),
                           ("sensitive", "layer", 1), ("tiny-gemma3", "chunk", 1),
-                          ("tiny-gemma3", "layer", 2)])
+                          ("tiny-gemma3", "layer", 2), ("tiny-qwen3.5", "chunk", 1),
+                          ("tiny-qwen3.5", "whole", 2)])
 def test_decoder_hits_keep_tokens_and_only_the_rest_crosses(tmp_path, capsys, checkpoint,
                                                             model, mode, producers):
     """A shared system prompt and repeated prompts: later requests hit the decoder's cached
     whole chunks (at least one prompt token left to compute; Gemma 3: no page without its
-    sliding KV that their windows need), every token equals generate's without a cache, and
-    the spans carry exactly each life's [prefix, prompt): the hits' bytes never cross."""
+    sliding KV that their windows need; Qwen3.5: no state needed), every token equals
+    generate's without a cache, and the K/V spans carry exactly each life's [prefix, prompt):
+    the hits' bytes never cross."""
     model = checkpoint if model == "sensitive" else model
     lines = _prompts(tmp_path / "p.jsonl", 7, 4)
     code, results, trace, summary = _serve(tmp_path, capsys, model, lines, "--mode", mode,
@@ -79,7 +82,7 @@ def test_decoder_hits_keep_tokens_and_only_the_rest_crosses(tmp_path, capsys, ch
     assert all(e["prefix"] < e["prompt"] and len(e["hit"]) * PAGE == e["prefix"] for e in hits)
     repeated = {e["req"]: e["prefix"] for e in hits}
     assert repeated.get("q2", 0) >= SHARED  # a repeated prompt hits past the system prompt
-    crossed = sum(e["bytes"] for e in events_of(trace, "issue"))
+    crossed = sum(e["bytes"] for e in events_of(trace, "issue") if not e.get("state"))
     reserves = events_of(trace, "reserve")
     assert summary["decoder_cache_hits"] == sum(e["prefix"] for e in reserves)
     assert summary["decoder_cache_queries"] == sum(len(x["tokens"]) for x in lines)
