@@ -479,6 +479,7 @@ def test_without_the_cache_nothing_is_cached_or_counted(server):
         assert got.usage.prompt_tokens_details.cached_tokens == 0
     m = server.metrics()
     assert m["vllm:prefix_cache_queries_total{}"] == m["vllm:prefix_cache_hits_total{}"] == 0
+    assert m["pdgpu_decoder_prefix_cache_hits_total{}"] == 0
 
 
 def test_preset_token_ids_only_and_sigterm_drains(tmp_path):

@@ -83,7 +83,11 @@ def test_hits_change_no_token(served):
 
 def test_metrics_count_prompts_queried_and_tokens_cached(served):
     """vllm:prefix_cache_queries counts every prompt token looked up, vllm:prefix_cache_hits
-    the cached ones (the usages' sum)."""
-    _, got, metrics = served
+    the cached ones (the usages' sum); pdgpu_decoder_prefix_cache_hits the tokens the
+    decoder held (the trace's reserve prefixes), some here."""
+    srv, got, metrics = served
     assert counters(metrics) == (sum(u.prompt_tokens for u in usages(got)),
                                  sum(u.prompt_tokens_details.cached_tokens for u in usages(got)))
+    prefixes = [json.loads(line)["prefix"] for line in srv.trace.read_text().splitlines()[1:]
+                if '"kind":"reserve"' in line]
+    assert metrics["pdgpu_decoder_prefix_cache_hits_total{}"] == sum(prefixes) > 0

@@ -168,7 +168,7 @@ class Frontend:
         if t.admitted_t is not None and not handle.admitted:
             handle.admitted = True
             self.metrics.admitted(t)
-            self.metrics.prefix_cache(len(t.request.tokens), t.producer_hit)
+            self.metrics.prefix_cache(t)
         self.metrics.later_tokens(t, handle.sent, handle.sent + new)
 
     def abandon(self, reason: str) -> None:

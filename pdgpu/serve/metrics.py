@@ -45,6 +45,9 @@ class ServeMetrics:
                                       "terms of number of queried tokens.", registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of "
                                    "number of cached tokens.", registry=r)
+        self.decoder_hits = Counter("pdgpu_decoder_prefix_cache_hits", "Prompt tokens found "
+                                    "in the decoder's prefix cache (their KV did not cross)",
+                                    registry=r)
         self.prefix_cache_on = prefix_cache
         for outcome in ("ok", "cancelled", "failed", "rejected"):
             self.requests.labels(outcome)  # shown at 0 from the start
@@ -60,11 +63,13 @@ class ServeMetrics:
         first = t.token_t[0] if t.token_t else t.life.produced_t
         self.ttft.observe(first - t.arrival)
 
-    def prefix_cache(self, prompt: int, cached: int) -> None:
-        """An admitted request's prompt, as its producer looked it up in its cache."""
+    def prefix_cache(self, t) -> None:
+        """An admitted request's prompt, as its producer looked it up in its cache, and what
+        the decoder's cache held of it."""
         if self.prefix_cache_on:
-            self.prefix_queries.inc(prompt)
-            self.prefix_hits.inc(cached)
+            self.prefix_queries.inc(len(t.request.tokens))
+            self.prefix_hits.inc(t.producer_hit)
+            self.decoder_hits.inc(t.decoder_hit)
 
     def admitted(self, t) -> None:
         if t.reserved_t is not None:
