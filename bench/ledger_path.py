@@ -24,7 +24,6 @@ header = ev.Header("bench", "chunk", GEO, 16, 2)
 ledger = Ledger(header, "cpu", torch.float32)
 kv = torch.randn(2, 2, 4, 2, 4)
 dig = row_digests(kv)
-prefix = torch.zeros(2, 2, 0, 2, 4)
 start = time.perf_counter()
 cpu0 = time.process_time()
 for i in range(N):
@@ -37,7 +36,7 @@ for i in range(N):
         assert ledger.land(req, span, kv, dig) is None
     ledger.produced(req, 3)
     ledger.reuse(req, (0, 16))
-    ledger.admit(req, prefix)
+    ledger.admit(req)
     ledger.release(req)
     ledger.write_trace()
 wall = time.perf_counter() - start

@@ -153,3 +153,12 @@ def test_kernel_speed_bench_reports_ratios_and_a_profile(capsys):
     assert out["ours_decode_s"] > 0 and out["hf_decode_s"] > 0
     assert set(out["profile"]) == {"ours_chunked", "ours_decode"}
     assert all(row["aten_calls"] > 0 for row in out["profile"].values())
+
+
+def test_ledger_path_bench_runs_its_lives_through_the_ledger():
+    """bench/ledger_path.py (the A/B recipe of docs/architecture.md) runs against today's Ledger."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "ledger_path.py"), "20"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["checks"] >= 20 * 8 and figures["per_life_us"] > 0
