@@ -23,6 +23,7 @@ order (`reserve.hit`, `computed.hit`), `missing` the whole-page token runs a `ca
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
@@ -142,19 +143,27 @@ class PrefixIndex:
             raise ValueError(f"page {page!r} is not cached")
         return entry
 
+    def victims(self, count: int, keep: Iterable[Hashable] = ()) -> tuple:
+        """Up to `count` idle pages, least recently used first, none of `keep`: the pages
+        `evict` would take (an owner that records the event first asks this, then `remove`)."""
+        keep = set(keep)
+        return tuple(itertools.islice((p for p in self._idle if p not in keep), count))
+
+    def remove(self, pages: Iterable[Hashable]) -> None:
+        """These idle pages leave the index (the owner then frees them)."""
+        pages = tuple(pages)
+        held = [p for p in pages if p not in self._idle]
+        if held:
+            raise ValueError(f"pages {held} are not idle cached pages")
+        for page in pages:
+            del self._idle[page], self._page_of[self._entries.pop(page).key]
+
     def evict(self, count: int, keep: Iterable[Hashable] = ()) -> tuple:
         """Up to `count` idle pages, least recently used first, none of `keep`, leave the
         index: the page ids an `evict` names (the owner then frees them)."""
-        keep = set(keep)
-        out = []
-        for page in self._idle:
-            if len(out) == count:
-                break
-            if page not in keep:
-                out.append(page)
-        for page in out:
-            del self._idle[page], self._page_of[self._entries.pop(page).key]
-        return tuple(out)
+        out = self.victims(count, keep)
+        self.remove(out)
+        return out
 
     def room(self, want: int) -> tuple[tuple, int]:
         """(pages evicted, how many of `want` new pages now fit the budget): idle pages go,

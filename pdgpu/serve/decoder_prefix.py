@@ -76,10 +76,10 @@ class DecoderPrefix:
 
     def _evict(self, req: str, count: int, keep: Sequence[int] = ()) -> None:
         """Up to `count` idle pages out (the event first, then the index)."""
-        pages = [p for p in self.index.idle() if p not in keep][:count]
+        pages = self.index.victims(count, keep)
         if pages:
-            self.ledger.evict(req, pages)
-            self.index.evict(len(pages), keep)  # the same pages: the same LRU order
+            self.ledger.evict(req, list(pages))
+            self.index.remove(pages)
             self.no_sliding.difference_update(pages)
 
     def reserved(self, req: str, prompt: int, hit: tuple[int, ...]) -> None:
