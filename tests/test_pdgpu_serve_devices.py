@@ -5,6 +5,8 @@ run, and a served CPU run names its transport."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -146,3 +148,28 @@ def test_a_served_cpu_run_names_its_transport(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["transport"] == "shm"
     assert json.loads(trace[0])["transport"] == "shm"
+
+
+def test_a_link_that_joins_after_close_is_hung_up_and_starts_no_thread():
+    """A link that finishes joining once its transport closed (a restarted producer's, at the
+    end of a run) is not registered and leaves no thread of its own running."""
+    ends = []
+
+    def make(store, rank):
+        end = GlooTransport(store, rank, 20)
+        if rank == 0:
+            end.close(wait_s=0.0, flush_s=0.0)  # the decoder's end closes before the join ends
+        ends.append(end)
+        return end
+
+    linked_pair(make, join_s=20)
+    close_ends(ends[1:])
+    deadline = time.monotonic() + 5
+    while _link_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ends[0].links == {} and _link_threads() == []
+
+
+def _link_threads() -> list[str]:
+    return [t.name for t in threading.enumerate()
+            if t.name in ("pdgpu-send-1", "pdgpu-recv-1") and t.is_alive()]

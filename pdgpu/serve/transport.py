@@ -74,6 +74,8 @@ class GlooTransport:
         self.dropped: list[Link] = []  # kept: a group is not destroyed under a blocked recv
         self.inbox: queue.Queue = queue.Queue()
         self.closing = threading.Event()
+        self.closed = False  # set by close(): a link that finishes joining after it is hung up
+        self.registry = threading.Lock()  # close() against a late join's registration
 
     def peers(self) -> list[int]:
         return sorted(self.links)
@@ -106,13 +108,19 @@ class GlooTransport:
                                        name=f"pdgpu-recv-{peer}")
         link.sender = threading.Thread(target=self._send_loop, args=(link,), daemon=True,
                                        name=f"pdgpu-send-{peer}")
-        if self.generations.get(peer) != generation:  # given up while it connected
-            self._abort_data(link)
-            self.dropped.append(link)
-            return
-        self.links[peer] = link
-        link.thread.start()
-        link.sender.start()
+        with self.registry:
+            if self.closed:  # close() already ran: no thread of it may start now
+                self._abort_data(link)
+                hang_up(link.pg, link.other)
+                shared.close_ends(link.ring, link.views)
+                return
+            if self.generations.get(peer) != generation:  # given up while it connected
+                self._abort_data(link)
+                self.dropped.append(link)
+                return
+            self.links[peer] = link
+            link.thread.start()
+            link.sender.start()
 
     def _open(self, store, me: int, peer: int, generation: int) -> Link:
         """The gloo group, the lane both ends agree on, and that lane's own group if any."""
@@ -265,8 +273,11 @@ class GlooTransport:
         until each one's peer hung up (call once the peers are told to stop or are stopped);
         False when one is still blocked. Then every tensor group is aborted and every link
         still blocked is hung up from this side, so no thread of the transport outlives it
-        (its peer sees the link break, as it would at this process's exit)."""
-        links = list(self.links.values())
+        (its peer sees the link break, as it would at this process's exit). A link that
+        finishes joining after this (a restarted producer's) is hung up at once."""
+        with self.registry:
+            self.closed = True
+            links = list(self.links.values())
         deadline = time.monotonic() + flush_s
         for link in links:
             link.outbox.put(None)
