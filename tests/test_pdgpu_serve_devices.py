@@ -153,21 +153,17 @@ def test_a_served_cpu_run_names_its_transport(tmp_path, capsys):
 def test_a_link_that_joins_after_close_is_hung_up_and_starts_no_thread():
     """A link that finishes joining once its transport closed (a restarted producer's, at the
     end of a run) is not registered and leaves no thread of its own running."""
-    ends = []
+    class ClosesWhileJoining(GlooTransport):
+        def _open_data(self, link, store):  # its group is made, its threads not yet started
+            self.close(wait_s=0.0, flush_s=0.0)
 
-    def make(store, rank):
-        end = GlooTransport(store, rank, 20)
-        if rank == 0:
-            end.close(wait_s=0.0, flush_s=0.0)  # the decoder's end closes before the join ends
-        ends.append(end)
-        return end
-
-    linked_pair(make, join_s=20)
+    ends = linked_pair(lambda store, rank: (ClosesWhileJoining if rank == 0 else GlooTransport)(
+        store, rank, 20), join_s=20)
     close_ends(ends[1:])
     deadline = time.monotonic() + 5
     while _link_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert ends[0].links == {} and _link_threads() == []
+    assert ends[0].closed and ends[0].links == {} and _link_threads() == []
 
 
 def _link_threads() -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -28,6 +29,8 @@ GLOO, NCCL, STAGED = "gloo", "nccl", "gloo-staged"
 SHM, SHM_PINNED = "shm", "shm-pinned"
 SHARED = (SHM, SHM_PINNED)  # the shared-memory lanes
 NIXL = "nixl"  # both ends offer NIXL (transport_nixl.py), on the same kind of device
+POLL_S = 0.01  # a connecting end looks for the other's descriptor this often
+GIVE_UP_JOIN_S = 5.0  # most a connect given up waits for its thread to see it
 
 
 class TransportError(RuntimeError):
@@ -79,21 +82,36 @@ def _share_memory(mine: dict, theirs: dict) -> bool:
     return bool(mine.get("shm") and theirs.get("shm")) and mine.get("host") == theirs.get("host")
 
 
-def exchange_descriptors(store, me: int, mine: dict) -> dict:
-    """Publish this end's descriptor under the link's prefix; the other end's (waits for it
-    up to the store's timeout)."""
+def exchange_descriptors(store, me: int, mine: dict, timeout_s: float,
+                         given_up=lambda: False) -> dict:
+    """Publish this end's descriptor under the link's prefix; the other end's, looked for
+    every POLL_S up to `timeout_s`, TransportError once `given_up()` (a store's blocking wait
+    holds its client until the key comes: nothing could end it, and a peer that never comes
+    would keep it past the transport's close). Called before the link's process group is
+    made, so that group's blocking rendezvous starts only once the peer has reached its own."""
     store.set(f"pdgpu-device/{me}", orjson.dumps(mine))
-    return orjson.loads(store.get(f"pdgpu-device/{1 - me}"))
+    theirs, deadline = f"pdgpu-device/{1 - me}", time.monotonic() + timeout_s
+    while not store.check([theirs]):
+        if given_up():
+            raise TransportError("the connect was given up (the transport closed, or a peer "
+                                 "died)")
+        if time.monotonic() > deadline:
+            raise TransportError(f"no peer came within {timeout_s:g} s")
+        time.sleep(POLL_S)
+    return orjson.loads(store.get(theirs))
 
 
 def connect_in_thread(connect, rank: int, alive=lambda: None):
-    """`connect()` (it joins process groups: blocking) in a helper thread while `alive()`
-    checks the peers (it raises when one died); its result, or TransportError."""
+    """`connect(given_up)` (it joins process groups: blocking) in a helper thread while
+    `alive()` checks the peers (it raises when one died); its result, or TransportError. When
+    `alive()` raises, `given_up` is set and the thread waited for (GIVE_UP_JOIN_S at most), so
+    no connect goes on behind the error."""
     result: dict = {}
+    given_up = threading.Event()
 
     def run() -> None:
         try:
-            result["link"] = connect()
+            result["link"] = connect(given_up)
         except Exception as e:  # noqa: BLE001 - torch raises several types for one cause
             result["error"] = e
 
@@ -101,7 +119,12 @@ def connect_in_thread(connect, rank: int, alive=lambda: None):
     thread.start()
     while thread.is_alive():
         thread.join(timeout=0.1)
-        alive()
+        try:
+            alive()
+        except BaseException:
+            given_up.set()
+            thread.join(timeout=GIVE_UP_JOIN_S)
+            raise
     if "error" in result:
         raise TransportError(f"rank {rank}: cannot join the process group "
                              f"({first_line(result['error'])})")

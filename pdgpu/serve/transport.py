@@ -76,6 +76,7 @@ class GlooTransport:
         self.closing = threading.Event()
         self.closed = False  # set by close(): a link that finishes joining after it is hung up
         self.registry = threading.Lock()  # close() against a late join's registration
+        self.joins: list[threading.Thread] = []  # connect_async's, waited for by close()
 
     def peers(self) -> list[int]:
         return sorted(self.links)
@@ -102,8 +103,8 @@ class GlooTransport:
         low, high = sorted((self.rank, peer))
         store = dist.PrefixStore(f"link/{low}/{high}/{generation}", self.store)
         me = 0 if self.rank == low else 1
-        link = connect_in_thread(lambda: self._open(store, me, peer, generation), self.rank,
-                                 alive)
+        link = connect_in_thread(lambda given_up: self._open(store, me, peer, generation,
+                                                             given_up), self.rank, alive)
         link.thread = threading.Thread(target=self._receive, args=(link,), daemon=True,
                                        name=f"pdgpu-recv-{peer}")
         link.sender = threading.Thread(target=self._send_loop, args=(link,), daemon=True,
@@ -122,11 +123,14 @@ class GlooTransport:
             link.thread.start()
             link.sender.start()
 
-    def _open(self, store, me: int, peer: int, generation: int) -> Link:
-        """The gloo group, the lane both ends agree on, and that lane's own group if any."""
-        pg = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=self.timeout_s))
+    def _open(self, store, me: int, peer: int, generation: int, given_up) -> Link:
+        """The lane both ends agree on (their descriptors first: waiting for a peer that never
+        comes ends once this transport closes or `given_up` is set), the gloo group, and that
+        lane's own group if any."""
         mine = {**self.descriptor(), "host": shared.host_id(), "shm": self.token}
-        theirs = exchange_descriptors(store, me, mine)
+        theirs = exchange_descriptors(store, me, mine, self.timeout_s,
+                                      lambda: self.closed or given_up.is_set())
+        pg = dist.ProcessGroupGloo(store, me, 2, timedelta(seconds=self.timeout_s))
         link = Link(pg, me, peer, generation, choose_lane(mine, theirs))
         if link.lane in SHARED:  # the reader's (rank 0's) stem names the link's segments
             stem = (mine, theirs)[me]["shm"]
@@ -154,7 +158,10 @@ class GlooTransport:
                 return
             self.inbox.put(Message(peer, "joined", {}, (), generation))
 
-        threading.Thread(target=run, daemon=True, name=f"pdgpu-join-{peer}").start()
+        join = threading.Thread(target=run, daemon=True, name=f"pdgpu-join-{peer}")
+        with self.registry:
+            self.joins = [t for t in self.joins if t.is_alive()] + [join]
+        join.start()
 
     def drop(self, peer: int) -> None:
         """Tear down the link to `peer`: nothing more is sent over it or taken from it."""
@@ -293,7 +300,15 @@ class GlooTransport:
         self._hang_up(links + self.dropped)
         for link in links + self.dropped:  # once no receiving thread reads its slots
             shared.close_ends(link.ring, link.views)
+        self._end_joins()
         return quiet
+
+    def _end_joins(self) -> None:
+        """Wait for the joins still in flight: one waiting for its peer gives up at `closed`,
+        one that finishes is hung up (connect); HANG_UP_JOIN_S at most."""
+        deadline = time.monotonic() + HANG_UP_JOIN_S
+        for join in self.joins:
+            join.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _hang_up(self, links: list[Link]) -> None:
         """End the threads of links whose peer did not hang up: a blocked gloo operation
