@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -24,6 +25,7 @@ from serve_helpers import (
 from wait_helpers import in_thread
 
 from pdgpu.serve.faults import Fate, FaultSpec
+from pdgpu.serve.recovery import Recovery
 
 CHUNK = 16
 
@@ -201,50 +203,85 @@ def test_a_hung_producer_is_declared_dead_by_its_heartbeat(tmp_path, capsys, che
     assert any("silent for 1 s" in r for r in reasons), reasons  # the heartbeat found it
 
 
-def _first(decoder, want) -> str | None:
-    """Poll (from this thread) until a request satisfies `want`: its id (None after 60 s)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for t in list(decoder.tracked.values()):
-            if want(t):
-                return t.req
-        time.sleep(0.001)
-    return None
+class Turnstile:
+    """Holds the decoder's loop at each turn, just before its checks apply the cancels queued
+    so far, while another thread looks at its requests and cancels some (`visit`): what that
+    thread sees is what the cancels are applied to, however late either thread runs."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.barrier, self.open = threading.Barrier(2, timeout=120), False
+        watch = Recovery.watch
+
+        def held(recovery):
+            if not self.open:
+                self.barrier.wait()  # the visitor looks now ...
+                self.barrier.wait()  # ... and has cancelled what it chose
+            watch(recovery)
+        monkeypatch.setattr(Recovery, "watch", held)
+
+    def visit(self, look) -> None:
+        """`look()` at each turn while the loop is held, until it returns True or raises
+        (then the loop runs freely again), or until `close`."""
+        try:
+            while not self.open:
+                self.barrier.wait()
+                try:
+                    self.open = look()
+                except BaseException:
+                    self.open = True
+                    raise
+                finally:
+                    self.barrier.wait()
+        except threading.BrokenBarrierError:  # closed: the run ended first
+            return
+
+    def close(self) -> None:
+        self.open = True
+        self.barrier.abort()
 
 
-def test_the_cancel_call_ends_a_request_in_any_phase(tmp_path, capsys, checkpoint, started):
+def test_the_cancel_call_ends_a_request_in_any_phase(tmp_path, capsys, checkpoint, started,
+                                                      monkeypatch):
     """Decoder.cancel (the serving API, from another thread): a request not yet arrived, one
     with spans in flight, one decoding: each ends cancelled, nothing leaks, the others ok."""
     chosen, seen = {}, {}
+    turnstile = Turnstile(monkeypatch)
+
+    def look() -> bool:  # on this thread, the decoder's loop held; True once all are chosen
+        decoder = started["decoder"]
+        if "future" not in chosen:
+            try:
+                decoder.cancel("no-such-request")
+                seen["unknown"] = "accepted"
+            except KeyError:
+                seen["unknown"] = "KeyError"
+            chosen["future"] = "q11"
+            decoder.cancel("q11")
+        for phase, want in (("copying", lambda t: t.status == "prefill" and t.life and any(
+                                s is not None for s in t.life.spans.values())),
+                            ("decoding", lambda t: t.status == "running" and len(t.output) > 2)):
+            if phase not in chosen:
+                t = next((t for t in decoder.tracked.values()
+                          if want(t) and t.req not in chosen.values()), None)
+                if t is not None:
+                    chosen[phase] = t.req
+                    decoder.cancel(t.req)
+        return len(chosen) == 3
 
     def cancel_some():  # records what it saw; the test asserts on its own thread
         seen["started"] = started["event"].wait(120)
-        if not seen["started"]:
-            return
-        decoder = started["decoder"]
-        try:
-            decoder.cancel("no-such-request")
-            seen["unknown"] = "accepted"
-        except KeyError:
-            seen["unknown"] = "KeyError"
-        chosen["future"] = "q11"
-        decoder.cancel("q11")
-        chosen["copying"] = _first(decoder, lambda t: t.status == "prefill" and t.life
-                                   and any(s is not None for s in t.life.spans.values()))
-        if chosen["copying"] is None:
-            return
-        decoder.cancel(chosen["copying"])
-        chosen["decoding"] = _first(decoder, lambda t: t.status == "running"
-                                    and len(t.output) > 2 and t.req not in chosen.values())
-        if chosen["decoding"] is not None:
-            decoder.cancel(chosen["decoding"])
+        if seen["started"]:
+            turnstile.visit(look)
 
     finish = in_thread(cancel_some)
-    _, results, trace, summary = _run(
-        tmp_path, capsys, checkpoint, 12, 24, "--concurrency", "2", "--link-gbps", "0.0002")
-    finish()
+    try:
+        _, results, trace, summary = _run(
+            tmp_path, capsys, checkpoint, 12, 24, "--concurrency", "2", "--link-gbps", "0.0002")
+    finally:
+        turnstile.close()
+        finish()
     assert seen == {"started": True, "unknown": "KeyError"}, seen
-    assert None not in chosen.values(), f"no request reached every phase: {chosen}"
+    assert len(chosen) == 3, f"no request reached every phase: {chosen}"
     by_req = {r["req"]: r for r in results}
     assert {phase: by_req[req]["status"] for phase, req in chosen.items()} == {
         "future": "cancelled", "copying": "cancelled", "decoding": "cancelled"}
