@@ -57,6 +57,13 @@ def test_the_sessions_are_pdsims_workload():
     assert len(system) == 50
 
 
+# The tests on `tiny_run` get the timeout of two whole `pdgpu serve --http` lives (its setup
+# counts against the first of them): a hang guard, not a clock. Each life is CPU work
+# (python, torch imported twice, the models) a loaded machine stretches: 64 s at load 15,
+# 25 s of it before the port is printed (2026-12-05).
+TWO_SERVERS = pytest.mark.timeout(360)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("multiturn")
@@ -68,6 +75,7 @@ def tiny_run(tmp_path_factory):
     return code, json.loads(out.read_text()), folder
 
 
+@TWO_SERVERS
 def test_a_tiny_run_serves_every_turn_and_agrees_with_the_trace(tiny_run):
     """Every turn answered in full; the prompts the server reserved are the bench's, and the
     bytes handed off are the K/V of every prompt token the decoder did not hold already."""
@@ -86,6 +94,7 @@ def test_a_tiny_run_serves_every_turn_and_agrees_with_the_trace(tiny_run):
         assert run["bytes_handed_off"] == crossed * per_token > 0
 
 
+@TWO_SERVERS
 def test_a_tiny_run_keeps_think_times_and_consistent_figures(tiny_run):
     """A turn is sent no sooner than its think time after the previous answer's last token;
     TTFT p50 <= p99; tokens/s is the output over the run's wall time."""
@@ -102,6 +111,7 @@ def test_a_tiny_run_keeps_think_times_and_consistent_figures(tiny_run):
         assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
 
 
+@TWO_SERVERS
 def test_the_cache_changes_no_answer_and_counts_what_it_skipped(tiny_run):
     """With the cache the answers are the uncached run's; its hit rate is the cached tokens
     over the prompt tokens, the usages' cached tokens sum to the hits, the trace's producer
@@ -119,6 +129,7 @@ def test_the_cache_changes_no_answer_and_counts_what_it_skipped(tiny_run):
     assert on["bytes_handed_off"] < off["bytes_handed_off"]
 
 
+@TWO_SERVERS
 def test_pdsim_plays_the_same_workload_as_the_bench(tiny_run):
     """Calibrated on the tiny run's own traces, pdsim's uncached run of the same options
     hands off exactly the bytes the server did and computes every prompt token (the same
