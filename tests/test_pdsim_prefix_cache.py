@@ -89,6 +89,54 @@ def test_the_producer_computes_only_what_it_lacks(tmp_path, capsys):
     assert computed(cached) < computed(plain)
 
 
+def _computed_from(events, layers: int) -> dict:
+    """req -> (its producer hit's end, the prompt tokens it computed at every layer, where
+    its computing started)."""
+    out = {}
+    for e in events:
+        if e.kind != "computed":
+            continue
+        hit, done, first = out.get(e.req, (0, 0, None))
+        if getattr(e, "hit", None):
+            assert e.tokens[0] == 0, e
+            hit = e.tokens[1]
+        else:
+            done += (e.tokens[1] - e.tokens[0]) * (e.layers[1] - e.layers[0])
+            first = e.tokens[0] if first is None else min(first, e.tokens[0])
+        out[e.req] = (hit, done, first)
+    return {req: (hit, done / layers, first) for req, (hit, done, first) in out.items()}
+
+
+def _assert_computes_all_but_its_own_hit(events, layers: int) -> None:
+    """Each life computes exactly [P, prompt) of every layer, P being its producer's own
+    hit (whatever the decoder holds), and its KV spans carry [prefix, prompt) of a full
+    layer at most, never a token below its prefix."""
+    reserves = {e.req: e for e in events if e.kind == "reserve"}
+    for req, (hit, done, first) in _computed_from(events, layers).items():
+        assert first == hit and done == reserves[req].prompt - hit, req
+    for e in events:
+        if e.kind == "issue" and not e.state and e.tokens[0] < e.tokens[1]:
+            assert e.tokens[0] >= reserves[e.req].prefix, e
+
+
+@pytest.mark.parametrize("mode", ["whole", "chunk", "layer"])
+def test_the_producer_computes_what_the_decoder_holds_and_it_lacks(mode, tmp_path, capsys):
+    """The decoder caches, the producer cannot (0 pages): a later turn's prefix is the
+    decoder's, so only the rest crosses, but its producer computes the whole prompt, as
+    pdgpu's does (attention over the rest needs the prefix's KV on the producer)."""
+    args = [*SESSIONS, "--mode", mode, "--decoder-cache-pages", "4096",
+            "--producer-cache-pages", "0"]
+    out, header, events = _run(tmp_path, capsys, *args)
+    reserves = [e for e in events if e.kind == "reserve"]
+    assert out["prefix_cache_hits"] > 0 and any(e.prefix for e in reserves)
+    computed = _computed_from(events, header.geometry.layers)
+    assert {req: (hit, done) for req, (hit, done, _) in computed.items()} == \
+        {e.req: (0, e.prompt) for e in reserves}
+    _assert_computes_all_but_its_own_hit(events, header.geometry.layers)
+    per_token = header.geometry.bytes_per_token_layer * header.geometry.layers
+    assert out["bytes"] == sum(e.prompt - e.prefix for e in reserves) * per_token
+
+
 def test_a_producer_hit_ends_where_a_chunk_ends(tmp_path, capsys):
     """pdgpu's exact-tokens rule: a producer's hit ends at a multiple of the chunk (96 here,
     six pages), so its prefill computes the chunks an uncached prefill computes; it caches
@@ -198,6 +246,7 @@ def test_any_cache_budget_pool_and_session_mix_is_legal(model, mode, decoder, pr
                     decoder_cache_pages=decoder, producer_cache_pages=producer)
     work = SessionWorkload(SessionSpec(4, 3, system, (8, 60), (4, 20), 0.05, 30.0, seed=seed))
     result = simulate(cfg, work)
+    _assert_computes_all_but_its_own_hit(result.protocol, geo.layers)
     assert result.leaked_pages == 0 and len(result.requests) == 12
     assert sum(e.kind == "release" for e in result.protocol) == 12
     assert result.header.version == 4

@@ -29,9 +29,11 @@ class Job:
     source_pages: int = 0  # source cache pages it holds on its producer until its `reuse`
     decode_last: int | None = None  # the decode step that gives its last token
     # (prefix cache) its slab's page ids, the decoder's cached pages it holds (hit and put
-    # in), its producer's it copies from, and the first token its producer computes
+    # in), its producer's hit (loaded, not computed) and the pages it put in there, and the
+    # first token its producer computes
     slab: tuple = ()
     decoder_pages: tuple = ()
+    source_hit: list = attrs.Factory(list)
     source_held: list = attrs.Factory(list)
     compute_from: int = 0
     # request.req, kept as a field: a run reads it several times per span

@@ -69,7 +69,10 @@ class PageCache:
             self.idle.pop(page, None)
 
     def let_go(self, pages) -> None:
-        for page in pages:
+        """One holder fewer of each page; idle ones become the most recently used, the run's
+        last page first (pdgpu's PrefixIndex.release: a leading page evicted strands the
+        pages after it, so it goes last)."""
+        for page in reversed(pages):
             self.refs[page] -= 1
             if not self.refs[page]:
                 self.idle[page] = None  # the most recently used idle page
@@ -159,17 +162,18 @@ class PrefixCaches:
         """After admission: the slab's whole pages inside whole chunks (pdgpu's: a partial
         last chunk's rows need not be the bits a whole chunk gives them) whose content the
         cache lacks go in, in runs of consecutive pages, within the budget (idle pages
-        evicted to make room)."""
+        evicted to make room), run by run as pdgpu's DecoderPrefix.publish."""
         request, pt = job.request, self.pt
         first, end = request.prefix // pt, request.prompt // self.chunk * self.chunk // pt
         keys = page_keys(request, pt, first, end)
         # the slab holds sliding KV only inside the windows: pages below go in without it
         sliding_from = max(self._window_starts(request.prompt, request.prefix),
                            default=request.prefix)
-        new = [k for k, key in enumerate(keys) if key not in self.decoder.page_of]
-        new = new[:self._budget_room(self.decoder, len(new), None)]
-        for run in _runs(new):
-            a, b = run[0], run[-1] + 1
+        for run in _runs([k for k, key in enumerate(keys) if key not in self.decoder.page_of]):
+            fit = self._budget_room(self.decoder, len(run), None)
+            if not fit:
+                continue
+            a, b = run[0], run[0] + fit
             pages = job.slab[a:b]
             self.emit(ev.Cache(self.sim.env.now, job.req, ((first + a) * pt, (first + b) * pt),
                                pages))
@@ -192,40 +196,45 @@ class PrefixCaches:
 
     # -- a producer ---------------------------------------------------------------------------
 
-    def producer_hit(self, name: str, request, start: int) -> list:
-        """The producer's pages of the request's whole pages from `start` (one token short),
-        up to a multiple of the chunk (pdgpu/source_prefix.py)."""
-        keys = page_keys(request, self.pt, start // self.pt, (request.prompt - 1) // self.pt)
-        return self._whole_chunks(self.producers[name].lookup(keys), start)
+    def producer_hit(self, name: str, request) -> list:
+        """The producer's pages of the request's leading whole pages (one token short), up to
+        a multiple of the chunk (pdgpu/source_prefix.py): looked up from token 0 whatever the
+        decoder holds, since attention over the rest needs every earlier token's KV here."""
+        keys = page_keys(request, self.pt, 0, (request.prompt - 1) // self.pt)
+        return self._whole_chunks(self.producers[name].lookup(keys), 0)
 
     def source_hit(self, name: str, job, pages) -> None:
-        """The life copies from the producer's `pages` (a `computed` with `hit`)."""
-        a = job.request.prefix
+        """The life loads the producer's `pages` instead of computing them (a `computed`
+        with `hit`); spans over them copy from them."""
         self.emit(ev.Computed(self.sim.env.now, job.req, (0, self.layers),
-                              (a, a + len(pages) * self.pt), tuple(pages)))
+                              (0, len(pages) * self.pt), tuple(pages)))
         self.producers[name].hold(pages)
-        job.source_held += list(pages)
+        job.source_hit = list(pages)
         self.producer_hits += len(pages) * self.pt
 
     def publish_producer(self, name: str, job, start: int) -> None:
-        """After the prefill: the pages it computed from `start`, inside the prompt's whole
-        chunks (pdgpu's rule, as the decoder's), go into its cache."""
+        """After the prefill: the pages it computed from `start` (those the decoder holds
+        too), inside the prompt's whole chunks (pdgpu's rule, as the decoder's), that its
+        cache lacks go in, run by run within the budget (source_prefix.SourcePrefix.keep)."""
         request, pt, cache = job.request, self.pt, self.producers[name]
         keys = page_keys(request, pt, start // pt, request.prompt // self.chunk * self.chunk // pt)
-        new = [k for k, key in enumerate(keys) if key not in cache.page_of]
-        new = new[:self._budget_room(cache, len(new), name)]
-        for run in _runs(new):
-            pages = tuple(range(self.names, self.names + len(run)))
-            self.names += len(run)
+        for run in _runs([k for k, key in enumerate(keys) if key not in cache.page_of]):
+            fit = self._budget_room(cache, len(run), name)
+            if not fit:
+                continue
+            pages = tuple(range(self.names, self.names + fit))
+            self.names += fit
             a = start + run[0] * pt
-            self.emit(ev.Cache(self.sim.env.now, job.req, (a, a + len(run) * pt), pages, name))
-            cache.add(keys[run[0]:run[-1] + 1], pages)
+            self.emit(ev.Cache(self.sim.env.now, job.req, (a, a + fit * pt), pages, name))
+            cache.add(keys[run[0]:run[0] + fit], pages)
             job.source_held += pages
 
     def reused(self, name: str, job) -> None:
-        """Its `reuse` of the whole prompt: it lets go of its producer pages."""
+        """Its `reuse` of the whole prompt: it lets go of its producer pages, its hit's then
+        those it put in (SourcePrefix.release)."""
+        self.producers[name].let_go(job.source_hit)
         self.producers[name].let_go(job.source_held)
-        job.source_held = []
+        job.source_hit, job.source_held = [], []
 
 
 def _runs(indices: list) -> list[list]:

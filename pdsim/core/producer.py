@@ -25,7 +25,7 @@ from pdsim.core.config import RequestSpec
 from pdsim.core.copier import Copier
 from pdsim.core.job import Job
 from pdsim.core.sender import Sender
-from pdsim.core.steps import Step, plan_steps
+from pdsim.core.steps import Step, plan_steps, upfront_span
 
 __all__ = ["Job", "Producer"]
 
@@ -79,15 +79,15 @@ class Producer(Sender):
     def assign(self, request: RequestSpec, hit=None) -> Job:
         """The decoder reserved the request's slab for this producer: it joins the queue.
         (prefix cache) `hit`: the decoder's cached pages of its leading tokens (its prefix);
-        the producer's own cached pages of what follows are copy sources, not computed."""
-        caches, source = self.sim.caches, ()
+        what the producer computes is known when it takes the life (`_plan_with_cache`)."""
+        caches = self.sim.caches
         if caches is not None:
             request = attrs.evolve(request, prefix=len(hit) * self.cfg.geometry.page_tokens)
-            source = caches.producer_hit(self.name, request, request.prefix)
-        start = request.prefix + len(source) * self.cfg.geometry.page_tokens
-        planned = request if not source else attrs.evolve(request, prefix=start)
-        job = self._new_job(request, plan_steps(self.cfg, planned, self.sim.chunk_steps))
-        job.owner, job.queued_work, job.compute_from = self, request.prompt - start, start
+        steps = [] if caches is not None else plan_steps(self.cfg, request, self.sim.chunk_steps)
+        job = self._new_job(request, steps)
+        # its queued work is its suffix, as pdgpu's decoder counts it (whatever the hit)
+        job.owner, job.queued_work = self, request.prompt - request.prefix
+        job.compute_from = request.prefix
         slot = self.monitor.free_state_slot(self.name) if self.state_slots else None
         job.slab = self.monitor.reserve(self.env.now, request.req, request.prompt,
                                         request.prefix, self.name, slot,
@@ -95,10 +95,6 @@ class Producer(Sender):
         if caches is not None:
             caches.reserved(request, hit)
             job.decoder_pages = tuple(hit)
-        if source:  # one span copies the cached pages: ready before any compute
-            caches.source_hit(self.name, job, source)
-            job.ready.append(Region((0, self.cfg.geometry.layers), (request.prefix, start)))
-            job.spans_total += 1
         self.load += job.queued_work
         self.queue.append(job)
         self._start_next()
@@ -108,21 +104,43 @@ class Producer(Sender):
         return Job(request, steps, spans_total=sum(len(s.spans) for s in steps))
 
     def _start_next(self) -> None:
-        """An idle compute stream takes the queue's head once its source fits."""
+        """An idle compute stream takes the queue's head once its source fits. (prefix
+        cache) Its own cache is looked up then, as pdgpu's producer opens a life: pages a
+        life ahead of it just computed are hits."""
         if self.job is not None or not self.queue:
             return
-        job = self.queue[0]
-        need = self.cfg.geometry.pages_for(job.request.prompt - job.request.prefix)
+        job, caches = self.queue[0], self.sim.caches
+        source = () if caches is None else caches.producer_hit(self.name, job.request)
+        start = len(source) * self.cfg.geometry.page_tokens if caches is not None \
+            else job.request.prefix
+        need = self.cfg.geometry.pages_for(job.request.prompt - start)
         if self.source_free is not None:
             if need > self.source_free:
                 return
             self.source_free -= need
             job.source_pages = need
         self.job = self.queue.popleft()
+        if caches is not None:
+            self._plan_with_cache(job, source, start)
         if job.ready:  # (prefix cache) the copy of its producer's cached pages goes first
             self._issue_ready(job)
             return
         self._next_step(job)
+
+    def _plan_with_cache(self, job: Job, source, start: int) -> None:
+        """Its producer hit (`source`, the pages of `[0, start)`) is not computed; it computes
+        `[start, prompt)` (tokens the decoder holds included: attention needs them) and sends
+        `[prefix, prompt)` (pdgpu's serve/producer_cache.py)."""
+        request = job.request
+        job.steps = plan_steps(self.cfg, request, self.sim.chunk_steps, start)
+        job.spans_total = sum(len(s.spans) for s in job.steps)
+        job.compute_from = start
+        if source:
+            self.sim.caches.source_hit(self.name, job, source)
+        upfront = upfront_span(self.cfg, request, start)
+        if upfront is not None:  # one span copies the hit's pages past the decoder's prefix
+            job.ready.append(upfront)
+            job.spans_total += 1
 
     def _unload(self, job: Job) -> None:
         """The job's prefill is no longer queued work (produced, or its life ended)."""

@@ -37,19 +37,61 @@ class Step(NamedTuple):
     spans: tuple[Region, ...] = ()
 
 
-def plan_steps(cfg: SimConfig, request: RequestSpec, memo: dict | None = None) -> list[Step]:
+def plan_steps(cfg: SimConfig, request: RequestSpec, memo: dict | None = None,
+               start: int | None = None) -> list[Step]:
     """The producer's steps for one request (`pdref.plan.plan_steps`), with their costs.
-    `memo`: a run's steps by chunk (requests share their chunks: one Step value serves all)."""
-    steps = plan.plan_steps(cfg.mode, cfg.geometry, request.prompt, request.prefix, cfg.chunk,
+    `memo`: a run's steps by chunk (requests share their chunks: one Step value serves all).
+    `start` (where a producer's own cache hit ends): compute from it (`_spans_from`)."""
+    first = request.prefix if start is None else start
+    steps = plan.plan_steps(cfg.mode, cfg.geometry, request.prompt, first, cfg.chunk,
                             compute=not cfg.no_compute)
+    if first != request.prefix:
+        steps = _spans_from(cfg, steps, request)
     if cfg.no_compute:  # export only: the payload is written (fill), then copied
         fill = cfg.costs.fill_byte_s
         return [Step(s.layers, s.tokens, fill * _region_bytes(cfg, s), s.spans) for s in steps]
     if cfg.mode is not Mode.LAYER:  # whole and chunk modes: each step its chunk, every layer
         return _chunk_steps(cfg, steps, {} if memo is None else memo)
-    chunks = plan.plan_chunks(request.prompt, request.prefix, cfg.chunk)
+    chunks = plan.plan_chunks(request.prompt, first, cfg.chunk)
     per_layer = sum(cfg.costs.compute_s(t) for t in chunks) / cfg.geometry.layers
     return [Step(s.layers, s.tokens, _step_cost(cfg, s, per_layer), s.spans) for s in steps]
+
+
+def _spans_from(cfg: SimConfig, steps: list[plan.Step], request: RequestSpec) -> list:
+    """Steps that compute from a producer hit's end `start` (pdref's, planned from it) with
+    the spans of the life's `[prefix, prompt)` instead, as pdgpu's producer sends them
+    (serve/producer_cache.plan_with_hit): chunk mode, each chunk's part at or after
+    `prefix` (a chunk below it computes KV the decoder holds: attention needs it, nothing
+    crosses); whole and layer mode, pdref's spans of `[prefix, prompt)`, after the last
+    step or each layer's. `upfront_span` is the copy of `[prefix, start)` from the hit."""
+    prompt, prefix = request.prompt, request.prefix
+    if cfg.mode is Mode.CHUNK:
+        return [plan.Step(s.layers, s.tokens, _clipped(s.spans, prefix)) for s in steps]
+    spans = plan.plan_spans(cfg.mode, cfg.geometry, prompt, prefix, cfg.chunk)
+    if cfg.mode is Mode.WHOLE or cfg.no_compute:
+        return [plan.Step(s.layers, s.tokens, tuple(spans) if i == len(steps) - 1 else ())
+                for i, s in enumerate(steps)]
+    return [plan.Step(s.layers, s.tokens, tuple(r for r in spans if r.layers == s.layers))
+            for s in steps]
+
+
+def _clipped(spans: tuple[Region, ...], prefix: int) -> tuple[Region, ...]:
+    """Chunk spans without their tokens below `prefix` (state spans as they are); the same
+    tuple when none reaches below it (pdref shares a chunk's spans: `_chunk_steps` memo)."""
+    if all(r.state or r.tokens[0] >= prefix for r in spans):
+        return spans
+    return tuple(r if r.state or r.tokens[0] >= prefix
+                 else Region(r.layers, (prefix, r.tokens[1]))
+                 for r in spans if r.state or r.tokens[1] > prefix)
+
+
+def upfront_span(cfg: SimConfig, request: RequestSpec, start: int) -> Region | None:
+    """Chunk mode with a producer hit past the decoder's (`start` > prefix): the span of
+    `[prefix, start)` copied from the hit's pages before any compute (pdgpu's `upfront`);
+    else None (whole and layer mode: pdref's spans of `[prefix, prompt)` carry it)."""
+    if cfg.mode is not Mode.CHUNK or start <= request.prefix:
+        return None
+    return Region((0, cfg.geometry.layers), (request.prefix, start))
 
 
 def _chunk_steps(cfg: SimConfig, steps: list[plan.Step], memo: dict) -> list[Step]:
