@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pdgpu import prefix_index
 from pdgpu.prefix_index import PrefixIndex, page_keys
 
 PT = 2  # tokens a page: small, so random sequences share pages often
@@ -44,6 +47,52 @@ def test_a_hit_stops_at_the_first_missing_page_and_within_the_limit():
     assert index.lookup(tokens, start=2) == ("b",)
     assert index.missing(tokens, 0, 6) == [(4, 6)]
     assert index.lookup([5, 6, 0, 0]) == ("a",)
+
+
+def test_a_key_chain_hashes_each_page_once_however_often_it_is_asked(monkeypatch):
+    """A kept KeyChain gives page_keys's keys, growing as asked, each page hashed once: a
+    request looked up on many turns (and then cached) costs one hash a page."""
+    calls = []
+    real = hashlib.blake2b
+    monkeypatch.setattr(prefix_index.hashlib, "blake2b",
+                        lambda data, **kw: calls.append(data) or real(data, **kw))
+    tokens = list(range(41))
+    index = PrefixIndex(page_tokens=4, budget=20)
+    chain = index.chain(tokens)
+    assert index.lookup(chain, limit=9) == () and len(calls) == 2
+    for _ in range(5):
+        assert index.lookup(chain, limit=40) == ()
+    assert len(calls) == 10
+    index.insert(chain, (0, 40), list(range(10)))
+    assert index.lookup(chain) == tuple(range(10)) and len(calls) == 10
+    assert chain.upto(41) == page_keys(tokens, 4)  # (hashed afresh: 10 more)
+
+
+def test_a_chain_of_another_paging_is_refused():
+    """An index refuses a chain made for other pages or another root: its keys differ."""
+    with pytest.raises(ValueError, match="key chain"):
+        PrefixIndex(page_tokens=2, budget=4).lookup(PrefixIndex(4, 4).chain([1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="key chain"):
+        PrefixIndex(2, 4, root=b"m").lookup(PrefixIndex(2, 4).chain([1, 2]))
+
+
+def test_a_page_with_a_snapshot_takes_its_cost_and_goes_with_it():
+    """Costs count in the budget: a run over it is refused; room evicts the LRU idle pages
+    until their costs free enough; `used` follows inserts, withdrawals and evictions."""
+    index = PrefixIndex(page_tokens=2, budget=6)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    with pytest.raises(ValueError, match="budget"):
+        index.insert(tokens, (0, 4), ["a", "b"], [1, 6])
+    with pytest.raises(ValueError, match="at least 1"):
+        index.insert(tokens, (0, 2), ["a"], [0])
+    index.insert(tokens, (0, 4), ["a", "b"], [1, 4])
+    assert index.used == 5
+    index.release(["a", "b"])  # b (its snapshot) is evicted first
+    assert index.room_for([1, 1]) == (("b",), 2) and index.used == 1
+    index.insert(tokens, (2, 6), ["c", "d"], [1, 1])
+    index.withdraw(["d"])
+    assert index.used == 2 and index.room_for([3, 3, 1]) == (("a",), 1)
+    assert index.idle_count() == 0 and index.idle_count(["c"]) == 0
 
 
 def test_bad_uses_are_refused():
@@ -81,6 +130,17 @@ class IndexMachine(RuleBasedStateMachine):
     def _held_prefixes(self) -> dict:
         return {tuple(p[0]): page for page, p in self.pages.items()}
 
+    def _used(self) -> int:
+        return sum(v[3] for v in self.pages.values())
+
+    def _model_room(self, want: int) -> list:
+        """LRU idle pages out until `want` more units fit (or none is idle)."""
+        gone = []
+        while self.idle and self._used() + want > self.index.budget:
+            gone.append(self.idle.pop(0))
+            del self.pages[gone[-1]]
+        return gone
+
     def _model_evict(self, count: int) -> list:
         gone = self.idle[:count]
         self.idle = self.idle[count:]
@@ -90,25 +150,30 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(tokens=sequences, data=st.data())
     def cache(self, tokens, data):
-        """Put the missing whole pages of a range in, making room by LRU like the owners do."""
+        """Put the missing whole pages of a range in, each taking 1..3 units of the budget (a
+        snapshot kept with it), making room by LRU like the owners do; the tokens given as
+        they are or as a kept key chain."""
         whole = len(tokens) // PT
         end = data.draw(st.integers(0, whole)) * PT
         start = data.draw(st.integers(0, end // PT)) * PT
         held = self._held_prefixes()
         want = [k for k in range(start // PT, end // PT)
                 if tuple(tokens[:(k + 1) * PT]) not in held]
-        runs = self.index.missing(tokens, start, end)
+        keys = self.index.chain(tokens) if data.draw(st.booleans()) else tokens
+        runs = self.index.missing(keys, start, end)
         assert [k for a, b in runs for k in range(a // PT, b // PT)] == want
         for a, b in runs:
-            evicted, fit = self.index.room((b - a) // PT)
-            over = max(0, len(self.pages) + (b - a) // PT - self.index.budget)
-            assert list(evicted) == self._model_evict(min(over, len(self.idle)))
-            assert fit == max(0, min((b - a) // PT, self.index.budget - len(self.pages)))
+            n = (b - a) // PT
+            costs = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+            evicted, fit = self.index.room_for(costs)
+            assert list(evicted) == self._model_room(sum(costs))
+            free = self.index.budget - self._used()
+            assert fit == len([c for c in itertools.accumulate(costs) if c <= free])
             ids = list(range(self.names, self.names + fit))
             self.names += fit
-            self.index.insert(tokens, (a, a + fit * PT), ids)
+            self.index.insert(keys, (a, a + fit * PT), ids, costs[:fit])
             for i, page in enumerate(ids):
-                self.pages[page] = [tokens[:a + (i + 1) * PT], a + i * PT, 1]
+                self.pages[page] = [tokens[:a + (i + 1) * PT], a + i * PT, 1, costs[i]]
             self.holds += ids
 
     @rule(tokens=sequences)
@@ -162,7 +227,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert {p: (e.first, e.refs) for p, e in entries.items()} == \
             {p: (v[1], v[2]) for p, v in self.pages.items()}
         assert list(self.index.idle()) == self.idle
-        assert len(self.index) <= self.index.budget
+        assert self.index.used == self._used() <= self.index.budget
         assert sorted(p for p, v in self.pages.items() if v[2] == 0) == sorted(self.idle)
         held = {}
         for page in self.holds:
