@@ -104,13 +104,11 @@ class PrefixIndex:
         """The budget's units the cached pages take (their costs summed)."""
         return self._used
 
-    def chain(self, tokens: Sequence[int]) -> KeyChain:
-        """A chain of `tokens`' keys in this index's paging, to keep and pass again."""
-        return KeyChain(tokens, self.page_tokens, self.root)
-
-    def _chain(self, tokens: Sequence[int] | KeyChain) -> KeyChain:
+    def chain(self, tokens: Sequence[int] | KeyChain) -> KeyChain:
+        """A chain of `tokens`' keys in this index's paging, to keep and pass again (a chain
+        given: itself, if made for this paging)."""
         if not isinstance(tokens, KeyChain):
-            return self.chain(tokens)
+            return KeyChain(tokens, self.page_tokens, self.root)
         if (tokens.page_tokens, tokens.root) != (self.page_tokens, self.root):
             raise ValueError(f"key chain: {tokens.page_tokens}-token pages, root "
                              f"{tokens.root!r}; the index's: {self.page_tokens}, {self.root!r}")
@@ -118,7 +116,7 @@ class PrefixIndex:
 
     def keys(self, tokens: Sequence[int] | KeyChain, end: int | None = None) -> list[bytes]:
         """The keys of the whole pages of `tokens` [0, end) (all of them by default)."""
-        chain = self._chain(tokens)
+        chain = self.chain(tokens)
         return chain.upto(len(chain.tokens) if end is None else end)
 
     def lookup(self, tokens: Sequence[int] | KeyChain, start: int = 0,

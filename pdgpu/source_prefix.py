@@ -18,6 +18,16 @@ kept run's tokens and ids (`cache` with `producer`), the ids evicted (`evict`). 
 are pool page ids plus `id_base` (a restarted producer's ids never meet its
 predecessor's, still cached in the trace).
 
+With linear layers (Qwen3.5) a page at a hit's possible end keeps the state snapshot there
+(`StatePool.read`'s conv and recurrent state of every linear layer); it counts in the page
+budget as `snapshot_pages` pages (its bytes over a page's, rounded up) and leaves the cache
+with its page. A request's snapshots taken before `keep` are bounded by the budget too
+(`took_state`): the cache holds at most `budget` pages' worth of bytes, a prefill at most
+that many more until its `keep`.
+
+Where a method takes `tokens`, the request's `KeyChain` (`chain`) may stand for them: kept
+while the request waits, its pages are hashed once.
+
 A page may be *unconfirmed*: in the index, but its `cache` not yet recorded by whoever
 keeps the trace (the decoder drops the event of a request it already ended). No lookup
 returns it until `confirm`; a page whose `cache` was not recorded leaves again.
@@ -26,10 +36,11 @@ returns it until `confirm`; a page whose `cache` was not recorded leaves again.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import attrs
 
-from pdgpu.prefix_index import PrefixIndex
+from pdgpu.prefix_index import KeyChain, PrefixIndex
 from pdgpu.source_cache import RequestKV, SourceCache
 
 
@@ -83,6 +94,12 @@ class SourcePrefix:
         self.keeps_state = source.states is not None
         self.snapshots: dict[int, tuple] = {}
         self.step = math.lcm(chunk, self.page_tokens)  # where a hit may end
+        self.snapshot_pages = 0 if source.states is None else \
+            -(-source.states.shape.nbytes // (source.nbytes // source.pool.num_pages))
+
+    def chain(self, tokens: Sequence[int]) -> KeyChain:
+        """The key chain of a request's tokens, to keep while it waits."""
+        return self.index.chain(tokens)
 
     def ids(self, pages) -> tuple:
         """The trace's ids of pool pages."""
@@ -92,13 +109,15 @@ class SourcePrefix:
         """The trace's ids of a request's hit pages, in token order."""
         return self.ids(held.pages[:held.skip // self.page_tokens])
 
-    def lookup(self, tokens: list[int]) -> Hit:
+    def lookup(self, tokens: Sequence[int] | KeyChain) -> Hit:
         """The leading confirmed cached pages of `tokens`, cut to the tokens they let the
         prefill skip."""
-        found = self.index.lookup(tokens, limit=len(tokens) - 1)
+        chain = self.index.chain(tokens)
+        prompt = len(chain.tokens)
+        found = self.index.lookup(chain, limit=prompt - 1)
         usable = next((i for i, p in enumerate(found) if p in self.unconfirmed), len(found))
-        skip = self._skip(found, usable, len(tokens))
-        longer = self._skip(found, len(found), len(tokens))
+        skip = self._skip(found, usable, prompt)
+        longer = self._skip(found, len(found), prompt)
         return Hit(found[:skip // self.page_tokens], waiting=longer > skip)
 
     def _skip(self, found: tuple, usable: int, prompt: int) -> int:
@@ -112,9 +131,14 @@ class SourcePrefix:
 
     def took_state(self, held: Held, end: int, read) -> None:
         """(linear layers) After the chunk that ends at token `end`: `read()` (the request's
-        state then) is kept for the page ending there, if a hit may end there."""
+        state then) is kept for the page ending there, if a hit may end there and the
+        request's pages from its hit to there and its snapshots fit the budget (more could
+        never all enter the cache: `keep` puts pages in token order)."""
         if self.keeps_state and end % self.step == 0 and end > held.skip:
-            held.states[held.pages[end // self.page_tokens - 1]] = read()
+            cost = (end - held.skip) // self.page_tokens \
+                + (len(held.states) + 1) * self.snapshot_pages
+            if cost <= self.index.budget:
+                held.states[held.pages[end // self.page_tokens - 1]] = read()
 
     def snapshot(self, held: Held) -> tuple | None:
         """(linear layers) The state at the end of the request's hit, to load; else None."""
@@ -124,7 +148,7 @@ class SourcePrefix:
 
     def can_open(self, prompt: int, hit: Hit) -> bool:
         """Whether the pool has, or can free by eviction, the pages the rest needs."""
-        idle = sum(1 for p in self.index.idle() if p not in hit.pages)
+        idle = self.index.idle_count(hit.pages)
         return self._need(prompt, hit) <= self.source.pool.free_pages + idle
 
     def _need(self, prompt: int, hit: Hit) -> int:
@@ -147,20 +171,24 @@ class SourcePrefix:
             self.snapshots.pop(page, None)
         return self.ids(pages)
 
-    def keep(self, tokens: list[int], held: Held, start: int) -> Kept:
+    def keep(self, tokens: Sequence[int] | KeyChain, held: Held, start: int) -> Kept:
         """After the prefill: the whole pages of [start, prompt) inside whole chunks that
-        the index lacks go in, held by the request, unconfirmed, within the budget. (A page
-        of a partial last chunk stays out: a shorter chunk is another computation, whose
-        bits a later request's whole chunk need not reproduce.)"""
+        the index lacks go in, held by the request, unconfirmed, within the budget (a page
+        with its snapshot costs 1 + `snapshot_pages`). (A page of a partial last chunk stays
+        out: a shorter chunk is another computation, whose bits a later request's whole
+        chunk need not reproduce.)"""
+        chain = self.index.chain(tokens)
         pt, runs, evicted = self.page_tokens, [], ()
-        end = len(tokens) // self.chunk * self.chunk // pt * pt
-        for a, b in self.index.missing(tokens, start, max(start, end)):
-            gone, fit = self.index.room((b - a) // pt)
+        end = len(chain.tokens) // self.chunk * self.chunk // pt * pt
+        for a, b in self.index.missing(chain, start, max(start, end)):
+            costs = [1 + self.snapshot_pages * (p in held.states)
+                     for p in held.pages[a // pt:b // pt]]
+            gone, fit = self.index.room_for(costs)
             evicted += self._evict(gone)
             if not fit:
                 continue
             pages = held.pages[a // pt:a // pt + fit]
-            self.index.insert(tokens, (a, a + fit * pt), pages)
+            self.index.insert(chain, (a, a + fit * pt), pages, costs[:fit])
             self.unconfirmed.update(pages)
             held.cached += pages
             held.own = [p for p in held.own if p not in pages]

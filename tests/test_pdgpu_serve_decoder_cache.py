@@ -5,7 +5,9 @@ legal (pdref check, version 4) and ends with every page free, under faults too."
 
 from __future__ import annotations
 
+import hashlib
 import json
+from types import SimpleNamespace
 
 import pytest
 from serve_helpers import drawn_prompts, events_of, serve, trace_ok, write_sensitive_checkpoint
@@ -13,7 +15,9 @@ from serve_helpers import drawn_prompts, events_of, serve, trace_ok, write_sensi
 # the producer's cache tests' geometry and their cached reference (generate, no cache)
 from test_pdgpu_serve_prefix_cache import CHUNK, PAGE, SHARED, _reference
 
+from pdgpu import prefix_index
 from pdgpu.handoff import handoff_geometry
+from pdgpu.serve.decoder_prefix import DecoderPrefix
 from pdgpu.serve.models import model_spec
 
 
@@ -132,3 +136,25 @@ def test_decoder_cache_pages_needs_the_cache(tmp_path, capsys):
     assert main(["serve", "--requests", "2", "--no-progress", "--decoder-cache-pages", "4"]) == 2
     err = capsys.readouterr().err
     assert "decoder-cache-pages: needs --prefix-cache" in err and "Traceback" not in err
+
+
+def test_a_waiting_request_is_hashed_once_however_many_turns_it_waits(tmp_path, capsys,
+                                                                       checkpoint, monkeypatch):
+    """A pool of one slab: each request waits for room many scheduling turns (looked up on
+    each), yet the decoder hashes each of its prompt's pages once (its kept key chain), the
+    look-ups and the publishing of its pages included; tokens unchanged."""
+    calls, lookups = [], []
+    real_hash, real_lookup = hashlib.blake2b, DecoderPrefix.lookup
+    monkeypatch.setattr(prefix_index, "hashlib", SimpleNamespace(
+        blake2b=lambda data, **kw: calls.append(data) or real_hash(data, **kw)))
+    monkeypatch.setattr(DecoderPrefix, "lookup",
+                        lambda self, tokens: lookups.append(1) or real_lookup(self, tokens))
+    lines = _prompts(tmp_path / "p.jsonl", 5, 4)
+    code, results, trace, _ = _serve(tmp_path, capsys, checkpoint, lines, "--prefix-cache",
+                                     "--pool-pages", "12", "--concurrency", "5")
+    assert code == 0
+    _assert_tokens(checkpoint, lines, results, 4)
+    assert len(lookups) >= 3 * len(lines)  # the heads waited while others decoded
+    asked = [max((len(x["tokens"]) - 1) // PAGE, len(x["tokens"]) // CHUNK * CHUNK // PAGE)
+             for x in lines]  # the keys its look-ups and its publishing ask for
+    assert len(calls) == sum(asked)

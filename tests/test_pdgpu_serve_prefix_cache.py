@@ -4,7 +4,9 @@ tokens stay those of `generate` without the cache, traces are legal and leave no
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+from types import SimpleNamespace
 
 import pytest
 from serve_helpers import (
@@ -16,11 +18,20 @@ from serve_helpers import (
     watch_decoder,
     write_sensitive_checkpoint,
 )
+from test_pdgpu_serve_bugs import Recording
 
+from pdgpu import prefix_index
 from pdgpu.cli import main
 from pdgpu.generate import generate, generate_cached
+from pdgpu.model import build_model
+from pdgpu.serve.config import ServeConfig
 from pdgpu.serve.models import load_served_model
+from pdgpu.serve.producer import Producer
+from pdgpu.serve.transport import Message
 from pdgpu.source_prefix import skip_tokens
+from pdref.events import Mode
+from pdref.models import load_model
+from pdref.plan import plan_spans
 
 CHUNK, PAGE = 16, 8
 SHARED = 48  # the leading tokens every drawn prompt shares
@@ -180,3 +191,37 @@ def test_a_plan_with_a_hit_computes_from_the_hit_and_sends_from_the_prefix(mode,
         rows = sorted(r.tokens for r in sent if r.layers[0] <= layer < r.layers[1])
         assert rows[0][0] == prefix and rows[-1][1] == prompt
         assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+
+
+def test_a_prefill_waiting_for_room_is_hashed_once_however_many_turns_it_waits(monkeypatch):
+    """A producer whose pool fits one life: the second waits 30 turns (its prompt looked up
+    on each), yet each page of each prompt is hashed once (its kept key chain), every
+    look-up, the open and the caching of its pages included."""
+    calls = []
+    real = hashlib.blake2b
+    monkeypatch.setattr(prefix_index, "hashlib", SimpleNamespace(
+        blake2b=lambda data, **kw: calls.append(data) or real(data, **kw)))
+    config = ServeConfig("tiny", "whole", chunk=CHUNK, max_pending=64, page_tokens=PAGE,
+                         source_pages=12, prefix_cache_pages=12)
+    transport = Recording()
+    producer = Producer(transport, config, build_model(load_model("tiny"), seed=0), "p1")
+    first, second = list(range(1, 81)), list(range(101, 191))  # 10 and 12 pages
+    try:
+        producer._handle(Message(0, "prefill", {"handle": "a", "tokens": first}))
+        producer._handle(Message(0, "prefill", {"handle": "b", "tokens": second}))
+        while producer.active is not None or len(producer.waiting) == 2:
+            producer._step()
+        for _ in range(30):
+            producer._step()
+        assert producer.active is None and len(producer.waiting) == 1  # no room: it waits
+        transport.spans(len(plan_spans(Mode.WHOLE, producer.geometry, len(first), 0, CHUNK)))
+        producer._handle(Message(0, "cached", {"handle": "a", "recorded": True}))
+        producer._handle(Message(0, "reuse", {"handle": "a"}))  # a's pages idle: evicted
+        while producer.active is not None or producer.waiting:
+            producer._step()
+    finally:
+        producer.close()
+    # pages asked for: the look-ups' (prompt - 1 tokens), the caching's (whole chunks)
+    assert len(calls) == max(79 // PAGE, 80 // PAGE) + max(89 // PAGE, 80 // PAGE)
+    ops = transport.ops()
+    assert ops.count("cache") == 2 and ops.index("evict") > ops.index("produced")  # b's room

@@ -24,6 +24,7 @@ import torch
 from pdgpu.decode_batch import DecodeBatch, Forward, decode_logits, decode_tokens
 from pdgpu.decode_kv import DecodeCache
 from pdgpu.generate import step_at, stop_tokens
+from pdgpu.prefix_index import KeyChain
 from pdgpu.sampler import Sampler
 from pdgpu.serve.decoder_prefix import DecoderPrefix
 from pdgpu.serve.faults import FaultPolicy, FaultSpec
@@ -163,8 +164,7 @@ class Decoder:
     def _schedule(self) -> None:
         while self.waiting:
             t = self.waiting[0]
-            hit = () if self.prefix_cache is None else self.prefix_cache.lookup(
-                t.request.tokens)
+            hit = () if self.prefix_cache is None else self.prefix_cache.lookup(self._keys(t))
             prefix = len(hit) * self.ledger.geometry.page_tokens if hit else \
                 self.workload.prefix
             ready = self._room(t, prefix, hit) and self.members.ready()
@@ -173,6 +173,13 @@ class Decoder:
             rank = min(ready, key=lambda r: (self._load(r), r))
             self.waiting.popleft()
             self._reserve(t, rank, prefix, hit)
+
+    def _keys(self, t: Tracked) -> KeyChain:
+        """`t`'s prompt's key chain, made at its first look-up and kept until it is admitted:
+        each of its pages is hashed once however many turns it waits for room."""
+        if t.keys is None:
+            t.keys = self.prefix_cache.chain(t.request.tokens)
+        return t.keys
 
     def _room(self, t: Tracked, prefix: int, hit: tuple[int, ...]) -> bool:
         """The pool has the slab's pages, or frees them by evicting idle cached pages."""
@@ -205,9 +212,9 @@ class Decoder:
         self.members.send(life.producer, "reuse", {"handle": life.handle})
         t.seq = self.decode_cache.add_paged(*self.ledger.admit(t.req))  # the one copy
         if self.prefix_cache is not None:  # its slab's new whole pages, for later requests
-            self.prefix_cache.publish(t.req, t.request.tokens, life.prefix,
+            self.prefix_cache.publish(t.req, self._keys(t), life.prefix,
                                       self.ledger.slabs[t.req])
-            t.decoder_hit = life.prefix
+            t.decoder_hit, t.keys = life.prefix, None
         t.slot = self.sampler.open(t.request.sampling, t.request.tokens, [life.token])
         t.output = [life.token]
         t.logprobs = [] if life.logprob is None else [life.logprob]

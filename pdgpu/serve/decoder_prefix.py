@@ -25,13 +25,15 @@ first (refused: nothing changed):
   page of the pool free.
 A span that failed or landed wrong bytes never makes a page cached: such a life is never
 admitted (ADM-1), and only an admitted life publishes.
+`lookup` and `publish` take a request's tokens or its `KeyChain` (`chain`): the decoder keeps
+a waiting request's chain, so each of its pages is hashed once however many turns it waits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdgpu.prefix_index import PrefixIndex
+from pdgpu.prefix_index import KeyChain, PrefixIndex
 from pdgpu.serve.ledger import Ledger
 from pdgpu.source_prefix import skip_tokens
 
@@ -50,14 +52,20 @@ class DecoderPrefix:
         # prompt tokens looked up at reserve, and found cached (vLLM's counters)
         self.queries = self.hits = 0
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[int, ...]:
+    def chain(self, tokens: Sequence[int]) -> KeyChain:
+        """The key chain of a request's prompt, to keep while it waits."""
+        return self.index.chain(tokens)
+
+    def lookup(self, tokens: Sequence[int] | KeyChain) -> tuple[int, ...]:
         """The cached pages of `tokens`' leading whole chunks (see the module docstring),
         in token order; held by nobody yet."""
-        found = self.index.lookup(tokens, limit=len(tokens) - 1)
-        need = min(self._window_starts(len(tokens), 0), default=None)
+        chain = self.index.chain(tokens)
+        prompt = len(chain.tokens)
+        found = self.index.lookup(chain, limit=prompt - 1)
+        need = min(self._window_starts(prompt, 0), default=None)
         usable = next((k for k, page in enumerate(found) if page in self.no_sliding
                        and (k + 1) * self.page_tokens > need), len(found))
-        skip = skip_tokens(usable, self.page_tokens, self.chunk, len(tokens))
+        skip = skip_tokens(usable, self.page_tokens, self.chunk, prompt)
         return found[:skip // self.page_tokens]
 
     def _window_starts(self, prompt: int, prefix: int) -> list[int]:
@@ -89,20 +97,21 @@ class DecoderPrefix:
         self.queries += prompt
         self.hits += len(hit) * self.page_tokens
 
-    def publish(self, req: str, tokens: Sequence[int], prefix: int,
+    def publish(self, req: str, tokens: Sequence[int] | KeyChain, prefix: int,
                 slab: Sequence[int]) -> None:
         """After `req`'s admission: its slab's (`slab`: the pages of [prefix, prompt)) whole
         pages inside whole chunks that the index lacks go in, within the budget."""
-        pt = self.page_tokens
-        end = len(tokens) // self.chunk * self.chunk // pt * pt
+        chain, pt = self.index.chain(tokens), self.page_tokens
+        prompt = len(chain.tokens)
+        end = prompt // self.chunk * self.chunk // pt * pt
         # the slab holds every sliding layer's KV from the latest window start on
-        sliding_from = max(self._window_starts(len(tokens), prefix), default=prefix)
-        for a, b in self.index.missing(tokens, prefix, end) if end > prefix else ():
+        sliding_from = max(self._window_starts(prompt, prefix), default=prefix)
+        for a, b in self.index.missing(chain, prefix, end) if end > prefix else ():
             fit = self._fit((b - a) // pt, req)
             if fit:
                 pages = tuple(slab[(a - prefix) // pt:(a - prefix) // pt + fit])
                 self.ledger.cache(req, (a, a + fit * pt), pages)
-                self.index.insert(tokens, (a, a + fit * pt), pages)
+                self.index.insert(chain, (a, a + fit * pt), pages)
                 self.no_sliding.update(p for i, p in enumerate(pages) if a + i * pt < sliding_from)
                 self.held[req] += pages
 

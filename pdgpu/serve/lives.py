@@ -16,6 +16,7 @@ import enum
 import attrs
 
 from pdgpu.decode_kv import SequenceKV
+from pdgpu.prefix_index import KeyChain
 from pdgpu.serve.workload import ServeRequest
 
 
@@ -83,6 +84,7 @@ class Tracked:
     admitted_t: float | None = None  # admitted into the decode batch (run clock)
     producer_hit: int = 0  # its producing life's `producer_hit`: prompt tokens not computed
     decoder_hit: int = 0  # its admitted life's hit in the decoder's cache: tokens not crossed
+    keys: KeyChain | None = None  # its prompt's page keys (the decoder's cache), until admitted
 
     @property
     def req(self) -> str:

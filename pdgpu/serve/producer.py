@@ -29,7 +29,8 @@ prefix's snapshot), and once they have the whole prompt a state span per run of 
 layers carries it, digested then (`--verify`), gathered by the sender like K/V.
 With `--prefix-cache` (producer_cache.py) a life skips the whole chunks its producer's cache
 holds, and the pages it computed enter that cache; it lets go of them at the decoder's
-`reuse`, like its own pages.
+`reuse`, like its own pages. A `prefill` waits (`Queued`) with its prompt's key chain,
+hashed once however many turns it waits for room.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 from pdgpu.generate import first_token
 from pdgpu.handoff import handoff_geometry, kv_geometry
 from pdgpu.prefill import Prefill, warm_prefix
+from pdgpu.prefix_index import KeyChain
 from pdgpu.sampler import Sampler, Step
 from pdgpu.sampling import GREEDY, Sampling
 from pdgpu.serve.bugs import NO_BUG, NoBug
@@ -61,6 +63,15 @@ from pdref.plan import Region
 DECODER = 0
 
 
+@attrs.frozen
+class Queued:
+    """A `prefill` waiting for room: its message and (with the prefix cache) its prompt's
+    key chain, kept so that each turn's look-up hashes nothing again."""
+
+    body: dict
+    keys: KeyChain | None = None
+
+
 @attrs.define
 class Job:
     """One life of one request on this producer."""
@@ -76,6 +87,7 @@ class Job:
     start: int  # the first token computed (the prefix, or the end of a cache hit)
     after: list  # the spans queued after `produced` (whole mode, an empty suffix)
     held: Held | None = None  # what it holds in the prefix cache (--prefix-cache)
+    keys: KeyChain | None = None  # its prompt's key chain (--prefix-cache)
     req: str = ""  # the request's id (an `evict` names whom its room is for)
     draw: Step = Step(GREEDY, 0)  # how the first token is drawn (the request's options)
     cancelled: bool = False
@@ -105,7 +117,7 @@ class Producer:
             self.cache, self.geometry.layers, config.prefix_cache_pages, config.chunk,
             generation * config.source_pages, self._send)  # ids unique across restarts
         self.sampler = Sampler(model.spec.vocab, self.device)  # the first tokens' draws
-        self.waiting: deque[Job | dict] = deque()
+        self.waiting: deque[Queued] = deque()
         self.active: Job | None = None
         self.jobs: dict[str, Job] = {}
         self.clock0 = time.perf_counter()
@@ -159,7 +171,8 @@ class Producer:
     def _handle(self, msg) -> None:
         body = msg.body
         if msg.op == "prefill":
-            self.waiting.append(body)
+            keys = None if self.prefix_cache is None else self.prefix_cache.chain(body["tokens"])
+            self.waiting.append(Queued(body, keys))
         elif msg.op == "ack":
             for _ in range(body.get("slots", 1)):
                 self.sender.slots.release()
@@ -179,10 +192,10 @@ class Producer:
     def _can_start(self) -> bool:
         if not self.waiting:
             return False
-        body = self.waiting[0]
+        head = self.waiting[0]
         if self.prefix_cache is not None:
-            return self.prefix_cache.can_open(body["tokens"])
-        need = self.geometry.pages_for(len(body["tokens"])) - len(self.prefix_pages)
+            return self.prefix_cache.can_open(head.keys)
+        need = self.geometry.pages_for(len(head.body["tokens"])) - len(self.prefix_pages)
         return need <= self.cache.pool.free_pages
 
     def _step(self) -> None:
@@ -201,7 +214,8 @@ class Producer:
 
     # -- one job ------------------------------------------------------------------------------
 
-    def _open(self, body: dict) -> Job:
+    def _open(self, queued: Queued) -> Job:
+        body = queued.body
         tokens = torch.tensor(body["tokens"], dtype=torch.int64, device=self.device)
         prompt = tokens.shape[0]
         prefix = body.get("prefix", self.config.prefix)  # the decoder's: not sent
@@ -212,7 +226,7 @@ class Producer:
             pages, start = self.prefix_pages + own, prefix
         else:  # its hit is not computed (and [prefix, hit) crosses from the hit's pages)
             held = self.prefix_cache.open(body.get("req", body["handle"]), body["handle"],
-                                          body["tokens"])
+                                          queued.keys)
             own, pages, start, last = (), held.pages, held.skip, None
         slots = token_slots(pages, self.geometry.page_tokens, prompt, self.device)
         kv = DigestingKV(self.cache.view(slots, pages, self._state_slot(body)),
@@ -224,7 +238,8 @@ class Producer:
         draw = Step(Sampling(**body.get("sampling", {})), 0, tuple(body.get("ban", ())))
         prefill = Prefill(self.model, tokens, start, self.config.chunk, kv, last)
         job = Job(body["handle"], tokens, prefix, own, kv, plan.steps, plan.ready, prefill,
-                  start, plan.after, held, body.get("req", body["handle"]), draw=draw)
+                  start, plan.after, held, queued.keys, body.get("req", body["handle"]),
+                  draw=draw)
         self.jobs[job.handle] = job
         for region in plan.upfront:  # spans over the hit: its pages hold every layer
             self._queue_span(job, region)
@@ -271,8 +286,7 @@ class Producer:
         token = first_token(self.model, job.prefill.last, pick)
         self.sampler.close(slot)
         if job.held is not None:  # its new whole pages into the cache, before `produced`
-            self.prefix_cache.keep(job.req, job.handle, job.tokens.tolist(), job.held,
-                                   job.prefix)
+            self.prefix_cache.keep(job.req, job.handle, job.keys, job.held, job.prefix)
         asked = {"logprob": found[0]} if found else {}
         self._send("produced", handle=job.handle, token=token, start=start, end=self.now(),
                    **asked)
@@ -299,7 +313,7 @@ class Producer:
             job.steps = []
             if self.active is job:
                 self.active = None
-        self.waiting = deque(b for b in self.waiting if b["handle"] != handle)
+        self.waiting = deque(q for q in self.waiting if q.body["handle"] != handle)
         self._flush_deferred()
         self.sender.stopping.append(handle)
 

@@ -23,12 +23,15 @@ whole chunks, at least one token computed) and skips them, P tokens:
   spans were fenced: a cancelled span's source pages stay held until then, EVICT-1).
 Each life's hit is reported as `computed.hit`: P = len(hit) * page_tokens prompt tokens the
 producer did not compute (what the decoder counts as cached tokens).
+A `prefill` waits for room with its prompt's key chain (`chain`), made once on arrival and
+kept by its life: every turn's `can_open`, then `open` and `keep`, hash its pages once.
 """
 
 from __future__ import annotations
 
 import attrs
 
+from pdgpu.prefix_index import KeyChain
 from pdgpu.serve.digest import DigestingKV, row_digests
 from pdgpu.source_cache import SourceCache
 from pdgpu.source_prefix import Held, SourcePrefix, load_hit
@@ -92,15 +95,20 @@ class ProducerCache:
         self.send = send
         self.layers = layers  # the model's (a hit covers every layer, linear ones included)
 
-    def can_open(self, tokens: list[int]) -> bool:
-        """Whether a life of `tokens` can open now: the pool has room (evictions included),
-        and no page of a longer hit waits for the decoder's word on its `cache`."""
-        hit = self.prefix.lookup(tokens)
-        return not hit.waiting and self.prefix.can_open(len(tokens), hit)
+    def chain(self, tokens: list[int]) -> KeyChain:
+        """The key chain of a life's prompt: made once, given to every call below."""
+        return self.prefix.chain(tokens)
 
-    def open(self, req: str, handle: str, tokens: list[int]) -> Held:
+    def can_open(self, keys: KeyChain) -> bool:
+        """Whether a life of prompt `keys.tokens` can open now: the pool has room
+        (evictions included), and no page of a longer hit waits for the decoder's word on
+        its `cache`."""
+        hit = self.prefix.lookup(keys)
+        return not hit.waiting and self.prefix.can_open(len(keys.tokens), hit)
+
+    def open(self, req: str, handle: str, keys: KeyChain) -> Held:
         """Hold the hit, allocate the rest; `evict` and `computed` with `hit` sent."""
-        held, evicted = self.prefix.open(len(tokens), self.prefix.lookup(tokens))
+        held, evicted = self.prefix.open(len(keys.tokens), self.prefix.lookup(keys))
         self._evicted(req, evicted)
         if held.skip:
             self.send("computed", handle=handle, layers=(0, self.layers),
@@ -122,9 +130,9 @@ class ProducerCache:
         """After a chunk ending at token `end`: a hybrid's state kept for its page."""
         self.prefix.took_state(held, end, kv.inner.read_state)
 
-    def keep(self, req: str, handle: str, tokens: list[int], held: Held, prefix: int) -> None:
+    def keep(self, req: str, handle: str, keys: KeyChain, held: Held, prefix: int) -> None:
         """After the prefill: `cache` the new whole pages, `reuse` [0, prefix) (see above)."""
-        kept = self.prefix.keep(tokens, held, held.skip)
+        kept = self.prefix.keep(keys, held, held.skip)
         self._evicted(req, kept.evicted)
         for run, pages in kept.runs:
             self.send("cache", handle=handle, tokens=run, pages=pages)
