@@ -116,6 +116,24 @@ def test_served_hits_skip_compute_and_keep_tokens(tmp_path, capsys, monkeypatch,
     assert summary["leaked_pages"] == 0
 
 
+def test_a_hybrid_under_a_tight_budget_counting_its_snapshots_keeps_tokens(tmp_path, capsys):
+    """Qwen3.5 served with a producer budget of 12 pages, a state snapshot worth 5 of them
+    (its measured holdings: tests/test_pdgpu_source_prefix.py): hits still end at a kept
+    snapshot, every token equals generate's, a legal version 4 trace, no page leaked."""
+    lines = _prompts(tmp_path / "p.jsonl", 6, 3)
+    code, results, trace = serve(
+        tmp_path, "--model", "tiny-qwen3.5", "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
+        str(CHUNK), "--page-tokens", str(PAGE), "--prefix-cache", "--prefix-cache-pages",
+        "12", "--concurrency", "1", "--json")
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["leaked_pages"] == 0
+    trace_ok(trace)
+    for line, r in zip(lines, results, strict=True):
+        assert r["output"] == _reference("tiny-qwen3.5", tuple(line["tokens"]), 3), r["req"]
+    hits = [e["tokens"][1] for e in events_of(trace, "computed") if e.get("hit")]
+    assert hits and all(h == 16 for h in hits)  # 16: the one snapshot the budget keeps
+
+
 def test_faults_with_the_cache_keep_tokens_and_traces_legal(tmp_path, capsys, checkpoint):
     """Failed, corrupted and cancelled spans and a killed, restarted producer with the cache
     on: ok requests' tokens unchanged, the trace legal, no page leaked."""
