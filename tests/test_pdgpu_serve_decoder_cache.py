@@ -154,7 +154,7 @@ def test_a_waiting_request_is_hashed_once_however_many_turns_it_waits(tmp_path, 
                                      "--pool-pages", "12", "--concurrency", "5")
     assert code == 0
     _assert_tokens(checkpoint, lines, results, 4)
-    assert len(lookups) >= 3 * len(lines)  # the heads waited while others decoded
+    assert len(lookups) >= 2 * len(lines)  # the heads waited while others decoded
     asked = [max((len(x["tokens"]) - 1) // PAGE, len(x["tokens"]) // CHUNK * CHUNK // PAGE)
              for x in lines]  # the keys its look-ups and its publishing ask for
     assert len(calls) == sum(asked)
