@@ -37,8 +37,9 @@ MIN_ROWS = 8
 class _Group(NamedTuple):
     """One bucket's part of a decode step: batch rows [start, start + rows)."""
 
-    kv: torch.Tensor  # [Lf, 2, capacity, KVH, W, D] the bucket's rows
-    ring: torch.Tensor | None  # [Ls, 2, capacity, KVH, window, D] its sliding layers' rings
+    kv: tuple[torch.Tensor, ...]  # per full layer [2, capacity, KVH, W, D]: the bucket's rows
+    ring: tuple[torch.Tensor, ...]  # per sliding layer [2, capacity, KVH, window, D]
+    width: int  # W
     start: int
     rows: int  # its requests, padded to a power of two (<= capacity) if the cache is
 
@@ -58,7 +59,7 @@ class DecodeBatch:
         for width in sorted(cache.buckets):
             bucket = cache.buckets[width]
             rows = rows_for(len(bucket.seqs)) if cache.padded else len(bucket.seqs)
-            self.groups.append(_Group(bucket.kv, bucket.ring, start, rows))
+            self.groups.append(_Group(tuple(bucket.kv), tuple(bucket.ring), width, start, rows))
             starts[width] = start
             start += self.groups[-1].rows
         self.covered, self.size = start, max(start, MIN_ROWS)
@@ -94,7 +95,7 @@ class DecodeBatch:
         out, window, columns = [], self.cache.window, self.cache.arange
         for g in self.groups:
             places = positions[g.start:g.start + g.rows]  # [n]
-            full = (places, key_bias(places, columns[:g.kv.shape[4]], dtype))
+            full = (places, key_bias(places, columns[:g.width], dtype))
             ring = None if window is None else (
                 places % window, key_bias(places.clamp(max=window - 1), columns[:window], dtype))
             out.append((full, ring))

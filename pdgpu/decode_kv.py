@@ -1,26 +1,30 @@
 """Decode memory: the K/V of every running request, in rows of equal width so a batch attends
 in few calls (its one job; the step over it is decode_batch.py).
 
-A request's context enters once, at admission, by one gather straight into its row
-(`add_paged`): the rows of the paged K/V where it lies (the serving decoder's landing pool,
-whose pages hold the fixed prefix and the request's slab; a single-process prefill's cache)
-in token order, written into its bucket row (of a sliding layer only the last window, into
-its ring), with no context tensor in between. Every row of a bucket is `width` tokens wide (a
-power of two, at least MIN_WIDTH), so the bucket's K/V for one layer is one tensor
-[rows, KVH, width, D] and its requests attend in one call, however ragged their lengths
+A request's context enters once, at admission, gathered straight into its row (`add_paged`)
+from where it lies, in pieces of paged K/V in token order (the serving decoder's landing
+pool, whose pages hold the prefix and the request's slab: one piece; `pdgpu run`'s decoder
+pool and its prefix cache: two), with no context tensor in between (of a sliding layer only
+the last window, into its ring). Every row of a bucket is `width` tokens wide (a power of
+two, at least MIN_WIDTH), so the bucket's K/V for one layer is one tensor
+[2, rows, KVH, width, D] and its requests attend in one call, however ragged their lengths
 (attention.decode_attention). Each step appends one K/V row per request in place; a request
 about to outgrow its row moves once to the next bucket (a copy of its K/V, once per doubling
 of its length); a request that ends leaves its bucket's last row in its place, so a bucket's
 rows [0, count) are always its requests. A bucket's rows double when full and halve once a
 quarter or less is used, and an empty bucket is freed: the memory held stays within four
-rows per running request of its width (tests/test_pdgpu_decode_kv.py).
+rows per running request of its width (tests/test_pdgpu_decode_kv.py). A bucket holds a
+tensor per layer so that a resize is made layer by layer, each old layer freed before the
+next new one is made: a doubling holds at most the new rows and one old layer's at once
+(2 n + n / L rows where n were held, not the old rows beside the new, 3 n).
 
 Hybrids. Sliding-window layers (Gemma 3) keep no growing row: each bucket row also has a
 *ring* of `window` positions per sliding layer (`Bucket.ring`), position p at p % window, so
 a request's memory for those layers stays the same at any context. Linear layers (Qwen3.5's
-gated DeltaNet) keep their state in a slot of a StatePool: the serving decoder's is the one
-its state spans land in (serve/landing.py), so a request's state is landed once where the
-step reads it and admission copies none of it (`add_paged` adopts the slot); a padding row
+gated DeltaNet) keep their state in a slot of a StatePool: the one its state spans land in
+(serve/landing.py; `pdgpu run`'s decoder pool, run_decode.py), so a request's state is
+landed once where the step reads it and admission copies none of it (`add_paged` adopts the
+slot); a padding row
 reads and writes the pool's scratch slot, taken when the cache is made.
 """
 
@@ -65,18 +69,25 @@ class SequenceKV:
 
 
 class Bucket:
-    """Rows of one width: kv [Lf, 2, capacity, KVH, width, D] of the full layers, ring
-    [Ls, 2, capacity, KVH, window, D] of the sliding ones (or None); row i holds seqs[i]."""
+    """Rows of one width, a tensor per layer: kv[i] [2, capacity, KVH, width, D] of the i-th
+    full layer, ring[i] [2, capacity, KVH, window, D] of the i-th sliding one (none without
+    sliding layers); row r of each holds seqs[r]. Per layer so that a resize holds one old
+    layer beside the new rows, not every old one (see `_resize`)."""
 
     def __init__(self, cache: DecodeCache, width: int) -> None:
         self.cache, self.width = cache, width
         self.seqs: list[SequenceKV] = []
-        self.kv = cache.rows(width, 1)
-        self.ring = cache.ring_rows(1)
+        self.capacity = 1
+        self.kv = [cache.zero_rows(1, width) for _ in cache.full]
+        self.ring = [cache.zero_rows(1, cache.window) for _ in cache.sliding]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv + self.ring)
 
     def add(self, seq: SequenceKV) -> int:
         """Give `seq` the next row (the rows double when full); its row index."""
-        if len(self.seqs) == self.kv.shape[2]:
+        if len(self.seqs) == self.capacity:
             self._resize(2 * len(self.seqs))
         seq.bucket, seq.row = self, len(self.seqs)
         self.seqs.append(seq)
@@ -87,23 +98,64 @@ class Bucket:
         a quarter or less of them is used."""
         last = self.seqs.pop()
         if row != len(self.seqs):
-            self.kv[:, :, row, :, :last.length] = self.kv[:, :, last.row, :, :last.length]
-            if self.ring is not None:
-                self.ring[:, :, row] = self.ring[:, :, last.row]
+            self.copy_row(last.row, self, row, last.length)
             self.seqs[row], last.row = last, row
-        if self.seqs and len(self.seqs) <= self.kv.shape[2] // 4:
+        if self.seqs and len(self.seqs) <= self.capacity // 4:
             self._resize(2 * rows_for(len(self.seqs)))
 
+    def copy_row(self, row: int, into: Bucket, to: int, length: int) -> None:
+        """Row `row`'s first `length` keys (and its rings) into row `to` of `into`."""
+        for new, old in zip(into.kv, self.kv, strict=True):
+            new[:, to, :, :length] = old[:, row, :, :length]  # [2, KVH, length, D]
+        for new, old in zip(into.ring, self.ring, strict=True):
+            new[:, to] = old[:, row]  # [2, KVH, window, D]
+
+    def gather(self, row: int, kv: torch.Tensor, slots: torch.Tensor, start: int,
+               length: int) -> None:
+        """Tokens [start, start + n) of a request of `length` tokens into row `row`, from
+        the rows `slots` [n] of the paged K/V kv [L, 2, S, KVH, D]: every one into the full
+        layers' columns, those of the last window into the sliding layers' ring columns
+        (position p at p % window)."""
+        end, window = start + slots.shape[0], self.cache.window
+        for layer, into in zip(self.cache.full, self.kv, strict=True):
+            _gather(kv[layer], slots, into[:, row, :, start:end])
+        if self.ring:
+            for a, b in ring_runs(max(start, length - window), end, window):
+                column = a % window
+                for layer, into in zip(self.cache.sliding, self.ring, strict=True):
+                    _gather(kv[layer], slots[a - start:b - start],
+                            into[:, row, :, column:column + b - a])
+
     def _resize(self, capacity: int) -> None:
-        """New rows [.., capacity, ..] holding the used ones (a new layout for the step)."""
-        resized = self.cache.rows(self.width, capacity)
+        """New rows [.., capacity, ..] holding the used ones (a new layout for the step),
+        made layer by layer, each old layer freed before the next new one is made: at most
+        the new rows and one old layer's are held at once (not the old rows and the new)."""
         used = len(self.seqs)
-        resized[:, :, :used] = self.kv[:, :, :used]
-        self.kv = resized
-        if self.ring is not None:
-            ring = self.cache.ring_rows(capacity)
-            ring[:, :, :used] = self.ring[:, :, :used]
-            self.ring = ring
+        for layers, columns in ((self.kv, self.width), (self.ring, self.cache.window)):
+            for i in range(len(layers)):
+                resized = self.cache.zero_rows(capacity, columns)  # [2, capacity, KVH, W, D]
+                resized[:, :used] = layers[i][:, :used]
+                layers[i] = resized  # the old layer's last reference
+        self.capacity = capacity
+
+
+def ring_runs(first: int, end: int, window: int) -> list[tuple[int, int]]:
+    """Positions [first, end) (at most a window of them) cut where their ring column
+    p % window wraps to 0: one or two runs of consecutive columns."""
+    if first >= end:
+        return []
+    wrap = min(end, (first // window + 1) * window)
+    return [(first, wrap)] + ([(wrap, end)] if wrap < end else [])
+
+
+def _gather(kv: torch.Tensor, slots: torch.Tensor, into: torch.Tensor) -> None:
+    """The rows `slots` [n] of one layer's paged K/V kv [2, S, KVH, D] into into
+    [2, KVH, n, D]: one gather straight into it on one device; from another device's pool,
+    gathered there and copied across once."""
+    if kv.device == into.device:
+        torch.index_select(kv, 1, slots, out=into.transpose(1, 2))
+    else:
+        into.transpose(1, 2).copy_(kv.index_select(1, slots))
 
 
 class DecodeCache:
@@ -151,64 +203,50 @@ class DecodeCache:
                    model.model.embed_tokens.weight.dtype, arch.kv_windows, model.state_shape,
                    padded, states)
 
-    def rows(self, width: int, count: int) -> torch.Tensor:
-        """Zeroed rows [Lf, 2, count, KVH, width, D] (keys past a length must be finite)."""
-        layers, kv_heads, head_dim = self.shape
-        self.generation += 1
-        return torch.zeros((layers, 2, count, kv_heads, width, head_dim), dtype=self.dtype,
-                           device=self.device)
-
-    def ring_rows(self, count: int) -> torch.Tensor | None:
-        """Zeroed rings [Ls, 2, count, KVH, window, D] of the sliding layers (None: none)."""
-        if not self.sliding:
-            return None
+    def zero_rows(self, count: int, columns: int) -> torch.Tensor:
+        """One layer's zeroed rows [2, count, KVH, columns, D] (keys past a length must be
+        finite)."""
         _, kv_heads, head_dim = self.shape
-        return torch.zeros((len(self.sliding), 2, count, kv_heads, self.window, head_dim),
-                           dtype=self.dtype, device=self.device)
+        self.generation += 1
+        return torch.zeros((2, count, kv_heads, columns, head_dim), dtype=self.dtype,
+                           device=self.device)
 
     def add(self, context: torch.Tensor, state=None) -> SequenceKV:
         """A request whose context is context [L, 2, c, KVH, D] of every K/V layer and, of a
-        hybrid with linear layers, whose state is `state` (StatePool.read's pair), written
+        hybrid with linear layers, whose state is `state` (StatePool.read's pair), copied
         into a slot of the cache's pool (see `add_paged`)."""
         if (state is None) != (self.states is None):
             raise ValueError("decode cache: a state is given exactly for a model with linear "
                              "layers")
-        slot = None
-        if state is not None:
-            slot = self.states.take()
-            self.states.write(slot, *state)
         slots = torch.arange(context.shape[2], device=context.device)  # [c]
-        return self.add_paged(context, slots, slot)
+        return self.add_paged(((context, slots),), None if state is None else self.own(state))
 
-    def add_paged(self, kv: torch.Tensor, slots: torch.Tensor,
-                  state_slot: int | None = None) -> SequenceKV:
-        """A request whose context is the rows `slots` [c] (in token order) of the paged K/V
-        kv [L, 2, S, KVH, D], gathered once straight into its row (of a sliding layer only
-        the last window, into its ring); of a hybrid with linear layers, whose state is in
-        slot `state_slot` of the cache's state pool, which the request now holds (and
-        `remove` gives back)."""
+    def own(self, state) -> int:
+        """A slot of the cache's state pool holding a copy of `state` (StatePool.read's
+        pair, from any device), for `add_paged`."""
+        slot = self.states.take()
+        self.states.write(slot, *state)
+        return slot
+
+    def add_paged(self, parts, state_slot: int | None = None) -> SequenceKV:
+        """A request whose context is `parts`, pieces of paged K/V in token order: each a
+        pair (kv [L, 2, S, KVH, D], slots [n]), its next n tokens in the rows `slots` of kv,
+        gathered once straight into the request's row (of a sliding layer only the last
+        window, into its ring); of a hybrid with linear layers, whose state is in slot
+        `state_slot` of the cache's state pool, which the request now holds (and `remove`
+        gives back)."""
         if (state_slot is None) != (self.states is None):
             raise ValueError("decode cache: a state slot is given exactly for a model with "
                              "linear layers")
-        seq = SequenceKV(self, slots.shape[0])
+        seq = SequenceKV(self, sum(slots.shape[0] for _, slots in parts))
         bucket = self._bucket(width_for(seq.length + 1))
         row = bucket.add(seq)  # first: it may grow the bucket's rows
-        for (l0, l1), at in self.full_runs:
-            into = bucket.kv[at:at + l1 - l0, :, row, :, :seq.length]  # [n, 2, KVH, c, D]
-            torch.index_select(kv[l0:l1], 2, slots, out=into.transpose(2, 3))
-        if self.sliding:
-            ring_slots = slots.index_select(0, self._ring_positions(seq.length))  # [<= w]
-            for (l0, l1), at in self.sliding_runs:
-                into = bucket.ring[at:at + l1 - l0, :, row, :, :ring_slots.shape[0]]
-                torch.index_select(kv[l0:l1], 2, ring_slots, out=into.transpose(2, 3))
+        start = 0
+        for kv, slots in parts:
+            bucket.gather(row, kv, slots, start, seq.length)
+            start += slots.shape[0]
         seq.slot = state_slot
         return seq
-
-    def _ring_positions(self, length: int) -> torch.Tensor:
-        """The position each ring column holds after `length` tokens: column c the last
-        position p < length with p % window == c -> [min(length, window)] int64."""
-        columns = torch.arange(min(length, self.window), device=self.device)
-        return columns + self.window * ((length - 1 - columns) // self.window)
 
     def remove(self, seq: SequenceKV) -> None:
         """The request ended: its row (and its state's slot) is free."""
@@ -226,10 +264,7 @@ class DecodeCache:
         if old.width >= tokens:
             return
         new = self._bucket(width_for(tokens))
-        row = new.add(seq)
-        new.kv[:, :, row, :, :seq.length] = old.kv[:, :, old_row, :, :seq.length]
-        if new.ring is not None:
-            new.ring[:, :, row] = old.ring[:, :, old_row]
+        old.copy_row(old_row, new, new.add(seq), seq.length)
         self._take_out(old, old_row)
 
     def _take_out(self, bucket: Bucket, row: int) -> None:
@@ -266,9 +301,7 @@ class DecodeCache:
     @property
     def nbytes(self) -> int:
         """Bytes held: every bucket's rows and rings, and the state pool."""
-        rows = sum(b.kv.numel() * b.kv.element_size() for b in self.buckets.values())
-        rings = sum(b.ring.numel() * b.ring.element_size() for b in self.buckets.values()
-                    if b.ring is not None)
-        return rows + rings + (0 if self.states is None else self.states.nbytes)
+        rows = sum(b.nbytes for b in self.buckets.values())
+        return rows + (0 if self.states is None else self.states.nbytes)
 
 

@@ -64,7 +64,6 @@ class Engine(WarmUp, StepLoop):
         self.model, self.config = model, config
         self.geometry = handoff_geometry(model.spec, config.page_tokens)  # the trace's (v3)
         self.kv_geometry = kv_geometry(self.geometry)  # the paged caches' (K/V layers only)
-        self.decoder = RunDecoder(model, config.page_tokens, config.chunk)
         self.faults = Faults(config.fail_span, config.debug)
 
     def run(self, requests: list[Request]) -> RunResult:
@@ -109,6 +108,8 @@ class Engine(WarmUp, StepLoop):
         cfg = CopierConfig(plan.ring_slots, plan.span_elems, self.config.link_gbps)
         self.copier = Copier(cfg, self.source.kv, self.pool, rec.now,
                              source_states=self.source.states)
+        self.decoder = RunDecoder(self.model, self.pool, self.config.page_tokens,
+                                  self.config.chunk)
 
     def _header(self, pool_pages: int) -> ev.Header:
         c = self.config
@@ -197,10 +198,10 @@ class Engine(WarmUp, StepLoop):
         if self.config.no_compute and not self._payload_landed(life):
             raise EngineError(f"request {req!r}: the decoder's KV is not the payload sent")
         kv = self.pool.read_slab(life.slab) if self.config.keep_kv else None
-        state = self._landed_state(life)
-        tokens = self._decode(life, state, token)
+        state = self._landed_state(life) if self.config.keep_kv else None  # before the decode
+        tokens = self._decode(life, token)  # (which advances the landed state in place)
         self.ledger.release(life)
-        return Outcome(req, token, attempt, kv, state if self.config.keep_kv else None, tokens)
+        return Outcome(req, token, attempt, kv, state, tokens)
 
     def _payload_landed(self, life: LifeKV) -> bool:
         """Export only: the payload where the life's spans land it, and (linear layers) the
@@ -214,7 +215,7 @@ class Engine(WarmUp, StepLoop):
         """A copy of the state the life's state spans landed (None without linear layers)."""
         return None if life.state_slot is None else self.pool.states.read(life.state_slot)
 
-    def _decode(self, life: LifeKV, state, first: int | None) -> tuple[int, ...]:
+    def _decode(self, life: LifeKV, first: int | None) -> tuple[int, ...]:
         """The output tokens decoded from what crossed (run_decode.py): the first alone
         unless more are asked; none in an export-only run."""
         count = self.config.output_tokens
@@ -223,8 +224,7 @@ class Engine(WarmUp, StepLoop):
         if count == 1:
             return (first,)
         r = life.request
-        suffix = self.pool.kv.index_select(2, life.slab.slots)  # [L, 2, suffix, KVH, D]
-        return self.decoder.tokens(r.tokens, r.prefix, suffix, state, first, count)
+        return self.decoder.tokens(r.tokens, r.prefix, life.slab, life.state_slot, first, count)
 
     def _abort(self, life: LifeKV) -> None:
         """A copy failed (and was fenced): let the others finish, free the source pages,

@@ -1,6 +1,7 @@
 """Counting what a forward dispatches: kernel ops (what a GPU would launch), host syncs and
-tensors made from nothing, on any device (a TorchDispatchMode: no GPU needed); and the bytes
-a call copies (`bytes_copied`: what the serving decoder's admission moves, for instance).
+tensors made from nothing, on any device (a TorchDispatchMode: no GPU needed); the bytes
+a call copies (`bytes_copied`: what the serving decoder's admission moves, for instance); and
+the most bytes a call holds at once (`peak_bytes`: a decode bucket's growth, for instance).
 
 Views (and `_unsafe_view`) launch nothing and are not counted. Convention for CPU: torch's
 `rms_norm` counts as one op, as on CUDA, where it is one fused kernel (`_fused_rms_norm`);
@@ -13,7 +14,9 @@ what runs once per step (embedding, RoPE tables, masks, the head) is apart.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple
 
 import attrs
@@ -114,6 +117,52 @@ def bytes_copied(fn, *args, **kwargs) -> tuple[object, int]:
     with seen:
         result = fn(*args, **kwargs)
     return result, seen.bytes
+
+
+class _Held(TorchDispatchMode):
+    """Follows the bytes of live storages: those `held` at the start and every one an op
+    makes (not an alias of its inputs'), each counted until it is freed (a storage's
+    Python object lives exactly as long as its memory, so a finalizer sees it go); `peak`
+    is the most at any moment."""
+
+    def __init__(self, held: Callable[[], list[torch.Tensor]]) -> None:
+        super().__init__()
+        self.seen: set[int] = set()
+        self.live = self.peak = 0
+        for storage in {id(t.untyped_storage()): t.untyped_storage() for t in held()}.values():
+            self._follow(storage)
+
+    def _follow(self, storage) -> None:
+        if id(storage) not in self.seen:
+            self.seen.add(id(storage))
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+        for tensor in _tensors(out):
+            if id(tensor.untyped_storage()) not in given:
+                self._follow(tensor.untyped_storage())
+        return out
+
+
+@torch.no_grad()
+def peak_bytes(fn, *args, held: Callable[[], list[torch.Tensor]], **kwargs) -> tuple[object, int]:
+    """fn(*args, **kwargs)'s result and the most bytes held at once while it ran: the
+    storages of the tensors `held()` names (a function, so that no list of them outlives
+    the call into `fn`), each until freed, plus each one an op made, until freed (a
+    kernel's own scratch is not seen)."""
+    seen = _Held(held)
+    with seen:
+        result = fn(*args, **kwargs)
+    return result, seen.peak
 
 
 def _to_host(name: str, args, kwargs) -> bool:

@@ -16,8 +16,8 @@ def read_tensors(batch) -> list:
     if cache.states is not None:
         out += [cache.states.conv, cache.states.recurrent]
     for g in batch.groups:
-        bucket = cache.buckets.get(g.kv.shape[4])
-        out += [None, None] if bucket is None else [bucket.kv, bucket.ring]
+        bucket = cache.buckets.get(g.width)
+        out += [None] * (len(g.kv) + len(g.ring)) if bucket is None else bucket.kv + bucket.ring
     return out
 
 

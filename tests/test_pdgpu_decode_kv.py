@@ -18,7 +18,13 @@ from hypothesis.stateful import (
 from pdgpu.decode_batch import DecodeBatch, decode_logits
 from pdgpu.decode_kv import MIN_WIDTH, DecodeCache, width_for
 from pdgpu.model import build_model
+from pdgpu.op_count import peak_bytes
 from pdref.models import load_model
+
+
+def _rows(layers: list[torch.Tensor]) -> torch.Tensor:
+    """A bucket's per-layer rows stacked -> [layers, 2, capacity, KVH, W, D]."""
+    return torch.stack(layers)
 
 
 def test_width_is_the_power_of_two_that_holds_the_tokens():
@@ -108,7 +114,8 @@ class CacheMachine(RuleBasedStateMachine):
             DecodeBatch(seqs)  # moves a request that needs a wider row
             for seq in seqs:
                 row = self._kv(1)  # [L, 2, 1, KVH, D]
-                seq.bucket.kv[:, :, seq.row, :, seq.length] = row[:, :, 0]
+                for layer, rows in enumerate(seq.bucket.kv):
+                    rows[:, seq.row, :, seq.length] = row[layer, :, 0]
                 self.expected[id(seq)] = (seq, torch.cat([self.expected[id(seq)][1], row], 2))
                 seq.length += 1
 
@@ -117,7 +124,7 @@ class CacheMachine(RuleBasedStateMachine):
         for seq, context in self.expected.values():
             assert seq.bucket.seqs[seq.row] is seq
             assert seq.bucket.width >= seq.length
-            held = seq.bucket.kv[:, :, seq.row, :, :seq.length].transpose(2, 3)
+            held = _rows(seq.bucket.kv)[:, :, seq.row, :, :seq.length].transpose(2, 3)
             assert torch.equal(held, context)
         assert self.cache.count == len(self.expected)
         assert all(b.seqs for b in self.cache.buckets.values())  # empty buckets are freed
@@ -165,21 +172,75 @@ def test_a_ring_wider_than_every_bucket_gets_a_mask_of_its_window():
     assert out.shape == (batch.size, 8) and torch.isfinite(out).all()
 
 
+WINDOWS = (None, 8, 8, None)  # full layers around a run of sliding ones, window 8
+
+
+def _assert_holds(seq, pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """seq's row holds the context at pool [L, 2, S, KVH, D]'s rows `slots` [length]: every
+    token in the full layers, the last window's at position % 8 in the rings, zeros else."""
+    length = slots.shape[0]
+    for layer in (0, 3):
+        held = seq.bucket.kv[layer // 3][:, seq.row]  # [2, KVH, W, D]
+        assert torch.equal(held[:, :, :length], pool[layer][:, slots].transpose(1, 2))
+        assert not held[:, :, length:].any()
+    ring = _rows(seq.bucket.ring)[:, :, seq.row]  # [Ls, 2, KVH, window, D]
+    written = {p % 8: p for p in range(max(0, length - 8), length)}
+    for column in range(8):
+        want = pool[1:3, :, slots[written[column]]] if column in written else 0
+        assert torch.equal(ring[:, :, :, column], want + torch.zeros_like(ring[:, :, :, 0]))
+
+
 @pytest.mark.parametrize("length", [5, 8, 19, 24])
 def test_a_paged_context_lands_in_its_row_and_ring_as_a_whole_one_does(length):
-    """A context gathered from scattered pool slots (full layers around a run of sliding
-    ones, window 8) fills the request's row and ring exactly as the same context handed
-    whole: every full-layer token, a sliding layer's last window at position % window."""
-    windows = (None, 8, 8, None)
+    """A context gathered from scattered pool slots fills the request's row and ring
+    exactly as the same context handed whole: every full-layer token, a sliding layer's
+    last window at position % window."""
     gen = torch.Generator().manual_seed(length)
     pool = torch.randn(4, 2, 64, 1, 4, generator=gen)  # [L, 2, S, KVH, D]
     slots = torch.randperm(64, generator=gen)[:length]
-    whole = DecodeCache(4, 1, 4, "cpu", torch.float32, windows=windows)
-    paged = DecodeCache(4, 1, 4, "cpu", torch.float32, windows=windows)
+    whole = DecodeCache(4, 1, 4, "cpu", torch.float32, windows=WINDOWS)
+    paged = DecodeCache(4, 1, 4, "cpu", torch.float32, windows=WINDOWS)
     a = whole.add(pool.index_select(2, slots))
-    b = paged.add_paged(pool, slots)
-    assert torch.equal(a.bucket.kv, b.bucket.kv) and torch.equal(a.bucket.ring, b.bucket.ring)
-    ring = b.bucket.ring[:, :, b.row]  # [Ls, 2, KVH, window, D]
-    for p in range(max(0, length - 8), length):
-        assert torch.equal(ring[:, :, :, p % 8], pool[1:3, :, slots[p]])
-    assert torch.equal(b.bucket.kv[1, :, b.row, :, :length], pool[3, :, slots].transpose(1, 2))
+    b = paged.add_paged(((pool, slots),))
+    assert torch.equal(_rows(a.bucket.kv), _rows(b.bucket.kv))
+    assert torch.equal(_rows(a.bucket.ring), _rows(b.bucket.ring))
+    _assert_holds(b, pool, slots)
+
+
+@pytest.mark.parametrize("length", [5, 8, 19, 24])
+def test_a_context_in_two_pieces_lands_as_if_it_were_one(length):
+    """A context in two pieces, a prefix in a tensor of its own and the rest at scattered
+    pool slots (`pdgpu run`'s admission), cut at every token: the window's ring columns
+    wrap inside either piece or across the cut, and the row and ring hold it exactly."""
+    gen = torch.Generator().manual_seed(length)
+    pool = torch.randn(4, 2, 64, 1, 4, generator=gen)  # [L, 2, S, KVH, D]
+    slots = torch.randperm(64, generator=gen)[:length]
+    for cut in range(length + 1):
+        prefix = pool.index_select(2, slots[:cut])  # [L, 2, cut, KVH, D], its own tensor
+        cache = DecodeCache(4, 1, 4, "cpu", torch.float32, windows=WINDOWS)
+        seq = cache.add_paged(((prefix, torch.arange(cut)), (pool, slots[cut:])))
+        assert seq.length == length
+        _assert_holds(seq, pool, slots)
+
+
+@pytest.mark.parametrize("windows", [(None,) * 4, WINDOWS], ids=["full", "sliding"])
+def test_a_growing_bucket_holds_one_old_layer_beside_its_new_rows(windows):
+    """A full bucket doubling as a request joins holds at once at most its new rows and one
+    old layer's (every live storage counted, op by op): not the old rows beside the new,
+    three times what it held before; the rows hold every request's K/V after."""
+    cache = DecodeCache(4, 1, 4, "cpu", torch.float32, windows=windows)
+    contexts = [torch.randn(4, 2, 10, 1, 4) for _ in range(9)]
+    seqs = [cache.add(c) for c in contexts[:8]]
+    bucket = cache.buckets[MIN_WIDTH]
+    before, layer = cache.nbytes, max(t.nbytes for t in bucket.kv + bucket.ring)
+    seq, peak = peak_bytes(cache.add, contexts[8],
+                           held=lambda: [t for b in cache.buckets.values() for t in b.kv + b.ring])
+    assert cache.nbytes == 2 * before and bucket.capacity == 16
+    assert peak <= cache.nbytes + layer + 1024  # (the gather's slot indices)
+    assert layer <= before / 2
+    for one, context in zip([*seqs, seq], contexts, strict=True):  # context [L, 2, 10, KVH, D]
+        if windows == WINDOWS:
+            _assert_holds(one, context, torch.arange(10))
+        else:
+            held = _rows(one.bucket.kv)[:, :, one.row, :, :10]
+            assert torch.equal(held, context.transpose(2, 3))

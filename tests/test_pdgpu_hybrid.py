@@ -264,8 +264,8 @@ def test_sliding_layers_decode_from_a_ring_that_does_not_grow(tmp_path):
         cache = DecodeCache.for_model(model)
         cache.add(torch.zeros(6, 2, context, 2, 32))
         bucket = next(iter(cache.buckets.values()))
-        sizes.append((bucket.ring.shape, bucket.kv.shape[0], cache.nbytes))
-    assert sizes[0][0] == sizes[1][0] == (5, 2, 1, 2, 16, 32)
+        sizes.append(([r.shape for r in bucket.ring], len(bucket.kv), cache.nbytes))
+    assert sizes[0][0] == sizes[1][0] == [(2, 1, 2, 16, 32)] * 5
     assert sizes[0][1] == sizes[1][1] == 1  # one full layer in the growing rows
 
 

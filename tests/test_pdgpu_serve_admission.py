@@ -6,25 +6,14 @@ hybrid with linear layers, nothing of its state (landed where the decode step re
 from __future__ import annotations
 
 import pytest
+from admission_helpers import context_bytes
 from serve_helpers import drawn_prompts, events_of, reference, serve, trace_ok
 
 from pdgpu.op_count import bytes_copied
 from pdgpu.serve.decoder import Decoder
-from pdref.models import load_model
 
 CHUNK = 16
 LENGTHS = (40, 57)  # longer than tiny-gemma3's window (16)
-
-
-def _context_bytes(preset: str, prompt: int) -> int:
-    """A context's K/V bytes once, from the preset's layer kinds: a full layer every token,
-    a sliding one its last window (float32)."""
-    spec = load_model(preset)
-    extra = dict(spec.extra)
-    kinds = extra.get("layer_kinds", ["full"] * spec.layers)
-    window = extra.get("sliding_window")
-    tokens = sum(prompt if k == "full" else min(prompt, window) for k in kinds if k != "linear")
-    return tokens * 2 * spec.kv_heads * spec.head_dim * 4
 
 
 @pytest.mark.parametrize("prefix", ["no-prefix", "prefix", "prefix-cache"])
@@ -54,4 +43,4 @@ def test_admission_copies_the_context_once_into_decode_memory(tmp_path, monkeypa
     assert len(hits) == (prefix == "prefix-cache")
     for line, result in zip(prompts, results, strict=True):
         assert result["output"] == reference(preset, line["tokens"], 3, CHUNK, fixed)
-        assert copied[line["req"]] == _context_bytes(preset, len(line["tokens"])), line["req"]
+        assert copied[line["req"]] == context_bytes(preset, len(line["tokens"])), line["req"]

@@ -210,7 +210,8 @@ class Decoder:
         self.ledger.reuse(t.req, (life.prefix, t.request.prompt))
         del self.lives[life.handle]
         self.members.send(life.producer, "reuse", {"handle": life.handle})
-        t.seq = self.decode_cache.add_paged(*self.ledger.admit(t.req))  # the one copy
+        context = self.ledger.admit(t.req)
+        t.seq = self.decode_cache.add_paged(context.parts, context.state_slot)  # the one copy
         if self.prefix_cache is not None:  # its slab's new whole pages, for later requests
             self.prefix_cache.publish(t.req, self._keys(t), life.prefix,
                                       self.ledger.slabs[t.req])

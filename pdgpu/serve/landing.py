@@ -43,6 +43,11 @@ class Context(NamedTuple):
     slots: torch.Tensor  # [prompt] the pool slot of each token, in token order
     state_slot: int | None  # its landed state's slot in the shared StatePool (hybrids)
 
+    @property
+    def parts(self) -> tuple:
+        """Its K/V as DecodeCache.add_paged takes it: one piece, the pool at its slots."""
+        return ((self.kv, self.slots),)
+
 
 class KVLanding:
     """The decoder's handoff memory and the bytes put into it (see the module docstring)."""
