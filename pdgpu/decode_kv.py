@@ -47,17 +47,6 @@ def rows_for(count: int) -> int:
     return 1 << max(count - 1, 0).bit_length()
 
 
-def layer_runs(layers: list[int]) -> list[tuple[tuple[int, int], int]]:
-    """Runs of consecutive K/V layers in `layers`: ((first, end), index of first in it)."""
-    runs: list[tuple[tuple[int, int], int]] = []
-    for at, layer in enumerate(layers):
-        if runs and runs[-1][0][1] == layer:
-            runs[-1] = ((runs[-1][0][0], layer + 1), runs[-1][1])
-        else:
-            runs.append(((layer, layer + 1), at))
-    return runs
-
-
 class SequenceKV:
     """One request in a DecodeCache: its bucket, its row there and its length so far."""
 
@@ -172,10 +161,9 @@ class DecodeCache:
         if len(set(windows) - {None}) > 1:
             raise ValueError(f"decode cache: one window for every sliding layer, got {windows}")
         self.window = max((w for w in windows if w is not None), default=None)
-        # K/V layer -> (in the ring?, its index among the layers of its tensor)
+        # K/V layer -> (in the ring?, its index in a bucket's list: kv's, or ring's)
         self.place = {layer: (layer in self.sliding, group.index(layer))
                       for group in (self.full, self.sliding) for layer in group}
-        self.full_runs, self.sliding_runs = layer_runs(self.full), layer_runs(self.sliding)
         self.shape = (len(self.full), kv_heads, head_dim)
         self.device, self.dtype = torch.device(device), dtype
         # the linear layers' states: a pool shared with whoever lands them, or its own

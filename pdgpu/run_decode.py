@@ -34,7 +34,7 @@ class RunDecoder:
         self.model, self.pool, self.page_tokens, self.chunk = model, pool, page_tokens, chunk
         self.device = model.inv_freq.device
         # the landed states where they landed, when the model can read them there
-        self.lent = pool.states is not None and pool.device == self.device
+        self.lent = pool.states is not None and pool.kv.device == self.device
         self.cache = DecodeCache.for_model(model, states=pool.states if self.lent else None)
         self.prefixes: dict[tuple[int, ...], Part] = {}  # prefix tokens -> its part
 

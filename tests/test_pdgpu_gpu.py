@@ -10,6 +10,7 @@ import torch
 
 from pdgpu.copier import measure_copy_bandwidth
 from pdgpu.engine import Engine
+from pdgpu.generate import generate
 from pdgpu.model import build_model
 from pdgpu.streams import CudaLane
 from pdgpu.workload import EngineConfig, Request
@@ -95,6 +96,22 @@ def test_cuda_export_only_lands_the_payload_exactly(mode, decoder):
     result = Engine(model, config).run([Request("r", (0,) * 500, 0)])
     assert result.metrics["bytes"] == TINY.geometry(16).region_bytes((0, TINY.layers), (0, 500))
     assert _check(result)
+
+
+@pytest.mark.parametrize("decoder", ["cpu", "cuda"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3.5"])
+def test_cuda_run_decodes_from_a_decoder_pool_on_either_device(preset, decoder):
+    """`pdgpu run` on CUDA decodes from what crossed, its decoder pool on the CPU (the slab
+    gathered there and copied across once, the state copied into the decode cache's own
+    slots) or on the model's GPU (gathered straight into the row, the state read where it
+    landed): the tokens equal `pdgpu generate`'s, with a prefix."""
+    model = build_model(load_model(preset), device="cuda", seed=0)
+    prompt = _tokens(150)
+    config = EngineConfig("chunk", chunk=32, device="cuda", decoder_device=decoder,
+                          output_tokens=5)
+    result = Engine(model, config).run([Request("r", prompt, 32)])
+    assert _check(result)
+    assert list(result.outcomes[0].tokens) == generate(model, list(prompt), 5, 32, prefix=32)
 
 
 def test_cuda_step_loop_never_synchronizes_the_host(monkeypatch):
