@@ -162,3 +162,14 @@ def test_ledger_path_bench_runs_its_lives_through_the_ledger():
     assert out.returncode == 0, out.stderr[-2000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["checks"] >= 20 * 8 and figures["per_life_us"] > 0
+
+
+def test_decode_memory_bench_times_joins_a_step_and_leaves():
+    """bench/decode_memory.py (docs/graph-step.md's side-by-side recipe) runs on `tiny`."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_memory.py"), "--model",
+                          "tiny", "--requests", "3", "--contexts", "8:300", "--steps", "2",
+                          "--repeats", "1", "--json"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(figures) == {"join_s", "step_s", "leave_s"} and min(figures.values()) > 0
