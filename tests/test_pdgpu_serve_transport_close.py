@@ -1,16 +1,20 @@
-"""A transport's close against the connects still in flight: a join waiting for a peer that
-never comes (a restarted producer stopped before it reached the rendezvous) ends with the
-close, and a first connect given up because a peer died leaves no connecting thread behind."""
+"""Closing against what is still in flight: a transport's join waiting for a peer that never
+comes (a restarted producer stopped before it reached the rendezvous) ends with the close, a
+first connect given up because a peer died leaves no connecting thread behind, and a
+producer's span sender waiting for a slot ends with its close."""
 
 from __future__ import annotations
 
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from wait_helpers import wait_for
 
+from pdgpu.serve.span_sender import SpanSender
 from pdgpu.serve.transport import GlooTransport, TransportError
 
 WAIT_S = 20.0  # the connect timeout: far longer than any of these tests waits
@@ -68,3 +72,17 @@ def test_a_peer_that_never_comes_fails_the_connect_within_its_timeout():
     with pytest.raises(TransportError, match="no peer came within 0.2 s"):
         end.connect(1, 0)
     end.close(wait_s=0.0, flush_s=0.0)
+
+
+def test_a_span_waiting_for_a_slot_ends_with_the_senders_close():
+    """Every slot taken (no ack will come) and a span queued: close() returns with the
+    sender's thread ended, not left polling for a slot."""
+    producer = SimpleNamespace(_send=None, transport=SimpleNamespace(staging=None),
+                               config=SimpleNamespace(max_pending=1), geometry=None,
+                               cache=None, device="cpu", bugs=None, now=time.perf_counter)
+    sender = SpanSender(producer)
+    assert sender.slots.acquire(timeout=1)  # the one slot, never given back
+    sender.outbox.put(("a job", "a region"))  # looked at only once a slot is free
+    wait_for(sender.outbox.empty)  # the thread took it: it waits for a slot now
+    sender.close()
+    assert not sender.thread.is_alive() and sender.error is None

@@ -26,6 +26,8 @@ from pdgpu.serve.faults import Fate
 from pdref.plan import Region
 
 DECODER = 0
+POLL_S = 0.02  # the thread's waits look at `stopping` and `closing` this often
+CLOSE_JOIN_S = 5.0  # most close() waits for the thread (it ends within a POLL_S once told)
 
 
 class SpanSender:
@@ -42,12 +44,16 @@ class SpanSender:
         self.stopping: deque[str] = deque()  # cancelled lives to say `stopped` for
         self.sids = itertools.count()
         self.error: Exception | None = None
+        self.closing = threading.Event()  # close(): a span waiting for a slot or a stall ends
         self.thread = threading.Thread(target=self._send_loop, daemon=True, name="pdgpu-sender")
         self.thread.start()
 
     def close(self) -> None:
+        """Stop the thread: it ends at its next wait (a span waiting for a slot, or a stalled
+        one, gives up); CLOSE_JOIN_S at most for it to get there."""
+        self.closing.set()
         self.outbox.put(None)
-        self.thread.join(timeout=1)
+        self.thread.join(timeout=CLOSE_JOIN_S)
 
     def state_of(self, job, region: Region) -> tuple[torch.Tensor, torch.Tensor]:
         """A state span's states in the life's slot (views): conv [ns, C, K-1], recurrent
@@ -61,7 +67,7 @@ class SpanSender:
             while True:
                 self.send_stops()
                 try:
-                    item = self.outbox.get(timeout=0.02)
+                    item = self.outbox.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
                 if item is None:
@@ -76,7 +82,9 @@ class SpanSender:
             self.send("stopped", handle=self.stopping.popleft())
 
     def _send_span(self, job, region: Region) -> None:
-        while not self.slots.acquire(timeout=0.02):  # a slot may wait for a `stopped`
+        while not self.slots.acquire(timeout=POLL_S):  # a slot may wait for a `stopped`
+            if self.closing.is_set():
+                return
             self.send_stops()
         if job.cancelled:
             self.slots.release()
@@ -88,7 +96,8 @@ class SpanSender:
         self.send("issue", handle=job.handle, sid=sid, layers=region.layers,
                    tokens=region.tokens, bytes=nbytes, **state)
         if fate is Fate.STALL:  # the writer hangs until the decoder cancels the life
-            job.stop.wait()
+            while not job.stop.wait(POLL_S) and not self.closing.is_set():
+                pass
             return  # nothing sent: its slot comes back when the life's `stopped` is acked
         if fate is Fate.FAIL:
             self.send("span", handle=job.handle, sid=sid, error="copy failed (injected)")
