@@ -10,8 +10,9 @@ think times and starts are pdsim's `SessionSpec` for the same options and `--see
 (pdsim/core/sessions.py), so `pdsim run --sessions ...` plays this very workload; the token
 ids are drawn here from the same seed.
 
-Each `--cache` setting (off; on: `--prefix-cache`) gets its own server (`pdgpu serve --http
-127.0.0.1:0`, a port of its own) and the same sessions, in the order given. Per setting:
+Each `--cache` setting (off: `--no-prefix-cache`; on: `--prefix-cache`; default: neither
+flag, which is on) gets its own server (`pdgpu serve --http 127.0.0.1:0`, a port of its
+own) and the same sessions, in the order given. Per setting:
 TTFT p50/p99 (send to first token), output tokens/s (from the first session's start to the
 last token), bytes handed off (the KV its spans carried: the trace's `issue` events), the
 decoder's hit rate (its reserves' prefixes over the prompt tokens, from the trace), the
@@ -50,8 +51,9 @@ from pdsim.core.workload_rules import WorkloadError
 from pdsim.fit.host_load import HostLoadMonitor, host_load_measurable
 
 # `pdgpu serve` flags of each cache setting: "on" is the producers' and the decoder's prefix
-# caches at their default budgets.
-CACHE_FLAGS: dict[str, tuple[str, ...]] = {"off": (), "on": ("--prefix-cache",)}
+# caches at their default budgets; "default" is no cache flag at all (on since issue 35).
+CACHE_FLAGS: dict[str, tuple[str, ...]] = {"off": ("--no-prefix-cache",),
+                                           "on": ("--prefix-cache",), "default": ()}
 HITS, QUERIES = "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"
 NAMES = ("requests", "ok", "errors", "ttft_p50_s", "ttft_p99_s", "tokens_per_s",
          "bytes_handed_off", "decoder_hit_rate", "prefix_cache_hit_rate", "cached_tokens",
@@ -86,7 +88,7 @@ def _parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--producers", type=int, default=1)
     p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--cache", default=",".join(CACHE_FLAGS),
+    p.add_argument("--cache", default="off,on",
                    help=f"comma-separated settings, each served in turn ({', '.join(CACHE_FLAGS)})")
     p.add_argument("--trace-dir", type=Path, help="keep each setting's trace here (<cache>.jsonl)")
     p.add_argument("--json", action="store_true")

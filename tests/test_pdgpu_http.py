@@ -341,7 +341,8 @@ def test_chat_without_a_template_is_400(tmp_path):
 
 
 def test_client_disconnect_cancels_and_frees_pages(server):
-    """A client that hangs up mid-stream cancels its request; its pages all come back."""
+    """A client that hangs up mid-stream cancels its request; its pages all come back (the
+    prefix cache's idle pages, on by default, are not in use)."""
     before = server.metrics()
     key = 'pdgpu_requests_total{"outcome": "cancelled"}'
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
@@ -468,18 +469,6 @@ def test_models_health_and_metrics(server):
     assert m['pdgpu_producers_serving{}'] == 1 and m['pdgpu_producer_deaths_total{}'] == 0
     assert m['pdgpu_live_check_violations_total{}'] == 0
     assert m['pdgpu_requests_total{"outcome": "rejected"}'] >= 0
-
-
-def test_without_the_cache_nothing_is_cached_or_counted(server):
-    """Without --prefix-cache a repeated prompt reports 0 cached tokens and vLLM's prefix
-    cache counters (shown, as vLLM shows them) count nothing."""
-    for _ in range(2):
-        got = server.client().completions.create(model=server.model_id, prompt=PROMPTS[1],
-                                                 max_tokens=2)
-        assert got.usage.prompt_tokens_details.cached_tokens == 0
-    m = server.metrics()
-    assert m["vllm:prefix_cache_queries_total{}"] == m["vllm:prefix_cache_hits_total{}"] == 0
-    assert m["pdgpu_decoder_prefix_cache_hits_total{}"] == 0
 
 
 def test_preset_token_ids_only_and_sigterm_drains(tmp_path):

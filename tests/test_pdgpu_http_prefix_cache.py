@@ -1,7 +1,7 @@
-"""`pdgpu serve --http --prefix-cache` (issue 35 item 3): `usage.prompt_tokens_details.
-cached_tokens` in both endpoints, streamed and not, and vLLM's prefix-cache counters on
-/metrics, each held against the trace's `computed.hit` (what the producer did not compute)
-and against `pdgpu generate`'s tokens."""
+"""`pdgpu serve --http` with its prefix cache, on by default (issue 35 item 3):
+`usage.prompt_tokens_details.cached_tokens` in both endpoints, streamed and not, and vLLM's
+prefix-cache counters on /metrics, each held against the trace's `computed.hit` (what the
+producer did not compute) and against `pdgpu generate`'s tokens; `--no-prefix-cache`: 0."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ CHAT = [{"role": "user", "content": " ".join(["the quick brown fox"] * 9)}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A server with the cache: a prompt twice, then streamed; a chat twice (requests h0..h4,
-    one at a time); its /metrics at the end; stopped, its trace checked."""
+    """A server with no cache option (the cache on by default): a prompt twice, then
+    streamed; a chat twice (requests h0..h4, one at a time); its /metrics at the end;
+    stopped, its trace checked."""
     tmp = tmp_path_factory.mktemp("http-cache")
     folder = write_sensitive_checkpoint(tmp / "ckpt")
     write_tokenizer(folder, vocab=256)
-    srv = Server(tmp, str(folder), "--http-max-prompt", "96", "--prefix-cache")
+    srv = Server(tmp, str(folder), "--http-max-prompt", "96")
     try:
         client, model = srv.client(), srv.model_id
         got = [client.completions.create(model=model, prompt=PROMPT, max_tokens=6)
@@ -91,3 +92,19 @@ def test_metrics_count_prompts_queried_and_tokens_cached(served):
     prefixes = [json.loads(line)["prefix"] for line in srv.trace.read_text().splitlines()[1:]
                 if '"kind":"reserve"' in line]
     assert metrics["pdgpu_decoder_prefix_cache_hits_total{}"] == sum(prefixes) > 0
+
+
+def test_without_the_cache_nothing_is_cached_or_counted(tmp_path):
+    """`--no-prefix-cache`: a repeated prompt reports 0 cached tokens and vLLM's prefix cache
+    counters (shown, as vLLM shows them) count nothing."""
+    srv = Server(tmp_path, "tiny", "--http-max-prompt", "64", "--no-prefix-cache")
+    try:
+        for _ in range(2):
+            got = srv.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+            assert got.usage.prompt_tokens_details.cached_tokens == 0
+        metrics = srv.metrics()
+    finally:
+        code, values = srv.stop()
+    assert code == 143 and values["prefix_cache"] is False
+    assert counters(metrics) == (0, 0) and metrics["pdgpu_decoder_prefix_cache_hits_total{}"] == 0
+    assert metrics["pdgpu_pool_pages_cached{}"] == 0

@@ -33,7 +33,8 @@ def test_admission_copies_the_context_once_into_decode_memory(tmp_path, monkeypa
     shared = 0 if prefix == "no-prefix" else 16  # leading tokens both prompts share
     fixed = shared if prefix == "prefix" else 0
     prompts = drawn_prompts(tmp_path / "p.jsonl", 2, LENGTHS, 256, shared, 3)
-    args = ["--prefix-cache"] if prefix == "prefix-cache" else ["--prefix", str(fixed)]
+    args = {"no-prefix": ["--no-prefix-cache"], "prefix": ["--prefix", str(fixed)],
+            "prefix-cache": []}[prefix]  # the cache: on by default
     code, results, trace = serve(
         tmp_path, "--model", preset, "--prompts", str(tmp_path / "p.jsonl"), "--chunk",
         str(CHUNK), "--concurrency", "1", *args)

@@ -131,11 +131,12 @@ def test_faults_never_cache_a_page_with_wrong_bytes(tmp_path, capsys, checkpoint
 
 
 def test_decoder_cache_pages_needs_the_cache(tmp_path, capsys):
-    """--decoder-cache-pages without --prefix-cache: one line, exit 2."""
+    """--decoder-cache-pages with --no-prefix-cache: one line, exit 2."""
     from pdgpu.cli import main
-    assert main(["serve", "--requests", "2", "--no-progress", "--decoder-cache-pages", "4"]) == 2
+    assert main(["serve", "--requests", "2", "--no-progress", "--no-prefix-cache",
+                 "--decoder-cache-pages", "4"]) == 2
     err = capsys.readouterr().err
-    assert "decoder-cache-pages: needs --prefix-cache" in err and "Traceback" not in err
+    assert "decoder-cache-pages: needs the prefix cache" in err and err.count("\n") == 1
 
 
 def test_a_waiting_request_is_hashed_once_however_many_turns_it_waits(tmp_path, capsys,

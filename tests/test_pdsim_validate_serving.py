@@ -59,13 +59,14 @@ def test_drawn_prompts_are_seeded_and_in_range():
 
 def test_serve_argv_carries_every_setting(tmp_path):
     """The engine command names the point's prompts, loop, producers, mode, chunk and pacing
-    (pacing only when the point is paced)."""
+    (pacing only when the point is paced), and no prefix cache (the simulator plays none)."""
     point = ServePoint(3, (8, 16), 4, producers=2, mode="layer", link_gbps=0.05, chunk=32)
     argv = serve_argv(point, "tiny", tmp_path / "p.jsonl", tmp_path / "t.jsonl")
     pairs = dict(zip(argv, argv[1:], strict=False))
     assert pairs["--prompts"] == str(tmp_path / "p.jsonl")
     assert (pairs["--concurrency"], pairs["--producers"], pairs["--mode"],
             pairs["--chunk"], pairs["--link-gbps"]) == ("3", "2", "layer", "32", "0.05")
+    assert "--no-prefix-cache" in argv
     assert "--link-gbps" not in serve_argv(ServePoint(1, (8, 16), 4), "tiny",
                                            tmp_path / "p", tmp_path / "t")
 

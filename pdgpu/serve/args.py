@@ -23,11 +23,14 @@ def add_parsers(sub) -> None:
     prompt.add_argument("--tokens", help="prompt token ids, comma separated")
     prompt.add_argument("--prompts", help='JSONL: {"req", "tokens", "output_tokens"} per line, '
                         "generated one after another")
-    gen.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
+    gen.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                      help="with --prompts: through one producer's prefix cache (the tokens "
-                     "must not change; it prints the prompt tokens computed)")
+                     "do not change; it prints the prompt tokens computed). Default: on with "
+                     "--prompts, off where it cannot apply (--tokens, --prefix); "
+                     "--no-prefix-cache: off")
     gen.add_argument("--prefix-cache-pages", type=_int(1), metavar="N",
-                     help="the cache's budget in pages (default: four of the longest prompt's)")
+                     help="the cache's budget in pages (default: four of the longest prompt's, "
+                     "room for a few conversations' prefixes)")
     gen.add_argument("--output-tokens", type=_int(1), default=8, help="tokens to generate")
     gen.add_argument("--prefix", type=_int(0), default=0,
                      help="prefill the first P tokens as their own chunks (like a prefix cache)")
@@ -113,15 +116,21 @@ def _serve_args(p) -> None:
     p.add_argument("--eos-token", type=_int(0),
                    help="a request also ends after this token (default: none)")
     p.add_argument("--prefix", type=_int(0), default=0, help="shared prompt prefix tokens")
-    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="each producer caches whole pages of the prompts it computed and skips "
                    "computing them for a later request with the same leading tokens, and the "
-                   "decoder keeps whole pages of its pool that need not cross again (default: "
-                   "off; not with --prefix, nor in layer mode for a model with linear layers)")
+                   "decoder keeps whole pages of its pool that need not cross again; tokens "
+                   "are unchanged. Default: on where it applies, off (said in the summary and "
+                   "the trace header) with --prefix and in layer mode for a model with linear "
+                   "layers, where --prefix-cache is refused; --no-prefix-cache: off")
     p.add_argument("--prefix-cache-pages", type=_int(1), metavar="N", help="each producer's "
-                   "cache budget in pages (default: four of the longest prompt's pages)")
+                   "cache budget in pages of its source cache (default: four of the longest "
+                   "prompt's pages: a few conversations' prefixes, for the memory of two more "
+                   "requests in flight)")
     p.add_argument("--decoder-cache-pages", type=_int(1), metavar="N", help="the decoder's "
-                   "cache budget in pages of its pool (default: the pool's pages)")
+                   "cache budget in pages of its pool (default: the pool's pages: it keeps "
+                   "only pages no request holds and gives them back when a request needs "
+                   "room, so it costs no memory)")
     p.add_argument("--prompts", help='JSONL: {"req", "tokens", "output_tokens"} per line')
     p.add_argument("--results", help="write one JSON line per request here")
     p.add_argument("--trace", help="write the run's version-2 trace here")

@@ -5,6 +5,7 @@ Both callers import this module; it imports neither of them."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from pdgpu.decode_graph import graph_problem
@@ -149,25 +150,53 @@ def serve_config(args, workload: Workload, faults: FaultSpec) -> ServeConfig:
         source_pages=prefix_pages + 2 * (spec_pages - prefix_pages) + cache_pages,
         threads=args.threads, faults=faults, beat_s=args.heartbeat_timeout / 4,
         cuda_graphs=args.cuda_graphs, prefix_cache_pages=cache_pages,
-        decoder_cache_pages=(args.decoder_cache_pages or pool_pages) if cache_pages else 0)
+        decoder_cache_pages=(args.decoder_cache_pages or pool_pages) if cache_pages else 0,
+        prefix_cache_off=cache_off(args, cache_pages))
 
 
 def prefix_cache_pages(args, spec_pages: int) -> int:
     """Each producer's prefix-cache budget (0: off), checked: a WorkloadError names what
-    makes no sense with it."""
-    if not args.prefix_cache:
-        for flag in ("prefix_cache_pages", "decoder_cache_pages"):
+    makes no sense with it. The cache is on by default where it applies; where it cannot
+    (`cache_misfit`), the default is off and an explicit `--prefix-cache` is refused."""
+    asked = args.prefix_cache or any(getattr(args, flag, None) is not None for flag in BUDGETS)
+    if args.prefix_cache is False:
+        for flag in BUDGETS:
             if getattr(args, flag, None) is not None:  # (generate has no decoder)
-                raise WorkloadError(f"{flag.replace('_', '-')}: needs --prefix-cache")
+                raise WorkloadError(f"{flag.replace('_', '-')}: needs the prefix cache "
+                                    "(not with --no-prefix-cache)")
         return 0
+    misfit = cache_misfit(args)
+    if misfit is not None and asked:
+        raise WorkloadError(f"prefix-cache: refused {misfit}")
+    if misfit is not None:
+        if args.prefix:  # the default gives way to the fixed prefix asked for, said so
+            print(f"pdgpu: note: prefix cache off with --prefix {args.prefix} (its fixed "
+                  "prefix is warmed instead; --no-prefix-cache silences this)", file=sys.stderr)
+        return 0
+    return args.prefix_cache_pages or 4 * spec_pages
+
+
+BUDGETS = ("prefix_cache_pages", "decoder_cache_pages")
+
+
+def cache_misfit(args) -> str | None:
+    """Why the prefix cache cannot serve this run (completing "refused ..."), or None."""
     if args.prefix:
-        raise WorkloadError("prefix-cache: refused with --prefix (the cache finds shared "
-                            "prefixes itself)")
+        return "with --prefix (the cache finds shared prefixes itself)"
     kinds = handoff_geometry(model_spec(args.model, args.dtype), 1).kinds or ()
     if any(k.kind == LINEAR for k in kinds) and getattr(args, "mode", "chunk") == "layer":
-        raise WorkloadError("prefix-cache: refused in layer mode for a model with linear "
-                            "layers (their state is kept between chunks, not layers)")
-    return args.prefix_cache_pages or 4 * spec_pages
+        return ("in layer mode for a model with linear layers (their state is kept between "
+                "chunks, not layers)")
+    return None
+
+
+def cache_off(args, cache_pages: int) -> str | None:
+    """Why this run's prefix cache is off (None: on), for the summary and trace header."""
+    if cache_pages:
+        return None
+    if args.prefix_cache is False:
+        return "--no-prefix-cache"
+    return f"not available {cache_misfit(args)}"
 
 
 def check_eos(eos: int | None, vocab: int) -> None:

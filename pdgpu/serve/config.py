@@ -47,6 +47,7 @@ class ServeConfig:
     cuda_graphs: str = "auto"  # the decoder's step: auto, on, off (decode_graph.py)
     prefix_cache_pages: int = 0  # each producer's automatic prefix cache (0: off)
     decoder_cache_pages: int = 0  # the decoder's, in pages of its pool (0: off)
+    prefix_cache_off: str | None = None  # why both are off (the header says it)
 
     @property
     def prefix(self) -> int:

@@ -1,6 +1,7 @@
 """`pdgpu generate --prompts FILE`: the reference for several prompts, one after another,
-and with `--prefix-cache` through one producer's automatic prefix cache (generate_cached):
-its tokens must be those without the cache, and it says how many prompt tokens it computed.
+through one producer's automatic prefix cache (generate_cached; on by default, off with
+`--no-prefix-cache` or `--prefix`): its tokens must be those without the cache, and it says
+how many prompt tokens it computed and whether the cache was on.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from pdgpu.serve.command import prefix_cache_pages
+from pdgpu.serve.command import cache_off, prefix_cache_pages
 from pdgpu.serve.workload import check_vocab, read_prompts, shared_prefix
 from pdgpu.workload import WorkloadError
 from pdref.models import context_error
@@ -51,6 +52,7 @@ def generate_all(model, requests, args, budget: int, sampling, forward) -> dict:
         computed = sum(len(p) - args.prefix for p in prompts)
     return {"outputs": {r.req: out for r, out in zip(requests, outputs, strict=True)},
             "prompt_tokens": sum(map(len, prompts)), "computed_tokens": computed,
+            "prefix_cache": budget > 0, "prefix_cache_off": cache_off(args, budget),
             "wall_s": time.perf_counter() - start}
 
 
@@ -60,4 +62,6 @@ def print_all(values: dict, as_json: bool) -> None:
         return
     for req, out in values["outputs"].items():
         print(f"{req}: " + " ".join(map(str, out)))
-    print(f"prompt tokens computed: {values['computed_tokens']} of {values['prompt_tokens']}")
+    cache = "on" if values["prefix_cache"] else f"off: {values['prefix_cache_off']}"
+    print(f"prompt tokens computed: {values['computed_tokens']} of {values['prompt_tokens']} "
+          f"(prefix cache {cache})")

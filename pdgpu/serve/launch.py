@@ -173,9 +173,12 @@ def _header(config: ServeConfig, spec, producers: int, lanes: dict[int, str],
         extra["cuda_graphs"] = graphs
     if config.link_gbps is not None:
         extra["link_gbps"] = config.link_gbps
+    extra["prefix_cache"] = config.prefix_cache_pages > 0  # on by default where it applies
     if config.prefix_cache_pages:
         extra["prefix_cache_pages"] = config.prefix_cache_pages
         extra["decoder_cache_pages"] = config.decoder_cache_pages
+    elif config.prefix_cache_off is not None:
+        extra["prefix_cache_off"] = config.prefix_cache_off
     geometry = handoff_geometry(spec, config.page_tokens)
     version = {"version": ev.CACHE_VERSION} if config.prefix_cache_pages else {}
     return ev.Header("pdgpu serve", config.mode, geometry, config.pool_pages,

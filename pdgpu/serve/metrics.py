@@ -29,7 +29,10 @@ class ServeMetrics:
         self.handoff = Histogram("pdgpu_handoff_seconds", "Slab reserved to admission",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.pages = Gauge("pdgpu_pool_pages_in_use", "Decoder pool pages not free "
-                           "(held or quarantined)", registry=r)
+                           "(held or quarantined; idle prefix-cache pages, which a request "
+                           "takes when it needs room, are not counted)", registry=r)
+        self.cached = Gauge("pdgpu_pool_pages_cached", "Decoder pool pages in its prefix "
+                            "cache (held by a request or idle)", registry=r)
         self.pool = Gauge("pdgpu_pool_pages", "Decoder pool pages in all", registry=r)
         self.spans = Gauge("pdgpu_spans_in_flight", "Spans issued, not landed or fenced",
                            registry=r)
@@ -86,8 +89,10 @@ class ServeMetrics:
 
     def sample(self, decoder, in_system: int) -> None:
         """The gauges, from the decoder's state (its own thread, once a turn)."""
-        ledger, members = decoder.ledger, decoder.members
-        self.pages.set(ledger.used_pages)
+        ledger, members, cache = decoder.ledger, decoder.members, decoder.prefix_cache
+        idle = 0 if cache is None else len(cache.index.idle())
+        self.pages.set(ledger.used_pages - idle)
+        self.cached.set(0 if cache is None else len(cache.index))
         self.pool.set(ledger.header.pool_pages)
         self.spans.set(sum(1 for life in decoder.lives.values()
                            for span in life.spans.values() if span is not None))

@@ -106,9 +106,17 @@ def summary(decoder: Decoder, ledger: Ledger, wall_s: float) -> dict:
         "kv_bytes_by_lane": _received(decoder),  # which lane carried the bytes, measured
         "verify_s": ledger.kv_landing.verify_s,  # the decoder's seconds checking landed bytes
         "decode_graph_captures": _captures(decoder),
+        **_cache_state(dict(ledger.header.extra)),
         **_decoder_cache(decoder),
         **ledger.check_metrics(wall_s),  # live checks' share of wall, the audit's lag
     }
+
+
+def _cache_state(header: dict) -> dict:
+    """Whether the run's prefix caches were on, and why not where the header says."""
+    why = header.get("prefix_cache_off")
+    return {"prefix_cache": header.get("prefix_cache"),
+            **({} if why is None else {"prefix_cache_off": why})}
 
 
 def _decoder_cache(decoder: Decoder) -> dict:

@@ -111,7 +111,8 @@ def serve_argv(point: ServePoint, model: str, prompts: Path, trace: Path,
     argv = [sys.executable, "-m", "pdgpu", "serve", "--model", model, "--prompts", str(prompts),
             "--concurrency", str(point.concurrency), "--producers", str(point.producers),
             "--mode", point.mode, "--chunk", str(point.chunk), "--seed", str(point.seed),
-            "--trace", str(trace), "--json", "--no-progress"]
+            "--trace", str(trace), "--json", "--no-progress",
+            "--no-prefix-cache"]  # a point is simulated without one (pdsim run's default)
     return argv + pacing_and_device(point.link_gbps, device)
 
 
