@@ -125,8 +125,8 @@ def _serve_args(p) -> None:
                    "layers, where --prefix-cache is refused; --no-prefix-cache: off")
     p.add_argument("--prefix-cache-pages", type=_int(1), metavar="N", help="each producer's "
                    "cache budget in pages of its source cache (default: four of the longest "
-                   "prompt's pages: a few conversations' prefixes, for the memory of two more "
-                   "requests in flight)")
+                   "prompt's pages, beside the room for two requests in flight: a few "
+                   "conversations' or system prompts' prefixes)")
     p.add_argument("--decoder-cache-pages", type=_int(1), metavar="N", help="the decoder's "
                    "cache budget in pages of its pool (default: the pool's pages: it keeps "
                    "only pages no request holds and gives them back when a request needs "
