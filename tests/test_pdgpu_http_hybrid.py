@@ -56,7 +56,8 @@ def write_family_tokenizer(folder: Path, family: str, vocab: int = 256) -> None:
 def test_both_hybrids_serve_chat_and_text_with_their_templates(tmp_path, family):
     """Chat renders the family's template (Gemma's BOS and turns, Qwen's ChatML), text is
     tokenized as is: the served tokens are generate's on those ids, up to the tokenizer's
-    end of turn; the trace is legal v3 and nothing leaks."""
+    end of turn; the trace is legal v4 (its kinds, and the prefix cache on by default) and
+    nothing leaks."""
     folder = Path(save_sensitive(tmp_path / family, family))
     write_family_tokenizer(folder, family)
     from tokenizers import Tokenizer
@@ -81,4 +82,5 @@ def test_both_hybrids_serve_chat_and_text_with_their_templates(tmp_path, family)
     assert code == 143 and values["leaked_pages"] == 0, (code, values)
     lines = srv.trace.read_bytes().splitlines()
     trace_ok(lines)
-    assert json.loads(lines[0])["version"] == 3
+    header = json.loads(lines[0])
+    assert header["version"] == 4 and header["prefix_cache"] and header["geometry"]["kinds"]

@@ -126,11 +126,12 @@ def _serve(tmp_path, folder: str, lengths, prefix: int, out: int, *args: str):
 def test_served_tokens_equal_generate_and_transformers(tmp_path, models, family, mode, lane,
                                                        prefix):
     """Two producers, prompts 7..300 in chunks of 32, every KV lane: tokens equal generate's
-    and transformers'; the trace is legal v3 with the contract's bytes; a Qwen3.5 life's
-    state crosses once per run of linear layers, a Gemma 3 sliding layer's window only."""
+    and transformers'; the trace is legal v3 with the contract's bytes (no prefix cache: v4
+    with it); a Qwen3.5 life's state crosses once per run of linear layers, a Gemma 3
+    sliding layer's window only."""
     folder = models(family)
     prompts, results, trace = _serve(tmp_path, folder, (7 + prefix, 150, 300), prefix, 6,
-                                     "--mode", mode, "--kv-lane", lane)
+                                     "--mode", mode, "--kv-lane", lane, "--no-prefix-cache")
     assert _assert_tokens(folder, prompts, results, prefix) >= 6
     header = json.loads(trace[0])
     assert header["version"] == 3 and header["transport"] == lane

@@ -128,9 +128,9 @@ def _serve_args(p) -> None:
                    "prompt's pages, beside the room for two requests in flight: a few "
                    "conversations' or system prompts' prefixes)")
     p.add_argument("--decoder-cache-pages", type=_int(1), metavar="N", help="the decoder's "
-                   "cache budget in pages of its pool (default: the pool's pages: it keeps "
-                   "only pages no request holds and gives them back when a request needs "
-                   "room, so it costs no memory)")
+                   "cache budget in pages of its pool (default: the pool's pages: idle cached "
+                   "pages go back to the pool when a request needs room, so the cache takes "
+                   "no memory a request would get)")
     p.add_argument("--prompts", help='JSONL: {"req", "tokens", "output_tokens"} per line')
     p.add_argument("--results", help="write one JSON line per request here")
     p.add_argument("--trace", help="write the run's version-2 trace here")
