@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import queue
 import threading
 import time
@@ -11,6 +10,7 @@ from contextlib import contextmanager
 import attrs
 import pytest
 import torch
+from timing_helpers import no_gc_pauses
 
 from pdgpu.decoder_pool import DecoderPool
 from pdgpu.engine import Engine, EngineError
@@ -190,20 +190,6 @@ def test_metrics_report_engine_figures():
     assert 0 < m["check_s"] < m["wall_s"]
     assert m["prefill_s"] <= m["handoff_s"] and m["tail_s"] >= 0
     assert all(m[k] > 0 for k in ("gather_s", "d2h_s", "h2d_s", "copy_s"))
-
-
-@contextmanager
-def no_gc_pauses():
-    """Python's cyclic collector off while runs are timed against a paced link: in the whole
-    suite's process (300k+ objects once torch is in) one full collection took 0.3 to 2 s at
-    load 16 (gc.callbacks, 2026-12-05), stopping every thread, against tails of tens of ms."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def test_copy_bound_link_sets_handoff_and_max_pending_bounds_the_tail():
