@@ -8,9 +8,12 @@ page budget. `PrefixCaches` plays the rules for a Sim:
   life's `prefix` and its reserve's `hit`; it evicts idle pages (LRU) when the pool lacks
   room for a slab; after admission it puts the slab's whole pages whose content it lacks
   into its cache (`cache`), within its budget;
-- the producer looks up its own pages of the rest: a `computed` with `hit`; it computes
-  only what follows them, and its cached pages are copy sources of one span; after the
-  prefill it puts the pages it computed into its cache (`cache` with `producer`);
+- the producer looks up its own leading pages of the prompt when it takes the life (P
+  tokens, a `computed` over [0, P) with `hit`) and computes [P, prompt), the tokens the
+  decoder holds included (attention needs their KV on the producer; only their transfer is
+  skipped: it sends [prefix, prompt), as pdgpu serve's producer does); a span over its hit
+  copies from those pages; after the prefill it puts the pages it computed into its cache
+  (`cache` with `producer`);
 - a request lets go of its producer pages at its `reuse`, of its decoder pages at its end.
 At least one prompt token is always computed (the first output token needs it), so a hit
 stops one token short of a whole-page prompt. Output tokens are decoded into the decoder's
