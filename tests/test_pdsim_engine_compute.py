@@ -68,6 +68,7 @@ def _simulated(mode: str, prompts: list[int], pool_pages: int) -> dict:
     return _lives(e for e in simulate(cfg, requests).protocol if hasattr(e, "req"))
 
 
+@pytest.mark.timeout(360)  # a hang guard, not a clock: 17 s (the first) at load 10
 @pytest.mark.parametrize("mode", ["chunk", "layer"])
 def test_pdsim_computes_caches_and_sends_what_the_engine_does(tmp_path, capsys, mode):
     """Life by life the decoder's prefix, the producer's hit, the regions computed (the
