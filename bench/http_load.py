@@ -136,8 +136,9 @@ def run_http(args, requests, arrivals) -> tuple[dict, dict]:
     try:
         port = _port(proc)
         base = f"http://127.0.0.1:{port}"
-        while httpx.get(f"{base}/health").status_code != 200:
-            time.sleep(0.1)
+        with httpx.Client() as http:  # one client: a new one loads the CA bundle each poll
+            while http.get(f"{base}/health").status_code != 200:
+                time.sleep(0.1)
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         results, t0 = asyncio.run(_load(f"{base}/v1/completions", model, requests, arrivals))
         proc.send_signal(signal.SIGTERM)

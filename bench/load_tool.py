@@ -96,8 +96,9 @@ class Server:
         if self.port is None:
             raise SystemExit(f"load_tool: the server did not start ({self.proc.poll()})")
         self.url = f"http://127.0.0.1:{self.port}"
-        while httpx.get(f"{self.url}/health").status_code != 200:
-            time.sleep(0.2)
+        with httpx.Client() as http:  # one client: a new one loads the CA bundle each poll
+            while http.get(f"{self.url}/health").status_code != 200:
+                time.sleep(0.2)
 
     def stop(self) -> dict:
         self.proc.terminate()

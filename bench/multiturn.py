@@ -226,8 +226,9 @@ class Server:
             raise SystemExit(f"multiturn: pdgpu serve did not start (exit "
                              f"{self.proc.returncode}): {''.join(self.stderr[-3:])}")
         self.url = f"http://127.0.0.1:{self.port}"
-        while httpx.get(f"{self.url}/health").status_code != 200:
-            time.sleep(0.1)
+        with httpx.Client() as http:  # one client: a new one loads the CA bundle each poll
+            while http.get(f"{self.url}/health").status_code != 200:
+                time.sleep(0.1)
 
     def _read(self, found: threading.Event) -> None:
         for line in self.proc.stderr:

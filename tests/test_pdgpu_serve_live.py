@@ -131,7 +131,8 @@ def test_an_http_server_is_readable_while_it_serves_and_a_signal_drains_it(tmp_p
     run = Run(tmp_path, "--http", "127.0.0.1:0", "--http-max-prompt", "32")
     try:
         port = _port(run)
-        wait_until(lambda: _healthy(httpx, port), "the server serves")
+        with httpx.Client() as http:  # one client: a new one loads the CA bundle each poll
+            wait_until(lambda: _healthy(httpx, http, port), "the server serves")
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                             json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3})
         assert answer.status_code == 200
@@ -157,8 +158,8 @@ def _port(run: Run) -> int:
     return int(found[0])
 
 
-def _healthy(httpx, port: int) -> bool:
+def _healthy(httpx, http, port: int) -> bool:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        return http.get(f"http://127.0.0.1:{port}/health").status_code == 200
     except httpx.HTTPError:
         return False
