@@ -30,7 +30,8 @@ def add_parsers(sub) -> None:
                      "--no-prefix-cache: off")
     gen.add_argument("--prefix-cache-pages", type=_int(1), metavar="N",
                      help="the cache's budget in pages (default: four of the longest prompt's, "
-                     "room for a few conversations' prefixes)")
+                     "room for a few conversations' prefixes; a hybrid's state snapshot counts "
+                     "as the pages its bytes fill)")
     gen.add_argument("--output-tokens", type=_int(1), default=8, help="tokens to generate")
     gen.add_argument("--prefix", type=_int(0), default=0,
                      help="prefill the first P tokens as their own chunks (like a prefix cache)")
@@ -126,7 +127,8 @@ def _serve_args(p) -> None:
     p.add_argument("--prefix-cache-pages", type=_int(1), metavar="N", help="each producer's "
                    "cache budget in pages of its source cache (default: four of the longest "
                    "prompt's pages, beside the room for two requests in flight: a few "
-                   "conversations' or system prompts' prefixes)")
+                   "conversations' or system prompts' prefixes; a hybrid's state snapshot "
+                   "counts as the pages its bytes fill)")
     p.add_argument("--decoder-cache-pages", type=_int(1), metavar="N", help="the decoder's "
                    "cache budget in pages of its pool (default: the pool's pages: idle cached "
                    "pages go back to the pool when a request needs room, so the cache takes "
