@@ -196,7 +196,8 @@ def test_copy_bound_link_sets_handoff_and_max_pending_bounds_the_tail():
     """Copy-bound, each direction paced: handoff >= bytes/link; whole's tail is its d2h then
     its h2d; chunk's spans pipeline, so its tail is at most max_pending + 1 span-times of one
     direction (the producer blocked), far below whole's, and grows with the chunk size."""
-    link = 0.0004  # GB/s: a 16-token tiny span (8 KiB) takes ~20 ms, compute ~1 ms a chunk
+    link = 0.0001  # GB/s: a 16-token tiny span (8 KiB) takes ~80 ms, compute ~1 ms a chunk
+    # (slow enough that a loaded machine's scheduling delays stay well under a span-time)
     request = [Request("r", _tokens(128), 0)]
     with no_gc_pauses():
         runs = {m: _run(m, request, chunk=16, max_pending=2, link_gbps=link).metrics
